@@ -1,0 +1,81 @@
+"""The package's error types.
+
+Every failure a user can cause (bad files, bad layouts, bad configuration) surfaces as a
+``ReshardError`` subclass whose message is one line naming the file, rank or parameter at fault
+and what was expected. Entry points print ``str(err)`` and exit non-zero; tracebacks are for bugs.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+class ReshardError(Exception):
+    """Base class of every error this package raises on purpose."""
+
+    exit_code = 2
+
+
+class FormatError(ReshardError):
+    """A file is not what its name or caller says it is (corrupt, truncated, wrong kind)."""
+
+    def __init__(self, path: str | os.PathLike | None, problem: str):
+        self.path = None if path is None else os.fspath(path)
+        self.problem = problem
+        where = f"{self.path}: " if self.path else ""
+        super().__init__(f"{where}{problem}")
+
+
+class CheckpointFormatError(FormatError):
+    """A `.ckpt` file cannot be read as MindSpore's checkpoint format."""
+
+
+class SafetensorsFormatError(FormatError):
+    """A `.safetensors` file cannot be read."""
+
+
+class StrategyFormatError(FormatError):
+    """A strategy file is neither valid protobuf nor valid JSON (or is empty)."""
+
+
+class LayoutError(ReshardError):
+    """A parameter's layout is inconsistent (bad tensor map, indivisible shape, unknown axis)."""
+
+
+class PlanError(ReshardError):
+    """Sources, strategies and targets do not fit together (missing ranks, shape mismatches)."""
+
+
+class MissingRankError(PlanError):
+    """Source rank files that the plan needs are absent."""
+
+    def __init__(self, missing: dict[int, list[int]], where: str = ""):
+        self.missing = dict(sorted(missing.items()))
+        parts = [
+            f"rank {src} (needed by target rank{'s' if len(dst) > 1 else ''} {_ranges(dst)})"
+            for src, dst in self.missing.items()
+        ]
+        loc = f" in {where}" if where else ""
+        super().__init__(f"missing source checkpoint{'s' if len(parts) > 1 else ''}{loc}: " + "; ".join(parts))
+
+
+class ConfigError(ReshardError):
+    """The job configuration is invalid (unknown preset, missing path, contradicting keys)."""
+
+
+class OutputError(ReshardError):
+    """The output location cannot be used (not writable, holds foreign files, locked by another job)."""
+
+
+def _ranges(values: list[int]) -> str:
+    """Render sorted ints compactly: [0,1,2,5] -> '0-2, 5'."""
+    out: list[str] = []
+    vals = sorted(set(values))
+    i = 0
+    while i < len(vals):
+        j = i
+        while j + 1 < len(vals) and vals[j + 1] == vals[j] + 1:
+            j += 1
+        out.append(str(vals[i]) if i == j else f"{vals[i]}-{vals[j]}")
+        i = j + 1
+    return ", ".join(out)

@@ -1,0 +1,364 @@
+"""MindSpore parallel-strategy files: protobuf (``ParallelStrategyMap``) and JSON, read and written,
+and the merge of per-stage pipeline strategy files.
+
+A file is JSON exactly when its name ends in ``.json`` (MindSpore's rule); anything else is
+protobuf. Reading yields a ``StrategyFile`` whose ``layouts`` keep the file's own keys (merged
+pipeline files prefix them with ``"<stage>-"``); the meaning of those keys (stages, shared
+parameters, devices per stage) is worked out by ``reshard_job.strategy``.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+from dataclasses import dataclass, field
+
+from ..errors import StrategyFormatError
+from . import schema
+from .atomic import write_bytes_atomic
+
+JSON_SUFFIX = ".json"
+FORMAT_PROTOBUF = "protobuf"
+FORMAT_JSON = "json"
+MERGED_KEY = re.compile(r"^(\d+)-(.+)$", re.S)
+
+AxisEntry = int | tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ParamLayout:
+    """One parameter's layout exactly as a strategy file records it."""
+
+    dev_matrix: tuple[int, ...]
+    tensor_map: tuple[AxisEntry, ...]  # ints (flat) or tuples of ints (multi-axis dims)
+    opt_shard_step: int = 0
+    opt_shard_size: int = 0
+    param_split_shape: tuple[int, ...] = ()
+    indices_offset: tuple[int, ...] = ()
+    field: int = 0
+    tensor_shape: tuple[int, ...] | None = None  # JSON only; informational
+
+    @property
+    def nested(self) -> bool:
+        return any(isinstance(e, tuple) for e in self.tensor_map)
+
+    def to_json_dict(self) -> dict:
+        d = {
+            "dev_matrix": list(self.dev_matrix),
+            "tensor_map": [list(e) if isinstance(e, tuple) else e for e in self.tensor_map],
+        }
+        if self.tensor_shape is not None:
+            d["tensor_shape"] = list(self.tensor_shape)
+        d["field"] = self.field
+        d["opt_weight_shard_step"] = self.opt_shard_step
+        d["opt_weight_shard_size"] = self.opt_shard_size
+        if self.param_split_shape or self.indices_offset:
+            d["param_split_shape"] = list(self.param_split_shape)
+            d["indices_offset"] = list(self.indices_offset)
+        return d
+
+
+@dataclass(frozen=True)
+class StrategyItem:
+    """An operator's entry (node name, pipeline stage, per-input shard factors)."""
+
+    node_name: str
+    stage: int
+    strategies: tuple[tuple[int, ...], ...] = ()
+
+
+@dataclass
+class StrategyFile:
+    layouts: dict[str, ParamLayout]
+    items: list[StrategyItem] = field(default_factory=list)
+    current_stage: int = 1
+    format: str = FORMAT_PROTOBUF
+    path: str | None = None
+
+    @property
+    def merged(self) -> bool:
+        """True for a merged pipeline file: every layout key carries a ``"<stage>-"`` prefix.
+
+        Names are split on the first ``-`` only, so parameter names that contain ``-`` work both in
+        merged and in plain files (MindSpore splits on every ``-`` and fails on such names).
+        """
+        return bool(self.layouts) and all(MERGED_KEY.match(k) for k in self.layouts) and self._prefixes_are_stages()
+
+    def _prefixes_are_stages(self) -> bool:
+        if not self.items:
+            return True
+        stages = {it.stage for it in self.items}
+        return {int(MERGED_KEY.match(k).group(1)) for k in self.layouts} <= stages
+
+    @property
+    def file_stage(self) -> int:
+        """The stage of an unmerged file: that of its first strategy item (0 without items)."""
+        return self.items[0].stage if self.items else 0
+
+
+def format_for(path: str | os.PathLike) -> str:
+    return FORMAT_JSON if os.fspath(path).endswith(JSON_SUFFIX) else FORMAT_PROTOBUF
+
+
+# ============================================================================================ read
+
+
+def read_strategy(path: str | os.PathLike) -> StrategyFile:
+    """Read a strategy file (JSON iff the name ends in ``.json``); errors name the file."""
+    path = os.fspath(path)
+    try:
+        with open(path, "rb") as f:  # read-only, never modified
+            data = f.read()
+    except FileNotFoundError:
+        raise StrategyFormatError(path, "strategy file not found") from None
+    except IsADirectoryError:
+        raise StrategyFormatError(path, "is a directory, expected a strategy file") from None
+    except OSError as e:
+        raise StrategyFormatError(path, f"cannot read strategy file ({e.strerror})") from None
+    if not data:
+        raise StrategyFormatError(path, "strategy file is empty (0 bytes)")
+    if format_for(path) == FORMAT_JSON:
+        sf = parse_json_strategy(data, path)
+    else:
+        sf = parse_protobuf_strategy(data, path)
+    sf.path = path
+    return sf
+
+
+def parse_protobuf_strategy(data: bytes, path: str | None = None) -> StrategyFile:
+    msg = schema.ParallelStrategyMap()
+    try:
+        msg.ParseFromString(data)
+    except Exception:
+        raise StrategyFormatError(
+            path,
+            "not a valid protobuf strategy file (a name that does not end in .json is read as protobuf)",
+        ) from None
+    if not msg.parallel_layout_item and not msg.parallel_strategy_item:
+        raise StrategyFormatError(path, "no parameter layouts or operator strategies: not a strategy file")
+    layouts: dict[str, ParamLayout] = {}
+    for item in msg.parallel_layout_item:
+        name = item.param_name
+        pl = item.parallel_layouts
+        if not pl.dev_matrix:
+            raise StrategyFormatError(path, f"parameter {name!r}: layout has no dev_matrix")
+        if not pl.tensor_map:
+            raise StrategyFormatError(path, f"parameter {name!r}: layout has no tensor_map")
+        maps = [tuple(t.dim) for t in pl.tensor_map]
+        if len(maps) == 1:
+            tensor_map: tuple = maps[0]
+        else:  # one TensorMap per dimension (multi-axis); the empty pad entry of 1-D tensors drops out
+            tensor_map = tuple(m for m in maps if m)
+        layouts[name] = ParamLayout(
+            dev_matrix=tuple(pl.dev_matrix[0].dim),
+            tensor_map=tensor_map,
+            opt_shard_step=int(pl.opt_weight_shard_step),
+            opt_shard_size=int(pl.opt_weight_shard_size),
+            param_split_shape=tuple(pl.param_split_shape[0].dim) if pl.param_split_shape else (),
+            indices_offset=tuple(pl.indices_offset[0].dim) if pl.indices_offset else (),
+            field=int(pl.field),
+        )
+    items = [
+        StrategyItem(
+            it.node_name,
+            int(it.parallel_strategys.stage),
+            tuple(tuple(s.dim) for s in it.parallel_strategys.parallel_strategy),
+        )
+        for it in msg.parallel_strategy_item
+    ]
+    return StrategyFile(layouts, items, int(msg.current_stage), FORMAT_PROTOBUF, path)
+
+
+def _int_list(value, path, what) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise StrategyFormatError(path, f"{what} must be a list of integers, got {value!r}")
+    return tuple(value)
+
+
+def parse_json_strategy(data: bytes, path: str | None = None) -> StrategyFile:
+    try:
+        obj = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise StrategyFormatError(path, f"not valid JSON ({e}); a name ending in .json is read as JSON") from None
+    if not isinstance(obj, dict):
+        raise StrategyFormatError(path, "JSON strategy must be an object with 'parallel_layout_item'")
+    raw_layouts = obj.get("parallel_layout_item", {})
+    raw_items = obj.get("parallel_strategy_item", {})
+    if not isinstance(raw_layouts, dict) or not isinstance(raw_items, dict):
+        raise StrategyFormatError(path, "'parallel_layout_item' and 'parallel_strategy_item' must be objects")
+    if not raw_layouts and not raw_items:
+        raise StrategyFormatError(path, "no parameter layouts or operator strategies: not a strategy file")
+    layouts: dict[str, ParamLayout] = {}
+    for name, d in raw_layouts.items():
+        where = f"parameter {name!r}"
+        if not isinstance(d, dict):
+            raise StrategyFormatError(path, f"{where}: layout must be an object")
+        for key in ("dev_matrix", "tensor_map", "field", "opt_weight_shard_step", "opt_weight_shard_size"):
+            if key not in d:
+                raise StrategyFormatError(path, f"{where}: layout lacks {key!r}")
+        tm = d["tensor_map"]
+        if not isinstance(tm, list):
+            raise StrategyFormatError(path, f"{where}: tensor_map must be a list")
+        entries: list = []
+        for e in tm:
+            if isinstance(e, list):
+                entries.append(_int_list(e, path, f"{where}: tensor_map entry"))
+            elif isinstance(e, int) and not isinstance(e, bool):
+                entries.append(e)
+            else:
+                raise StrategyFormatError(path, f"{where}: tensor_map entries must be integers, got {e!r}")
+        for key in ("field", "opt_weight_shard_step", "opt_weight_shard_size"):
+            if not isinstance(d[key], int) or isinstance(d[key], bool):
+                raise StrategyFormatError(path, f"{where}: {key} must be an integer, got {d[key]!r}")
+        layouts[name] = ParamLayout(
+            dev_matrix=_int_list(d["dev_matrix"], path, f"{where}: dev_matrix"),
+            tensor_map=tuple(entries),
+            opt_shard_step=d["opt_weight_shard_step"],
+            opt_shard_size=d["opt_weight_shard_size"],
+            param_split_shape=_int_list(d.get("param_split_shape", []), path, f"{where}: param_split_shape"),
+            indices_offset=_int_list(d.get("indices_offset", []), path, f"{where}: indices_offset"),
+            field=d["field"],
+            tensor_shape=_int_list(d["tensor_shape"], path, f"{where}: tensor_shape") if "tensor_shape" in d else None,
+        )
+    items = []
+    for node, d in raw_items.items():
+        if not isinstance(d, dict) or not isinstance(d.get("stage", 0), int):
+            raise StrategyFormatError(path, f"operator {node!r}: strategy item must be an object with an integer 'stage'")
+        strategies = d.get("parallel_strategy", [])
+        if not isinstance(strategies, list):
+            raise StrategyFormatError(path, f"operator {node!r}: parallel_strategy must be a list")
+        items.append(
+            StrategyItem(node, d.get("stage", 0), tuple(_int_list(s, path, f"operator {node!r}: strategy") for s in strategies))
+        )
+    stage = obj.get("current_stage", 1)
+    return StrategyFile(layouts, items, stage if isinstance(stage, int) else 1, FORMAT_JSON, path)
+
+
+# =========================================================================================== write
+
+
+def to_protobuf_bytes(sf: StrategyFile) -> bytes:
+    msg = schema.ParallelStrategyMap()
+    msg.current_stage = sf.current_stage
+    for it in sf.items:
+        item = msg.parallel_strategy_item.add()
+        item.node_name = it.node_name
+        item.parallel_strategys.stage = it.stage
+        for s in it.strategies:
+            item.parallel_strategys.parallel_strategy.add().dim.extend(s)
+        if not it.strategies:
+            item.parallel_strategys.SetInParent()
+    for name, lay in sf.layouts.items():
+        li = msg.parallel_layout_item.add()
+        li.param_name = name
+        pl = li.parallel_layouts
+        pl.dev_matrix.add().dim.extend(lay.dev_matrix)
+        if lay.nested:
+            for e in lay.tensor_map:
+                pl.tensor_map.add().dim.extend(e if isinstance(e, tuple) else (e,))
+            if len(lay.tensor_map) == 1:  # keeps the count above one so readers see the nested form
+                pl.tensor_map.add()
+        else:
+            pl.tensor_map.add().dim.extend(lay.tensor_map)
+        pl.param_split_shape.add().dim.extend(lay.param_split_shape)
+        pl.indices_offset.add().dim.extend(lay.indices_offset)
+        pl.field = lay.field
+        pl.opt_weight_shard_step = lay.opt_shard_step
+        pl.opt_weight_shard_size = lay.opt_shard_size
+    return msg.SerializeToString()
+
+
+def to_json_bytes(sf: StrategyFile) -> bytes:
+    obj = {
+        "current_stage": sf.current_stage,
+        "parallel_strategy_item": {
+            it.node_name: {"stage": it.stage, "parallel_strategy": [list(s) for s in it.strategies]} for it in sf.items
+        },
+        "parallel_layout_item": {name: lay.to_json_dict() for name, lay in sf.layouts.items()},
+    }
+    return json.dumps(obj).encode("utf-8")
+
+
+def write_strategy(sf: StrategyFile, path: str | os.PathLike, *, mode: int = 0o444) -> tuple[int, str]:
+    """Write atomically in the format the name implies; return (size, sha256)."""
+    path = os.fspath(path)
+    if format_for(path) == FORMAT_JSON:
+        if any(lay.nested for lay in sf.layouts.values()):
+            bad = next(n for n, lay in sf.layouts.items() if lay.nested)
+            raise StrategyFormatError(
+                path, f"parameter {bad!r} has a multi-axis tensor map, which JSON strategy files cannot carry; use a .ckpt name"
+            )
+        data = to_json_bytes(sf)
+    else:
+        data = to_protobuf_bytes(sf)
+    return write_bytes_atomic(path, data, mode=mode)
+
+
+# =========================================================================================== merge
+
+
+def merge_pipeline_strategies(src_strategy_dir: str | os.PathLike, dst_strategy_file: str | os.PathLike) -> str:
+    """Merge per-stage strategy files into one file with ``"<stage>-<name>"`` keys.
+
+    Deterministic, unlike MindSpore's (which follows the file system's listing order): stages are
+    merged in increasing order. Files of one stage must agree (all ranks of a stage write the same
+    layouts); files claiming the same stage with different layouts are an error, as is a gap in the
+    stages. The output has the inputs' format, and its name must say so.
+    """
+    src = os.fspath(src_strategy_dir)
+    dst = os.path.abspath(os.fspath(dst_strategy_file))
+    if not os.path.isdir(src):
+        raise StrategyFormatError(src, "pipeline strategy directory not found (expected a directory of per-stage files)")
+    ckpts = sorted(glob.glob(os.path.join(glob.escape(src), "*.ckpt")))
+    jsons = sorted(glob.glob(os.path.join(glob.escape(src), "*.json")))
+    if ckpts and jsons:
+        raise StrategyFormatError(src, "holds both .ckpt and .json strategy files; they must be all one format")
+    files = ckpts or jsons
+    if not files:
+        raise StrategyFormatError(src, "no strategy files (*.ckpt or *.json) in pipeline strategy directory")
+    fmt = FORMAT_PROTOBUF if ckpts else FORMAT_JSON
+    if format_for(dst) != fmt:
+        want = ".json" if fmt == FORMAT_JSON else "a name not ending in .json (e.g. .ckpt)"
+        raise StrategyFormatError(dst, f"the stage files are {fmt}, so the merged file needs {want}")
+    merged = merge_strategy_files([read_strategy(f) for f in files])
+    merged.format = fmt
+    write_strategy(merged, dst, mode=0o644)
+    return dst
+
+
+def merge_strategy_files(files: list[StrategyFile]) -> StrategyFile:
+    """Merge parsed per-stage files (pure): stage-prefixed layouts, stages in increasing order."""
+    by_stage: dict[int, StrategyFile] = {}
+    for sf in files:
+        if sf.merged:
+            raise StrategyFormatError(sf.path, "is already a merged pipeline strategy; pass the per-stage files only")
+        if not sf.items:
+            raise StrategyFormatError(sf.path, "has no operator strategy items, so its pipeline stage is unknown")
+        stage = sf.file_stage
+        seen = by_stage.get(stage)
+        if seen is None:
+            by_stage[stage] = sf
+        elif seen.layouts != sf.layouts:
+            raise StrategyFormatError(
+                sf.path, f"claims pipeline stage {stage}, like {seen.path}, but its layouts differ"
+            )
+    stages = sorted(by_stage)
+    missing = sorted(set(range(max(stages) + 1)) - set(stages))
+    if missing:
+        raise StrategyFormatError(
+            os.path.dirname(files[0].path or "") or None,
+            f"pipeline stage file(s) missing for stage(s) {missing}: found stages {stages}",
+        )
+    layouts: dict[str, ParamLayout] = {}
+    items: list[StrategyItem] = []
+    for stage in stages:
+        sf = by_stage[stage]
+        items.extend(sf.items)
+        for name, lay in sf.layouts.items():
+            layouts[f"{stage}-{name}"] = lay
+    return StrategyFile(layouts, items, 1, files[0].format, None)
+
+
+merge_pipeline_strategys = merge_pipeline_strategies  # MindSpore's spelling
