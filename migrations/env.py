@@ -1,0 +1,97 @@
+"""Alembic environment of the lineage database.
+
+Two ways in:
+
+* Programmatic (every job, via ``reshard_job.lineage.migrate.upgrade_to_head``): the caller
+  passes its open connection in ``config.attributes["connection"]`` and already holds the
+  cross-process migration lock; this script just runs the migrations on that connection.
+* The ``alembic`` command line from the project root: the URL comes from ``-x url=...``, else
+  ``$RESHARD_LINEAGE_URL``, else ``sqlite:///runs/lineage.db``; this script then takes the same
+  migration lock a job would, so an operator's upgrade cannot race a starting sweep.
+
+SQLite cannot ALTER most things in place, so migrations are rendered in batch mode there.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from logging.config import fileConfig
+from pathlib import Path
+
+from alembic import context
+
+try:
+    import reshard_job  # noqa: F401
+except ImportError:  # run from a source tree that was not installed
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from reshard_job.lineage.database import URL_ENV_VAR, create_lineage_engine, writer
+from reshard_job.lineage.migrate import schema_lock
+from reshard_job.lineage.models import Base
+
+config = context.config
+target_metadata = Base.metadata
+
+CLI_DEFAULT_URL = "sqlite:///runs/lineage.db"
+
+
+def _cli_url() -> str:
+    return (context.get_x_argument(as_dictionary=True).get("url")
+            or os.environ.get(URL_ENV_VAR)
+            or CLI_DEFAULT_URL)
+
+
+def _configure(connection) -> None:
+    context.configure(
+        connection=connection,
+        target_metadata=target_metadata,
+        render_as_batch=connection.dialect.name == "sqlite",
+        # Our SQLite connections begin their transactions explicitly, so DDL there is
+        # transactional too: a failed upgrade leaves the database as it was.
+        transactional_ddl=True,
+        compare_type=True,
+    )
+
+
+def run_migrations_offline() -> None:
+    url = _cli_url()
+    context.configure(url=url, target_metadata=target_metadata, literal_binds=True,
+                      dialect_opts={"paramstyle": "named"},
+                      render_as_batch=url.startswith("sqlite"))
+    with context.begin_transaction():
+        context.run_migrations()
+
+
+def run_migrations_online() -> None:
+    connection = config.attributes.get("connection")
+    if connection is not None:
+        _configure(connection)
+        with context.begin_transaction():
+            context.run_migrations()
+        return
+
+    url = _cli_url()
+    if url.startswith("sqlite"):
+        from reshard_job.lineage.database import normalize_url, sqlite_file
+
+        database_file = sqlite_file(normalize_url(url))
+        if database_file:
+            os.makedirs(os.path.dirname(database_file), exist_ok=True)
+    engine = create_lineage_engine(url)
+    try:
+        with writer(engine).connect() as connection, schema_lock(connection):
+            _configure(connection)
+            with context.begin_transaction():
+                context.run_migrations()
+    finally:
+        engine.dispose()
+
+
+if config.config_file_name is not None:
+    fileConfig(config.config_file_name, disable_existing_loggers=False)
+
+if context.is_offline_mode():
+    run_migrations_offline()
+else:
+    run_migrations_online()

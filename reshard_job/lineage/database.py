@@ -1,0 +1,162 @@
+"""Connecting to the lineage database: URLs, engines, and riding out write contention.
+
+Any SQLAlchemy URL works; two backends are first-class:
+
+* SQLite (the default, ``runs/lineage.db`` under the launch directory). Many sweep jobs on one
+  machine write to the same file, so every connection gets ``foreign_keys=ON`` (off by default
+  in SQLite), WAL (readers never block the single writer) and a busy timeout. Write
+  transactions start with ``BEGIN IMMEDIATE``: a deferred transaction that reads first and then
+  writes can fail at once with "database is locked" when another writer committed in between,
+  without waiting for the busy timeout; taking the write lock up front makes writers queue
+  instead. Reads keep plain deferred ``BEGIN`` so audits never block jobs.
+* PostgreSQL through psycopg 3 (``postgresql+psycopg://``), for sweeps spread over machines.
+
+Transactions are kept short (one store call each) and retried with jittered exponential backoff
+on the transient failures both backends report under contention: SQLite's "database is
+locked"/"busy", PostgreSQL's deadlock and serialization failures.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from typing import Callable, TypeVar
+
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import DBAPIError, OperationalError
+
+URL_ENV_VAR = "RESHARD_LINEAGE_URL"
+DEFAULT_SQLITE_PATH = os.path.join("runs", "lineage.db")
+
+SQLITE_BUSY_TIMEOUT_S = 30.0
+# Options on a connection that will write; read by the "begin" hook below.
+WRITE_OPTION = "reshard_lineage_write"
+
+_T = TypeVar("_T")
+
+
+def default_url() -> str:
+    """The lineage database to use when none is configured.
+
+    ``$RESHARD_LINEAGE_URL`` if set, else the SQLite file ``runs/lineage.db`` under the current
+    working directory, made absolute now so that a later ``chdir`` cannot move it.
+    """
+    from_env = os.environ.get(URL_ENV_VAR)
+    if from_env:
+        return from_env
+    return sqlite_url(os.path.abspath(DEFAULT_SQLITE_PATH))
+
+
+def sqlite_url(path: str | os.PathLike) -> str:
+    return f"sqlite:///{os.fspath(path)}"
+
+
+def normalize_url(url: str | URL) -> URL:
+    """Parse `url`; a relative SQLite path becomes absolute (relative to the current directory)."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        database = parsed.database
+        if database and database != ":memory:" and not database.startswith("file:"):
+            parsed = parsed.set(database=os.path.abspath(database))
+    return parsed
+
+
+def sqlite_file(url: URL) -> str | None:
+    """The database file of an SQLite URL, or None for other backends and in-memory databases."""
+    if url.get_backend_name() != "sqlite":
+        return None
+    database = url.database
+    if not database or database == ":memory:" or database.startswith("file:"):
+        return None
+    return database
+
+
+def create_lineage_engine(url: str | URL) -> Engine:
+    """An engine for `url` with the per-backend settings described in the module docstring."""
+    parsed = normalize_url(url)
+    kwargs: dict = {"future": True}
+    if parsed.get_backend_name() == "sqlite":
+        kwargs["connect_args"] = {"timeout": SQLITE_BUSY_TIMEOUT_S}
+    elif parsed.get_backend_name() == "postgresql":
+        # A connection that died with its server (restarts, failovers) is replaced silently.
+        kwargs["pool_pre_ping"] = True
+    engine = create_engine(parsed, **kwargs)
+    if parsed.get_backend_name() == "sqlite":
+        _configure_sqlite(engine)
+    return engine
+
+
+def writer(engine: Engine) -> Engine:
+    """A view of `engine` whose transactions take the write lock up front (on SQLite)."""
+    return engine.execution_options(**{WRITE_OPTION: True})
+
+
+def _configure_sqlite(engine: Engine) -> None:
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection, _record):
+        # Let SQLAlchemy, not the sqlite3 module, decide when transactions begin (see "begin").
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        try:
+            cursor.execute(f"PRAGMA busy_timeout = {int(SQLITE_BUSY_TIMEOUT_S * 1000)}")
+            cursor.execute("PRAGMA foreign_keys = ON")
+            if sqlite_file(engine.url) is not None:
+                # Switching to WAL needs a moment of exclusive access; the setting is stored in
+                # the file, so only the first connection ever really changes anything.
+                _retry_sqlite_pragma(cursor, "PRAGMA journal_mode = WAL")
+                cursor.execute("PRAGMA synchronous = NORMAL")
+        finally:
+            cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(connection):
+        immediate = connection.get_execution_options().get(WRITE_OPTION, False)
+        connection.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
+
+
+def _retry_sqlite_pragma(cursor, statement: str, attempts: int = 50) -> None:
+    for attempt in range(attempts):
+        try:
+            cursor.execute(statement)
+            return
+        except Exception as exc:  # sqlite3.OperationalError; the module is not imported here
+            if not _is_sqlite_busy_message(str(exc)) or attempt == attempts - 1:
+                raise
+            time.sleep(min(0.01 * 2 ** attempt, 0.5) * random.uniform(0.5, 1.0))
+
+
+def _is_sqlite_busy_message(message: str) -> bool:
+    message = message.lower()
+    return "database is locked" in message or "database is busy" in message or "database table is locked" in message
+
+
+# SQLSTATEs PostgreSQL uses for "try the transaction again": serialization failure, deadlock.
+_RETRYABLE_SQLSTATES = {"40001", "40P01"}
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether `exc` is contention that a retry of the whole transaction can resolve."""
+    if isinstance(exc, OperationalError) and _is_sqlite_busy_message(str(exc.orig)):
+        return True
+    if isinstance(exc, DBAPIError):
+        sqlstate = getattr(exc.orig, "sqlstate", None) or getattr(exc.orig, "pgcode", None)
+        return sqlstate in _RETRYABLE_SQLSTATES
+    return False
+
+
+def retry_transient(operation: Callable[[], _T], *, attempts: int = 10, base_delay: float = 0.05,
+                    max_delay: float = 2.0) -> _T:
+    """Run `operation` (one whole transaction), retrying on transient contention with backoff.
+
+    Jitter keeps jobs that collided once from colliding again in lockstep.
+    """
+    for attempt in range(attempts):
+        try:
+            return operation()
+        except DBAPIError as exc:
+            if not is_transient(exc) or attempt == attempts - 1:
+                raise
+            time.sleep(min(base_delay * 2 ** attempt, max_delay) * random.uniform(0.5, 1.0))
+    raise AssertionError("unreachable")

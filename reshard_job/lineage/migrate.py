@@ -1,0 +1,165 @@
+"""Bringing a lineage database to the current schema, safely when many jobs start at once.
+
+Each job upgrades the database to the Alembic head before recording, the way MLflow does: the
+job's own connection is handed to ``alembic.command.upgrade`` through
+``config.attributes["connection"]``, so the migration runs exactly where the job will write.
+
+A sweep starts dozens of jobs at the same moment against one database, and two Alembic runs
+racing on an empty database would both try ``CREATE TABLE``. So upgrades are serialised:
+
+* SQLite file: an ``fcntl`` lock on ``<db file>.migrate.lock`` next to the database. A file
+  lock (unlike SQLite's own locking) spans the whole check-then-migrate sequence, and it is
+  released by the kernel if the holder dies.
+* PostgreSQL: a session-level ``pg_advisory_lock`` on the migrating connection, released on
+  unlock or when the connection drops.
+* Other backends: no lock; if the upgrade fails but the database is at head afterwards, another
+  job won the race and the failure is ignored.
+
+Before taking any lock, the current revision is compared with the head: once a database is up
+to date (the common case), starting a job costs one small query and no lock.
+
+The migrations live in the top-level ``migrations/`` directory of the project, found next to
+the package (the project is installed editable); ``alembic upgrade head`` from the project root
+uses the same scripts through ``alembic.ini``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import zlib
+from pathlib import Path
+from typing import Iterator
+
+from sqlalchemy import Connection, Engine, text
+
+from .database import sqlite_file, writer
+from .errors import SchemaError
+
+# Arbitrary but fixed: every process of every version must agree on it.
+PG_ADVISORY_LOCK_KEY = zlib.crc32(b"reshard_job.lineage.migrate")
+
+
+def migrations_dir() -> Path:
+    import reshard_job
+
+    return Path(reshard_job.__file__).resolve().parent.parent / "migrations"
+
+
+def alembic_config(connection: Connection | None = None):
+    """An Alembic config pointing at the project's migrations, optionally bound to `connection`.
+
+    Built without reading ``alembic.ini`` so that a job's logging setup is left alone.
+    """
+    from alembic.config import Config
+
+    location = migrations_dir()
+    if not (location / "env.py").is_file():
+        raise SchemaError(f"{location}: lineage migrations not found; install the project with "
+                          f"'pip install -e' from its source tree")
+    config = Config()
+    config.set_main_option("script_location", str(location))
+    if connection is not None:
+        config.attributes["connection"] = connection
+    return config
+
+
+def head_revision() -> str | None:
+    from alembic.script import ScriptDirectory
+
+    return ScriptDirectory.from_config(alembic_config()).get_current_head()
+
+
+def current_revision(connection: Connection) -> str | None:
+    from alembic.runtime.migration import MigrationContext
+
+    return MigrationContext.configure(connection).get_current_revision()
+
+
+@contextlib.contextmanager
+def schema_lock(connection: Connection) -> Iterator[None]:
+    """Hold the cross-process migration lock for the database behind `connection`."""
+    backend = connection.engine.url.get_backend_name()
+    database_file = sqlite_file(connection.engine.url)
+    if database_file is not None:
+        with _file_lock(database_file + ".migrate.lock"):
+            yield
+    elif backend == "postgresql":
+        connection.execute(text("SELECT pg_advisory_lock(:key)"), {"key": PG_ADVISORY_LOCK_KEY})
+        connection.commit()
+        try:
+            yield
+        finally:
+            if connection.in_transaction():
+                connection.rollback()
+            connection.execute(text("SELECT pg_advisory_unlock(:key)"), {"key": PG_ADVISORY_LOCK_KEY})
+            connection.commit()
+    else:
+        yield
+
+
+@contextlib.contextmanager
+def _file_lock(path: str) -> Iterator[None]:
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: fall back to tolerating races (see upgrade_to_head)
+        yield
+        return
+    with open(path, "a+b") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
+def upgrade_to_head(engine: Engine) -> None:
+    """Migrate the database behind `engine` to the newest schema, concurrency-safe."""
+    from alembic import command
+
+    database_file = sqlite_file(engine.url)
+    if database_file is not None:
+        os.makedirs(os.path.dirname(database_file) or ".", exist_ok=True)
+    head = head_revision()
+    with engine.connect() as connection:
+        if current_revision(connection) == head:
+            return
+    with writer(engine).connect() as connection, schema_lock(connection):
+        # Another job may have migrated while this one waited for the lock.
+        current = current_revision(connection)
+        connection.rollback()
+        if current == head:
+            return
+        try:
+            command.upgrade(alembic_config(connection), "head")
+            if connection.in_transaction():
+                connection.commit()
+        except Exception:
+            if connection.in_transaction():
+                connection.rollback()
+            at_head = current_revision(connection) == head
+            connection.rollback()
+            if not at_head:
+                raise
+
+
+def check_at_head(connection: Connection) -> None:
+    """Raise a one-line SchemaError unless the database is exactly at the head revision.
+
+    Readers (the audit CLI) call this instead of migrating: reading must never change a database.
+    """
+    current = current_revision(connection)
+    head = head_revision()
+    if current == head:
+        return
+    url = connection.engine.url.render_as_string(hide_password=True)
+    if current is None:
+        raise SchemaError(f"{url} is not a lineage database (no schema); a job creates it on its first run")
+    from alembic.script import ScriptDirectory
+
+    known = {rev.revision for rev in ScriptDirectory.from_config(alembic_config()).walk_revisions()}
+    if current not in known:
+        raise SchemaError(f"{url} has schema revision {current}, newer than this tool knows ({head}); "
+                          f"upgrade reshard_job")
+    raise SchemaError(f"{url} has an outdated schema (revision {current}, head {head}); "
+                      f"run 'alembic -x url=... upgrade head' from the project root or any job")
