@@ -299,16 +299,9 @@ def write_strategy(sf: StrategyFile, path: str | os.PathLike, *, mode: int = 0o4
 # =========================================================================================== merge
 
 
-def merge_pipeline_strategies(src_strategy_dir: str | os.PathLike, dst_strategy_file: str | os.PathLike) -> str:
-    """Merge per-stage strategy files into one file with ``"<stage>-<name>"`` keys.
-
-    Deterministic, unlike MindSpore's (which follows the file system's listing order): stages are
-    merged in increasing order. Files of one stage must agree (all ranks of a stage write the same
-    layouts); files claiming the same stage with different layouts are an error, as is a gap in the
-    stages. The output has the inputs' format, and its name must say so.
-    """
+def stage_files(src_strategy_dir: str | os.PathLike) -> tuple[list[str], str]:
+    """The per-stage strategy files of a pipeline directory (sorted) and their format."""
     src = os.fspath(src_strategy_dir)
-    dst = os.path.abspath(os.fspath(dst_strategy_file))
     if not os.path.isdir(src):
         raise StrategyFormatError(src, "pipeline strategy directory not found (expected a directory of per-stage files)")
     ckpts = sorted(glob.glob(os.path.join(glob.escape(src), "*.ckpt")))
@@ -318,7 +311,19 @@ def merge_pipeline_strategies(src_strategy_dir: str | os.PathLike, dst_strategy_
     files = ckpts or jsons
     if not files:
         raise StrategyFormatError(src, "no strategy files (*.ckpt or *.json) in pipeline strategy directory")
-    fmt = FORMAT_PROTOBUF if ckpts else FORMAT_JSON
+    return files, FORMAT_PROTOBUF if ckpts else FORMAT_JSON
+
+
+def merge_pipeline_strategies(src_strategy_dir: str | os.PathLike, dst_strategy_file: str | os.PathLike) -> str:
+    """Merge per-stage strategy files into one file with ``"<stage>-<name>"`` keys.
+
+    Deterministic, unlike MindSpore's (which follows the file system's listing order): stages are
+    merged in increasing order. Files of one stage must agree (all ranks of a stage write the same
+    layouts); files claiming the same stage with different layouts are an error, as is a gap in the
+    stages. The output has the inputs' format, and its name must say so.
+    """
+    dst = os.path.abspath(os.fspath(dst_strategy_file))
+    files, fmt = stage_files(src_strategy_dir)
     if format_for(dst) != fmt:
         want = ".json" if fmt == FORMAT_JSON else "a name not ending in .json (e.g. .ckpt)"
         raise StrategyFormatError(dst, f"the stage files are {fmt}, so the merged file needs {want}")

@@ -1,0 +1,225 @@
+"""Layout math: which box of a parameter's global tensor each rank of a pipeline stage holds.
+
+Pure code, no I/O. The rules are those of training (``spec/resharding-semantics.md`` §1–§3):
+
+* a rank's coordinates are the mixed-radix digits of its local rank over the device matrix, the
+  last position varying fastest;
+* a tensor-map value ``m`` names device-matrix position ``n-1-m`` (axes count from the right); a
+  multi-axis entry lists positions most significant first; the dimension is cut into as many equal
+  blocks as the product of its axes' sizes;
+* device positions that no dimension uses replicate the block; with optimizer sharding of size
+  ``k`` the replicas (ordered by their coordinates on the unused positions, left to right) form
+  chunks of ``k`` consecutive ranks, and rank ``u mod k`` of a chunk holds part ``u mod k`` of its
+  model-parallel block of dimension 0 (model-parallel index outer, optimizer index inner).
+
+These are the training-time semantics, so they are what a checkpoint written by training holds.
+MindSpore's converter reconstructs optimizer-sharded layouts by a "fast path" that disagrees with
+them for non-canonical tensor maps (spec §5.4, §6.3); we always follow the training semantics.
+
+Boxes are computed in *units*: dimension ``i`` of a layout is cut into ``divisor[i]`` equal parts
+(the split factor, times ``k`` on dimension 0), so a rank's block is one unit index per dimension.
+Working in units keeps the planning independent of the actual tensor sizes, which lets the same
+copy pattern serve every parameter with the same pair of layouts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from math import prod
+
+from .errors import LayoutError
+from .formats.boxes import Box
+from .formats.strategy import ParamLayout
+
+
+def coords(rank: int, dev_matrix: tuple[int, ...]) -> tuple[int, ...]:
+    """Mixed-radix digits of `rank` over `dev_matrix`, last position fastest."""
+    out = [0] * len(dev_matrix)
+    for p in range(len(dev_matrix) - 1, -1, -1):
+        d = dev_matrix[p]
+        out[p] = rank % d
+        rank //= d
+    return tuple(out)
+
+
+def mixed_radix(digits: list[int], radices: list[int]) -> int:
+    value = 0
+    for digit, radix in zip(digits, radices):
+        value = value * radix + digit
+    return value
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A parameter's placement over the devices of one pipeline stage.
+
+    `dim_axes[i]` lists the device-matrix positions (indices from the left) that split tensor
+    dimension `i`, most significant first; empty means not split. `opt_shard` is the number of
+    optimizer-parallel parts of dimension 0 (1 when there is no optimizer sharding).
+    """
+
+    dev_matrix: tuple[int, ...]
+    dim_axes: tuple[tuple[int, ...], ...]
+    opt_shard: int = 1
+
+    # ------------------------------------------------------------------------------ construction
+    @staticmethod
+    def replicated(ndim: int, devices: int = 1) -> "Layout":
+        """Every rank holds the whole tensor (no strategy, or a fully replicated parameter)."""
+        return Layout((devices,), tuple(() for _ in range(ndim)), 1)
+
+    @staticmethod
+    def from_recorded(pl: ParamLayout, ndim: int, stage_devices: int | None = None, name: str = "?") -> "Layout":
+        """Normalise a layout as recorded in a strategy file, validating it against the tensor's rank.
+
+        If the parameter's device matrix covers fewer devices than the stage (`stage_devices`), it is
+        extended on the left by a replication factor, as MindSpore does when equalising layouts.
+        """
+        dev = tuple(int(d) for d in pl.dev_matrix)
+        where = f"parameter {name!r}"
+        if not dev or any(d < 1 for d in dev):
+            raise LayoutError(f"{where}: device matrix {list(dev)} must be non-empty positive sizes")
+        if len(pl.tensor_map) != ndim:
+            raise LayoutError(
+                f"{where}: tensor map {_show_map(pl.tensor_map)} has {len(pl.tensor_map)} entries "
+                f"but the checkpoint tensor has {ndim} dimension(s)"
+            )
+        n = len(dev)
+        used: set[int] = set()
+        dim_axes = []
+        for i, entry in enumerate(pl.tensor_map):
+            values = entry if isinstance(entry, tuple) else (entry,)
+            positions = []
+            for m in values:
+                if m == -1:
+                    continue
+                if not 0 <= m < n:
+                    raise LayoutError(
+                        f"{where}: tensor map {_show_map(pl.tensor_map)} names device axis {m}, "
+                        f"but device matrix {list(dev)} has axes 0..{n - 1}"
+                    )
+                p = n - 1 - m
+                if p in used:
+                    raise LayoutError(f"{where}: device axis {m} splits more than one dimension")
+                used.add(p)
+                positions.append(p)
+            dim_axes.append(tuple(positions))
+        devices = prod(dev)
+        if stage_devices is not None and devices != stage_devices:
+            if devices > stage_devices or stage_devices % devices:
+                raise LayoutError(
+                    f"{where}: device matrix {list(dev)} covers {devices} devices, "
+                    f"which does not divide the {stage_devices} devices of its stage"
+                )
+            factor = stage_devices // devices
+            dev = (factor,) + dev  # leading replication factor; positions shift right by one
+            dim_axes = [tuple(p + 1 for p in axes) for axes in dim_axes]
+            devices = stage_devices
+        split = prod(dev[p] for axes in dim_axes for p in axes)
+        replicas = devices // split
+        k = 1
+        step, size = pl.opt_shard_step, pl.opt_shard_size
+        if size not in (0, 1) and step != 0:
+            if ndim == 0:
+                raise LayoutError(f"{where}: optimizer sharding on a scalar")
+            k = replicas if size == -1 else size
+            if k < 1 or replicas % k:
+                raise LayoutError(
+                    f"{where}: optimizer shard size {size} does not divide the {replicas} replicas "
+                    f"of device matrix {list(dev)} with tensor map {_show_map(pl.tensor_map)}"
+                )
+        elif size not in (0, 1, -1) and step == 0:
+            raise LayoutError(
+                f"{where}: optimizer shard size {size} with step 0 is inconsistent "
+                "(MindSpore records both or neither)"
+            )
+        return Layout(dev, tuple(dim_axes), k)
+
+    # ------------------------------------------------------------------------------ properties
+    @property
+    def ndim(self) -> int:
+        return len(self.dim_axes)
+
+    @property
+    def devices(self) -> int:
+        return prod(self.dev_matrix)
+
+    @cached_property
+    def split(self) -> tuple[int, ...]:
+        """Model-parallel split factor of each dimension."""
+        return tuple(prod(self.dev_matrix[p] for p in axes) for axes in self.dim_axes)
+
+    @cached_property
+    def divisors(self) -> tuple[int, ...]:
+        """Number of equal units each dimension is cut into (dimension 0 includes optimizer parts)."""
+        if not self.dim_axes:
+            return ()
+        return (self.split[0] * self.opt_shard,) + self.split[1:]
+
+    @cached_property
+    def unused_positions(self) -> tuple[int, ...]:
+        used = {p for axes in self.dim_axes for p in axes}
+        return tuple(p for p in range(len(self.dev_matrix)) if p not in used)
+
+    @property
+    def replicas(self) -> int:
+        return self.devices // prod(self.split) if self.dim_axes else self.devices
+
+    @property
+    def is_sharded(self) -> bool:
+        return any(d > 1 for d in self.divisors)
+
+    # ------------------------------------------------------------------------------ rank math
+    def replica_index(self, rank: int) -> int:
+        """u(rank): position of the rank among the replicas of its block (unused coords, left first)."""
+        c = coords(rank, self.dev_matrix)
+        ps = self.unused_positions
+        return mixed_radix([c[p] for p in ps], [self.dev_matrix[p] for p in ps])
+
+    def chunk(self, rank: int) -> int:
+        """Which optimizer chunk (set of ranks that together hold one full copy) the rank is in."""
+        return self.replica_index(rank) // self.opt_shard
+
+    def block(self, rank: int) -> tuple[int, ...]:
+        """The rank's unit index in every dimension."""
+        c = coords(rank, self.dev_matrix)
+        out = [mixed_radix([c[p] for p in axes], [self.dev_matrix[p] for p in axes]) for axes in self.dim_axes]
+        if out and self.opt_shard > 1:
+            out[0] = out[0] * self.opt_shard + self.replica_index(rank) % self.opt_shard
+        return tuple(out)
+
+    def check_shape(self, global_shape: tuple[int, ...], name: str = "?") -> None:
+        for i, (n, d) in enumerate(zip(global_shape, self.divisors)):
+            if n % d:
+                raise LayoutError(
+                    f"parameter {name!r}: dimension {i} of size {n} cannot be split into {d} equal parts"
+                )
+
+    def local_shape(self, global_shape: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(n // d for n, d in zip(global_shape, self.divisors))
+
+    def global_shape(self, local_shape: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(n * d for n, d in zip(local_shape, self.divisors))
+
+    def box(self, rank: int, global_shape: tuple[int, ...]) -> Box:
+        """The box of the global tensor that `rank` (local to the stage) holds."""
+        unit = [n // d for n, d in zip(global_shape, self.divisors)]
+        return tuple((b * u, (b + 1) * u) for b, u in zip(self.block(rank), unit))
+
+    @cached_property
+    def chunk_members(self) -> dict[int, dict[tuple[int, ...], int]]:
+        """chunk -> {block -> the one rank of that chunk holding it}; the blocks of a chunk tile the tensor."""
+        members: dict[int, dict[tuple[int, ...], int]] = {}
+        for q in range(self.devices):
+            members.setdefault(self.chunk(q), {}).setdefault(self.block(q), q)
+        return members
+
+    def describe(self) -> str:
+        axes = [("*" if not a else "(" + ",".join(str(len(self.dev_matrix) - 1 - p) for p in a) + ")") for a in self.dim_axes]
+        opt = f", optimizer shards {self.opt_shard}" if self.opt_shard > 1 else ""
+        return f"dev {list(self.dev_matrix)} map [{', '.join(axes)}]{opt}"
+
+
+def _show_map(tensor_map) -> str:
+    return "[" + ", ".join(str(list(e)) if isinstance(e, tuple) else str(e) for e in tensor_map) + "]"
