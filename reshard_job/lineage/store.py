@@ -1,0 +1,363 @@
+"""The lineage store: the calls a job makes to record what it read, wrote and why.
+
+A job's life in the store::
+
+    store = LineageStore(url)                    # engine only, no I/O yet
+    store.ensure_schema()                        # migrate to head (safe with many jobs at once)
+    store.mark_abandoned_runs()                  # runs left "started" by killed processes here
+    run_id = store.start_run(config=..., ...)    # status "started"
+    store.record_inputs(run_id, [FileRecord...])
+    store.complete_run(run_id, outputs=[...], plan=plan)   # or fail_run(run_id, error)
+
+Every call is one short transaction, retried on transient contention (see ``database``), so a
+sweep's jobs interleave their writes instead of holding the database for a whole conversion.
+``complete_run`` writes outputs, plan, rank map and the final status in a single transaction:
+a run is either completed with all its outputs or has none, and a failed run's partial files
+are never recorded as outputs because ``fail_run`` records no files at all.
+
+Artifacts are upserted by content with ``INSERT ... ON CONFLICT DO NOTHING`` (SQLite and
+PostgreSQL), in a fixed order, because concurrent sweep jobs typically record the very same
+source files at the very same moment.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import uuid
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, TypeVar
+
+from sqlalchemy import Table, select, update
+from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError
+from sqlalchemy.orm import Session, sessionmaker
+
+from . import queries
+from .database import create_lineage_engine, default_url, normalize_url, retry_transient, writer
+from .errors import LineageError, RunStateError, SchemaError, UnknownRunError
+from .hashing import HASH_ALGO, hash_file, looks_like_sha256
+from .migrate import upgrade_to_head
+from .models import ARTIFACT_KINDS, Artifact, ArtifactLocation, Event, Run, RunPlan, RunRank
+from .runtime import current_host, current_pid, current_user, pid_is_alive
+
+_T = TypeVar("_T")
+
+# A run that a killed process left behind is "abandoned" by a later job; if the process turns
+# out to be alive after all and reports, its own report wins over that guess.
+_REPORTABLE_STATUSES = ("started", "abandoned")
+
+
+def utc_now() -> dt.datetime:
+    return dt.datetime.now(dt.timezone.utc)
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    """One file on disk, as the job read or wrote it."""
+
+    path: str  # absolute path
+    sha256: str  # hex
+    size: int
+    kind: str  # source_checkpoint | target_checkpoint | strategy | merged_strategy | manifest
+    rank: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in ARTIFACT_KINDS:
+            raise ValueError(f"{self.path}: unknown artifact kind {self.kind!r} "
+                             f"(expected one of {', '.join(ARTIFACT_KINDS)})")
+        if not looks_like_sha256(self.sha256):
+            raise ValueError(f"{self.path}: sha256 must be 64 hex characters, got {self.sha256!r}")
+        if self.size < 0:
+            raise ValueError(f"{self.path}: negative size {self.size}")
+
+    @classmethod
+    def from_file(cls, path: str, kind: str, rank: int | None = None) -> FileRecord:
+        """Hash the file at `path` (made absolute) and describe it."""
+        import os
+
+        absolute = os.path.abspath(path)
+        sha256, size = hash_file(absolute)
+        return cls(path=absolute, sha256=sha256, size=size, kind=kind, rank=rank)
+
+
+class LineageStore:
+    """Records runs, their input and output files, and their plans in a lineage database."""
+
+    def __init__(self, url: str | None = None):
+        self.url = normalize_url(url or default_url())
+        self.engine = create_lineage_engine(self.url)
+        self._reader = sessionmaker(self.engine, expire_on_commit=False)
+        self._writer = sessionmaker(writer(self.engine), expire_on_commit=False)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def ensure_schema(self) -> None:
+        """Bring the database to the newest schema (Alembic head); safe with concurrent jobs."""
+        upgrade_to_head(self.engine)
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    def __enter__(self) -> LineageStore:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"LineageStore({self.url.render_as_string(hide_password=True)!r})"
+
+    # -- recording ---------------------------------------------------------------------------
+
+    def start_run(self, *, config: dict, overrides: list[str], tool_version: str,
+                  output_dir: str, source_devices: int | None, target_devices: int | None,
+                  sweep_id: str | None = None, job_num: int | None = None,
+                  run_id: str | None = None) -> str:
+        """Record a new run in status "started" for this process; return its id (a uuid4 string)."""
+        run_id = run_id or str(uuid.uuid4())
+        if len(run_id) > 36:
+            raise LineageError(f"run id {run_id!r} is longer than 36 characters")
+        values = dict(
+            id=run_id, status="started", started_at=utc_now(), ended_at=None,
+            tool_version=str(tool_version), host=current_host(), pid=current_pid(), user=current_user(),
+            overrides=[str(o) for o in overrides], config=_as_json(config, "config"),
+            sweep_id=None if sweep_id is None else str(sweep_id), job_num=job_num,
+            output_dir=str(output_dir), source_devices=source_devices, target_devices=target_devices,
+            error=None,
+        )
+
+        def insert(session: Session) -> None:
+            if session.get(Run, run_id) is not None:
+                raise RunStateError(f"run {run_id} already exists in the lineage database")
+            session.add(Run(**values))
+
+        try:
+            self._write(insert)
+        except IntegrityError:
+            raise RunStateError(f"run {run_id} already exists in the lineage database") from None
+        return run_id
+
+    def record_inputs(self, run_id: str, files: list[FileRecord]) -> None:
+        """Record the files a run reads (checkpoints, strategies). Recording again is harmless."""
+
+        def record(session: Session) -> None:
+            run = self._reportable_run(session, run_id, "record inputs for")
+            run.status = "started"
+            self._record_files(session, run_id, "input", files)
+
+        self._write(record)
+
+    def complete_run(self, run_id: str, *, outputs: list[FileRecord], plan: dict) -> None:
+        """Record a run's outputs, its plan and rank map, and mark it completed — all at once."""
+        plan = _as_json(plan, "plan")
+        rank_rows = _rank_map(plan)
+
+        def complete(session: Session) -> None:
+            run = self._reportable_run(session, run_id, "complete")
+            self._record_files(session, run_id, "output", outputs)
+            existing_plan = session.get(RunPlan, run_id)
+            if existing_plan is None:
+                session.add(RunPlan(run_id=run_id, plan=plan))
+            else:
+                existing_plan.plan = plan
+            for row in session.scalars(select(RunRank).where(RunRank.run_id == run_id)):
+                session.delete(row)
+            session.flush()
+            session.add_all(RunRank(run_id=run_id, **row) for row in rank_rows)
+            run.source_devices = run.source_devices or _devices(plan, "source")
+            run.target_devices = run.target_devices or _devices(plan, "target")
+            run.status = "completed"
+            run.error = None
+            run.ended_at = utc_now()
+
+        self._write(complete)
+
+    def fail_run(self, run_id: str, error: str) -> None:
+        """Mark a run failed with its error. Its files, complete or not, are not recorded."""
+
+        def fail(session: Session) -> None:
+            run = session.get(Run, run_id)
+            if run is None:
+                raise UnknownRunError(run_id)
+            if run.status == "failed":
+                return
+            if run.status not in _REPORTABLE_STATUSES:
+                raise RunStateError(f"cannot fail run {run_id}: it is already {run.status}")
+            run.status = "failed"
+            run.error = str(error)
+            run.ended_at = utc_now()
+
+        self._write(fail)
+
+    def mark_abandoned_runs(self) -> list[str]:
+        """Mark "started" runs of this host whose process is gone as abandoned; return their ids."""
+        host, me = current_host(), current_pid()
+
+        def mark(session: Session) -> list[str]:
+            candidates = session.execute(
+                select(Run.id, Run.pid).where(Run.status == "started", Run.host == host)
+            ).all()
+            dead = [run_id for run_id, pid in candidates if pid != me and not pid_is_alive(pid)]
+            marked: list[str] = []
+            now = utc_now()
+            for run_id, pid in ((r, p) for r, p in candidates if r in dead):
+                result = session.execute(
+                    update(Run)
+                    .where(Run.id == run_id, Run.status == "started")
+                    .values(status="abandoned", ended_at=now,
+                            error=f"process {pid} on {host} ended without completing the run")
+                )
+                if result.rowcount:
+                    marked.append(run_id)
+            return marked
+
+        return self._write(mark)
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def get_run(self, run_id: str) -> dict | None:
+        """Everything recorded about one run as a plain, JSON-serialisable dict (None if unknown)."""
+        with self.read_session() as session:
+            try:
+                return queries.run_details(session, run_id)
+            except UnknownRunError:
+                return None
+
+    @contextmanager
+    def read_session(self) -> Iterator[Session]:
+        """A session for queries; it never writes and is rolled back at the end."""
+        session = self._reader()
+        try:
+            yield session
+        finally:
+            session.rollback()
+            session.close()
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _write(self, operation: Callable[[Session], _T]) -> _T:
+        def attempt() -> _T:
+            with self._writer.begin() as session:
+                return operation(session)
+
+        try:
+            return retry_transient(attempt)
+        except (OperationalError, ProgrammingError) as exc:
+            if _is_missing_table(exc):
+                raise SchemaError(f"{self.url.render_as_string(hide_password=True)} has no lineage "
+                                  f"schema; call ensure_schema() first") from None
+            raise
+
+    @staticmethod
+    def _reportable_run(session: Session, run_id: str, action: str) -> Run:
+        run = session.get(Run, run_id)
+        if run is None:
+            raise UnknownRunError(run_id)
+        if run.status not in _REPORTABLE_STATUSES:
+            raise RunStateError(f"cannot {action} run {run_id}: it is already {run.status}")
+        return run
+
+    def _record_files(self, session: Session, run_id: str, direction: str, files: list[FileRecord]) -> None:
+        now = utc_now()
+        # A fixed order makes concurrent jobs that share files take row locks in the same
+        # order (no deadlocks on PostgreSQL).
+        for record in sorted(files, key=lambda f: (f.sha256.lower(), f.size, f.path)):
+            artifact_id = _upsert_artifact(session, record, now)
+            _upsert_location(session, artifact_id, record.path, now)
+            event = session.scalar(select(Event).where(
+                Event.run_id == run_id, Event.direction == direction, Event.path == record.path))
+            if event is None:
+                session.add(Event(run_id=run_id, artifact_id=artifact_id, direction=direction,
+                                  role=record.kind, rank=record.rank, path=record.path, recorded_at=now))
+            else:  # recorded again (a resumed job): the latest content at that path wins
+                event.artifact_id, event.role, event.rank, event.recorded_at = (
+                    artifact_id, record.kind, record.rank, now)
+        session.flush()
+
+
+def _upsert_artifact(session: Session, record: FileRecord, now: dt.datetime) -> int:
+    identity = {"hash_algo": HASH_ALGO, "digest": record.sha256.lower(), "size": record.size}
+    lookup = select(Artifact.id).filter_by(**identity)
+    found = session.scalar(lookup)
+    if found is not None:
+        return found
+    _insert_unless_present(session, Artifact.__table__,
+                           {**identity, "kind": record.kind, "rank": record.rank, "first_recorded_at": now},
+                           ["hash_algo", "digest", "size"])
+    found = session.scalar(lookup)
+    assert found is not None
+    return found
+
+
+def _upsert_location(session: Session, artifact_id: int, path: str, now: dt.datetime) -> None:
+    values = {"artifact_id": artifact_id, "path": path, "first_seen": now, "last_seen": now}
+    dialect = session.get_bind().dialect.name
+    table = ArtifactLocation.__table__
+    if dialect in ("sqlite", "postgresql"):
+        insert = _dialect_insert(dialect)(table).values(**values)
+        session.execute(insert.on_conflict_do_update(index_elements=["artifact_id", "path"],
+                                                     set_={"last_seen": insert.excluded.last_seen}))
+        return
+    location = session.scalar(select(ArtifactLocation).filter_by(artifact_id=artifact_id, path=path))
+    if location is not None:
+        location.last_seen = now
+    else:
+        _insert_unless_present(session, table, values, ["artifact_id", "path"])
+
+
+def _insert_unless_present(session: Session, table: Table, values: dict[str, Any], key: list[str]) -> None:
+    dialect = session.get_bind().dialect.name
+    if dialect in ("sqlite", "postgresql"):
+        session.execute(_dialect_insert(dialect)(table).values(**values).on_conflict_do_nothing(index_elements=key))
+        return
+    try:  # other backends: let the unique constraint arbitrate the race
+        with session.begin_nested():
+            session.execute(table.insert().values(**values))
+    except IntegrityError:
+        pass
+
+
+def _dialect_insert(dialect: str):
+    if dialect == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert
+    else:
+        from sqlalchemy.dialects.sqlite import insert
+    return insert
+
+
+def _as_json(value: Any, what: str) -> Any:
+    """A deep copy of `value` as plain JSON data; a clear error if it is not JSON-serialisable."""
+    try:
+        return json.loads(json.dumps(value, allow_nan=False))
+    except (TypeError, ValueError) as exc:
+        raise LineageError(f"the run's {what} is not plain JSON data: {exc}") from None
+
+
+def _rank_map(plan: dict) -> list[dict[str, Any]]:
+    rows = []
+    for entry in plan.get("ranks") or []:
+        try:
+            rows.append({
+                "target_rank": int(entry["target_rank"]),
+                "source_ranks": [int(r) for r in entry.get("source_ranks", [])],
+                "bytes_read": entry.get("bytes_read"),
+                "bytes_written": entry.get("bytes_written"),
+            })
+        except (KeyError, TypeError, ValueError):
+            raise LineageError(f"plan rank entry has no valid target_rank: {str(entry)[:200]}") from None
+    targets = [row["target_rank"] for row in rows]
+    if len(set(targets)) != len(targets):
+        raise LineageError("plan lists a target rank more than once")
+    return rows
+
+
+def _devices(plan: dict, side: str) -> int | None:
+    section = plan.get(side)
+    devices = section.get("devices") if isinstance(section, dict) else None
+    return devices if isinstance(devices, int) else None
+
+
+def _is_missing_table(exc: Exception) -> bool:
+    message = str(getattr(exc, "orig", exc)).lower()
+    return "no such table" in message or ("relation" in message and "does not exist" in message)
