@@ -58,6 +58,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 import zlib
 from dataclasses import dataclass
 from math import prod
@@ -171,7 +172,11 @@ class SafetensorsReader(PositionedReader):
         self._metadata: dict[str, str] | None = None
         fd = self._open()
         try:
-            self.size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            # opening a directory read-only succeeds on Linux; only reading it fails
+            if stat.S_ISDIR(st.st_mode):
+                raise self._error("is a directory, expected a file")
+            self.size = st.st_size
             self._index()
         except BaseException:
             self.close()
@@ -708,6 +713,7 @@ class SafetensorsWriter:
         if self._crc_mode in ("given", "deferred"):
             crc = chain_crc(self._crcs)
             if self._crc_mode == "given" and crc != self.crc:
+                self.abort()
                 raise ValueError(f"{self.path}: crc={self.crc} was given, but the data written give {crc}")
             if self._crc_mode == "deferred":
                 sha = self._rewrite_header(crc)
@@ -735,7 +741,11 @@ class SafetensorsWriter:
 
     def __exit__(self, exc_type, exc, tb):
         if exc_type is None:
-            self.result = self.commit()
+            try:
+                self.result = self.commit()
+            except BaseException:
+                self.abort()  # a failed commit (unwritten tensor, CRC mismatch) leaves no temp file
+                raise
         else:
             self.abort()
         return False
