@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import operator
 import os
 import stat
 import zlib
@@ -432,6 +433,9 @@ class TensorSink:
         self._crc = 0
 
     def write(self, data) -> None:
+        if self._w._open_sink is not self:
+            # bytes written now would land in another tensor's place
+            raise RuntimeError(f"parameter {self.name!r}: this sink is closed")
         mv = _byte_view(data, self.name)
         if self.written + len(mv) > self.total:
             raise ValueError(f"parameter {self.name!r}: more bytes than its shape and dtype hold ({self.total})")
@@ -442,6 +446,8 @@ class TensorSink:
         self.written += len(mv)
 
     def close(self) -> str:
+        if self._w._open_sink is not self:
+            raise RuntimeError(f"parameter {self.name!r}: this sink is closed")
         if self.written != self.total:
             raise ValueError(f"parameter {self.name!r}: got {self.written} of {self.total} bytes")
         digest = self._hash.hexdigest()
@@ -516,7 +522,10 @@ class SafetensorsWriter:
             raise ValueError(f"{METADATA_KEY!r} is reserved by the format and cannot name a tensor")
         _check_utf8(name, "tensor name")
         ms_name, code, itemsize = _resolve_dtype(name, dtype)
-        shape = tuple(int(d) for d in shape)
+        try:
+            shape = tuple(operator.index(d) for d in shape)  # ints only: 2.5 is not a dimension
+        except TypeError:
+            raise LayoutError(f"parameter {name!r}: shape {shape!r} is not a sequence of integers") from None
         if any(d < 0 for d in shape):
             raise LayoutError(f"parameter {name!r}: negative dimension in shape {list(shape)}")
         decl = _Decl(name, ms_name, code, shape, prod(shape) * itemsize)
@@ -636,7 +645,7 @@ class SafetensorsWriter:
                     f"and {nxt!r} comes before it"
                 )
             data, digest = self._pending.pop(nxt)
-            sink = TensorSink(self, self._decls[nxt])
+            sink = self._open_sink = TensorSink(self, self._decls[nxt])
             sink.write(data)
             sink.close()
 
@@ -692,7 +701,7 @@ class SafetensorsWriter:
         d = self._decls.get(name)
         if d is None:
             raise RuntimeError(f"parameter {name!r}: cannot add an undeclared tensor after data writing started")
-        if (d.dtype, d.shape) != (_resolve_dtype(name, dtype)[0], tuple(int(x) for x in shape)):
+        if (d.dtype, d.shape) != (_resolve_dtype(name, dtype)[0], tuple(operator.index(x) for x in shape)):
             raise ValueError(f"parameter {name!r} was declared as {d.dtype} {list(d.shape)}")
         sink = self.begin(name)
         sink.write(data)
