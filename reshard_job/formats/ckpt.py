@@ -195,6 +195,8 @@ class CheckpointReader(PositionedReader):
             field, wt = k >> 3, k & 7
             if field == 1 and wt == wire.LEN:
                 n, pos = wire.decode_varint(mm, pos, end)
+                if pos + n > end:
+                    raise wire.WireError("map tensor part runs past the record")
                 dims, dt, c_off, c_len = _parse_tensor_proto(mm, pos, pos + n)
                 parts.append(Record(start, rec_end - start, tuple(dims), dt or "", c_off, c_len))
                 pos += n
@@ -287,11 +289,19 @@ class CheckpointReader(PositionedReader):
             for i, p in enumerate(rec):
                 try:
                     dt = np.dtype(p.dtype)
-                except TypeError:
+                except (TypeError, ValueError, SyntaxError):  # numpy parses odd strings as struct specs
                     raise self._error(f"map parameter {name!r}: unknown part dtype {p.dtype!r}") from None
                 raw = self.pread(p.content_offset, p.content_len)
-                parts[i].append(np.frombuffer(raw, dtype=dt).reshape(p.dims))
-        return [np.concatenate(ps) if ps else np.empty(0) for ps in parts]
+                try:
+                    parts[i].append(np.frombuffer(raw, dtype=dt).reshape(p.dims))
+                except ValueError:
+                    raise self._error(
+                        f"map parameter {name!r}: {len(raw)} bytes of {p.dtype} do not fit dims {list(p.dims)}"
+                    ) from None
+        try:
+            return [np.concatenate(ps) if ps else np.empty(0) for ps in parts]
+        except ValueError:
+            raise self._error(f"map parameter {name!r}: its records' parts have inconsistent shapes") from None
 
     def value(self, name: str):
         """A parameter as MindSpore's loader would hand it out: array, str, or map parts."""
