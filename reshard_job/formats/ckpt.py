@@ -212,6 +212,8 @@ class CheckpointReader(PositionedReader):
             while j + 1 < len(records) and records[j + 1][0] == tag:
                 j += 1
             group = records[i : j + 1]
+            if any((g[1] == KIND_MAP) != (kind == KIND_MAP) for g in group):
+                raise self._error(f"parameter {tag!r}: consecutive records mix tensor and map-tensor values")
             if kind == KIND_MAP:
                 entry = self._map_entry(tag, group)
             else:
