@@ -381,7 +381,7 @@ class Planner:
         meta = self.index[holders[0]][name]
         self._check_same_everywhere(name, holders, meta)
         stage = self.src.stage_of_rank(holders[0])
-        reshard = in_dst or not self.dst_given
+        reshard = self.dst_given and in_dst  # no target strategy: MindSpore copies it, after the resharded ones
         if reshard and not (meta.kind == "tensor" and dtypes.BY_NAME[meta.dtype].sliceable):
             if in_dst:
                 raise PlanError(f"parameter {name!r}: a {meta.dtype} entry cannot be laid out by the target strategy")
