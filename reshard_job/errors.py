@@ -15,6 +15,18 @@ class ReshardError(Exception):
 
     exit_code = 2
 
+    def __reduce__(self):
+        # Errors cross process boundaries (parallel workers); rebuild them from their message and
+        # attributes rather than from constructor arguments, which differ between subclasses.
+        return (_rebuild, (type(self), str(self), dict(self.__dict__)))
+
+
+def _rebuild(cls, message, attrs):
+    err = Exception.__new__(cls)
+    Exception.__init__(err, message)
+    err.__dict__.update(attrs)
+    return err
+
 
 class FormatError(ReshardError):
     """A file is not what its name or caller says it is (corrupt, truncated, wrong kind)."""

@@ -471,13 +471,20 @@ class Planner:
         return ParamPlan(ps.name, meta.dtype, meta.kind, ACTION_COPY, tuple(meta.shape), tuple(meta.shape),
                          [Copy(src_rank, box, box)], itemsize, meta.nbytes)
 
-    def plan(self, target_ranks: Iterable[int] | None = None) -> Plan:
-        """Plan the given target ranks (default all); MissingRankError if a needed file is absent."""
+    def plan(self, target_ranks: Iterable[int] | None = None, *, missing: dict[int, list[int]] | None = None) -> Plan:
+        """Plan the given target ranks (default all).
+
+        A needed source file that is absent raises MissingRankError (listing every missing rank and
+        the target ranks that need it), unless a `missing` dict is passed to collect them instead.
+        """
         ranks = list(self.target_ranks() if target_ranks is None else target_ranks)
-        missing: dict[int, list[int]] = {}
+        collect = missing is not None
+        missing = {} if missing is None else missing
         rank_plans = [self.plan_rank(g, missing) for g in ranks]
-        if missing:
-            raise MissingRankError({k: sorted(set(v)) for k, v in missing.items()})
+        for k in list(missing):
+            missing[k] = sorted(set(missing[k]))
+        if missing and not collect:
+            raise MissingRankError(missing)
         return Plan(
             source={"devices": self.src.devices, "stage_devices": self.src.stage_devices,
                     "stages": self.src.num_stages, "strategy": self.src.source},

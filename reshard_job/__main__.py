@@ -1,0 +1,77 @@
+"""``python -m reshard_job [overrides]``: the Hydra batch job (thin entry point over job.runner)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+
+from .errors import ReshardError
+from .job import schema
+from .job.callbacks import FAILED, RESULT_FILE
+from .job.runner import STATUS_FAILED, JobContext, JobResult, run_job
+
+schema.register()
+log = logging.getLogger("reshard_job")
+
+
+def _context() -> tuple[JobContext, bool]:
+    hc = HydraConfig.get()
+    multirun = hc.mode == RunMode.MULTIRUN
+    overrides = list(hc.overrides.task)
+    ctx = JobContext(
+        launch_dir=hc.runtime.cwd,
+        run_dir=hc.runtime.output_dir,
+        overrides=overrides,
+        sweep_id=os.path.abspath(os.path.join(hc.runtime.cwd, hc.sweep.dir)) if multirun else None,
+        job_num=hc.job.num if multirun else None,
+    )
+    return ctx, multirun
+
+
+def _write_result(ctx: JobContext, result: JobResult) -> None:
+    doc = result.to_json()
+    doc.update(job_num=ctx.job_num, overrides=ctx.overrides)
+    os.makedirs(ctx.run_dir, exist_ok=True)
+    with open(os.path.join(ctx.run_dir, RESULT_FILE), "w", encoding="utf-8") as f:
+        json.dump(doc, f, indent=1)
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+def app(cfg: DictConfig) -> None:
+    ctx, multirun = _context()
+    resolved = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    try:
+        result = run_job(resolved, ctx)
+    except ReshardError as e:
+        # A user-facing error: one line, no traceback (HYDRA_FULL_ERROR=1 shows it).
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        print(f"reshard_job: error: {e}", file=sys.stderr)
+        if not multirun:
+            sys.exit(e.exit_code)
+        _write_result(ctx, JobResult(STATUS_FAILED, error=str(e)))
+        FAILED.append(1)
+        return
+    _write_result(ctx, result)
+    if result.output_dir:
+        print(f"{result.status}: outputs in {result.output_dir}")
+        print(f"  manifest: {os.path.join(result.output_dir, 'manifest.json')} (sha256 {result.manifest_sha256})")
+        if result.run_id:
+            print(f"  lineage run {result.run_id}: python -m reshard_job.audit show {result.run_id}")
+
+
+def main() -> None:
+    app()
+    if FAILED:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""The batch job: Hydra configuration, the conversion runner, outputs, manifest and progress."""

@@ -1,0 +1,114 @@
+"""Converting target ranks in parallel worker processes, with progress reporting.
+
+Each target rank is an independent task (its plan names the source boxes it needs), so ranks are
+spread over a process pool; a process per worker sidesteps the GIL for the numpy and hashing work
+and keeps each worker's memory bounded by its own buffers. Workers report bytes written through
+a queue; the parent drives the progress display and appends each finished rank to the journal as
+soon as it lands, so a crash loses at most the ranks in flight.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Callable
+
+from ..execute import SourceFiles, execute_rank
+from ..formats.ckpt import WrittenFile
+from ..plan import RankPlan
+
+
+@dataclass
+class RankTask:
+    rank_plan: RankPlan
+    out_path: str
+
+
+@dataclass
+class WriteOptions:
+    fmt: str
+    max_memory: int
+    crc: bool
+
+
+_progress_queue = None
+
+
+def _init_worker(q) -> None:
+    global _progress_queue
+    _progress_queue = q
+
+
+def _report(n: int) -> None:
+    if _progress_queue is not None:
+        _progress_queue.put(n)
+
+
+def _convert(task: RankTask, source_paths: dict[int, str], opts: WriteOptions) -> tuple[int, WrittenFile]:
+    needed = {r: source_paths[r] for r in task.rank_plan.source_ranks}
+    with SourceFiles(needed, verify_crc=False) as sources:  # CRCs were checked while hashing
+        written = execute_rank(task.rank_plan, sources, task.out_path, fmt=opts.fmt,
+                               max_memory=opts.max_memory, crc=opts.crc, progress=_report)
+    return task.rank_plan.target_rank, written
+
+
+def run_tasks(tasks: list[RankTask], source_paths: dict[int, str], opts: WriteOptions, *, workers: int,
+              on_bytes: Callable[[int], None], on_done: Callable[[int, WrittenFile], None]) -> None:
+    """Run every task; call on_done as each rank lands. The first failure stops the rest and is raised."""
+    if not tasks:
+        return
+    if workers <= 1 or len(tasks) == 1:
+        global _progress_queue
+        previous = _progress_queue
+        _progress_queue = None
+        try:
+            for t in tasks:
+                needed = {r: source_paths[r] for r in t.rank_plan.source_ranks}
+                with SourceFiles(needed, verify_crc=False) as sources:
+                    written = execute_rank(t.rank_plan, sources, t.out_path, fmt=opts.fmt,
+                                           max_memory=opts.max_memory, crc=opts.crc, progress=on_bytes)
+                on_done(t.rank_plan.target_rank, written)
+        finally:
+            _progress_queue = previous
+        return
+    ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else mp.get_context()
+    q = ctx.Queue()
+    pool = ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_init_worker, initargs=(q,))
+    pending = set()
+    try:
+        # largest ranks first, so one big rank does not finish alone at the end
+        for t in sorted(tasks, key=lambda t: -t.rank_plan.bytes_written):
+            pending.add(pool.submit(_convert, t, source_paths, opts))
+        while pending:
+            done, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
+            _drain(q, on_bytes)
+            for fut in done:
+                rank, written = fut.result()  # re-raises a worker's error here
+                on_done(rank, written)
+        _drain(q, on_bytes)
+    except BaseException:
+        for fut in pending:
+            fut.cancel()
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    finally:
+        pool.shutdown(wait=True)
+        q.close()
+
+
+def _drain(q, on_bytes) -> None:
+    while True:
+        try:
+            n = q.get_nowait()
+        except queue.Empty:
+            return
+        except (OSError, ValueError, EOFError):
+            return
+        on_bytes(n)
+
+
+def default_workers(n_tasks: int) -> int:
+    return max(1, min(os.cpu_count() or 1, n_tasks))

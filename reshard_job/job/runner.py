@@ -1,0 +1,434 @@
+"""The job: the one place that knows configuration, files, workers, progress and lineage at once.
+
+``run_job`` takes a resolved configuration and carries a conversion from start to end:
+
+1. find the sources (the demo when none is given) and their strategy; index every source file;
+2. settle the target: a strategy file, a declarative layout compiled into one, or one full rank;
+3. plan (``job.mode=plan`` stops here and writes only ``plan.json`` into the run directory);
+4. check and lock the output directory, open a lineage run, hash the sources (verifying CRC
+   trailers on the way), and decide between fresh start, resume and nothing-to-do;
+5. convert the target ranks in parallel workers, journaling each finished file;
+6. write ``manifest.json`` last, then record the outputs in the lineage database.
+
+A failure after the lineage run was opened marks it failed with the error; partial files are
+never recorded as outputs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from dataclasses import dataclass, field
+from math import prod
+from typing import Any
+
+from .. import __version__
+from ..demo import ensure_demo
+from ..errors import ConfigError, LayoutError, ReshardError
+from ..execute import DEFAULT_MAX_MEMORY, FORMAT_CKPT, FORMAT_SAFETENSORS, SourceFiles
+from ..formats.ckpt import CRC_TRAILER_LEN, CheckpointReader
+from ..formats.strategy import format_for, write_strategy
+from ..hashing import digest_file, digest_files
+from ..plan import UNMAPPED_FULL, UNMAPPED_OMIT, Planner
+from ..sources import discover, load_strategy
+from ..topology import Topology
+from .declarative import compile_layout
+from .manifest import build_manifest, job_fingerprint
+from .outputs import COMPLETE, PARTIAL, JournalEntry, OutputDir
+from .parallel import RankTask, WriteOptions, default_workers, run_tasks
+from .progress import Progress, human_bytes, parse_bytes
+from .report import plan_report
+
+log = logging.getLogger("reshard_job")
+
+STATUS_COMPLETED = "completed"
+STATUS_REUSED = "completed (already done)"
+STATUS_PLANNED = "planned"
+STATUS_FAILED = "failed"
+
+
+@dataclass
+class JobContext:
+    """Where and how the job was launched (from Hydra, or given directly in tests)."""
+
+    launch_dir: str
+    run_dir: str
+    overrides: list[str] = field(default_factory=list)
+    sweep_id: str | None = None
+    job_num: int | None = None
+
+
+@dataclass
+class JobResult:
+    status: str
+    output_dir: str | None = None
+    run_id: str | None = None
+    manifest_sha256: str | None = None
+    target_devices: int | None = None
+    plan_path: str | None = None
+    lineage_url: str | None = None
+    error: str | None = None
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__)
+
+
+def _abs(path: str | None, base: str) -> str | None:
+    if path is None:
+        return None
+    path = os.path.expanduser(str(path))
+    return os.path.normpath(path if os.path.isabs(path) else os.path.join(base, path))
+
+
+# ===================================================================================== settle
+
+
+@dataclass
+class _Target:
+    topology: Topology | None  # None: one whole, unsharded checkpoint
+    strategy_bytes_path: str | None  # user file to copy, or None
+    compiled: Any = None  # CompiledLayout when declarative
+    devices: int = 1
+
+
+def _settle_target(cfg: dict, src_topo: Topology, index) -> _Target:
+    t = cfg["target"]
+    devices = t.get("devices")
+    if devices is not None and (not isinstance(devices, int) or devices < 1):
+        raise ConfigError(f"target.devices must be a positive integer, got {devices!r}")
+    layout = t.get("layout")
+    has_layout = bool(layout) and bool(layout.get("mesh"))
+    if t.get("strategy") is not None:
+        if has_layout:
+            raise ConfigError("give target.strategy or target.layout, not both (set target.layout=null)")
+        loaded = load_strategy(t["strategy"])
+        derived = loaded.topology.devices
+        if devices is not None and devices != derived:
+            raise ConfigError(f"target.devices={devices} but target.strategy {t['strategy']} describes {derived} devices")
+        if os.path.isdir(t["strategy"]):
+            raise ConfigError("target.strategy must be a single strategy file (merge per-stage files first)")
+        return _Target(loaded.topology, t["strategy"], None, derived)
+    if has_layout:
+        if devices is None:
+            raise ConfigError("target.layout needs target.devices")
+        shapes = _global_shapes(src_topo, index)
+        compiled = compile_layout(layout, devices, shapes)
+        compiled.strategy.path = "target.layout"
+        return _Target(Topology.from_strategy(compiled.strategy), None, compiled, devices)
+    if devices not in (None, 1):
+        raise ConfigError(f"target.devices={devices} needs target.strategy or target.layout to say how to shard")
+    return _Target(None, None, None, 1)
+
+
+def _global_shapes(src_topo: Topology, index) -> dict[str, tuple[int, ...]]:
+    planner = Planner(src_topo, None, index)
+    from ..formats import dtypes
+
+    return {ps.name: ps.global_shape for ps in planner.params
+            if ps.meta is not None and ps.meta.kind == "tensor" and dtypes.BY_NAME[ps.meta.dtype].sliceable}
+
+
+# ===================================================================================== run
+
+
+def run_job(cfg: dict, ctx: JobContext) -> JobResult:
+    """Run one conversion (or plan) described by a resolved config dict."""
+    source_cfg, target_cfg, job_cfg = cfg["source"], cfg["target"], cfg["job"]
+    mode = job_cfg.get("mode", "convert")
+    if mode not in ("convert", "plan"):
+        raise ConfigError(f"job.mode must be 'convert' or 'plan', got {mode!r}")
+    fmt = target_cfg.get("format", FORMAT_CKPT)
+    if fmt not in (FORMAT_CKPT, FORMAT_SAFETENSORS):
+        raise ConfigError(f"target.format must be 'ckpt' or 'safetensors', got {fmt!r}")
+    unmapped = target_cfg.get("unmapped", UNMAPPED_OMIT)
+    if unmapped not in (UNMAPPED_OMIT, UNMAPPED_FULL):
+        raise ConfigError(f"target.unmapped must be 'omit' or 'full', got {unmapped!r}")
+    try:
+        max_memory = parse_bytes(job_cfg.get("max_memory") or DEFAULT_MAX_MEMORY)
+    except ValueError as e:
+        raise ConfigError(f"job.max_memory: {e}") from None
+    if max_memory < 1024:
+        raise ConfigError(f"job.max_memory={max_memory} bytes is too small (at least 1 KiB)")
+
+    # -- sources ------------------------------------------------------------------------------
+    checkpoints = _abs(source_cfg.get("checkpoints"), ctx.launch_dir)
+    strategy = _abs(source_cfg.get("strategy"), ctx.launch_dir)
+    if checkpoints is None:
+        if strategy is not None:
+            raise ConfigError("source.strategy is set but source.checkpoints is not")
+        checkpoints, strategy = ensure_demo(os.path.join(ctx.launch_dir, "runs", "demo"))
+        log.info("no source.checkpoints given: using the built-in demo (MLP 784-512-512-10 on 8 ranks) at %s", checkpoints)
+    found = discover(checkpoints, source_cfg.get("select", "last"))
+    src = load_strategy(strategy)
+    extra = sorted(r for r in found.files if r >= src.topology.devices)
+    if extra:
+        log.warning("ignoring rank director%s %s: the source strategy describes only %d rank(s)",
+                    "ies" if len(extra) > 1 else "y", ", ".join(f"rank_{r}" for r in extra), src.topology.devices)
+    for rank, others in sorted(found.ignored.items()):
+        if rank < src.topology.devices:
+            log.info("rank_%d: using %s, ignoring %s", rank, os.path.basename(found.files[rank]), ", ".join(others))
+    source_paths = {r: p for r, p in found.files.items() if r < src.topology.devices}
+    with SourceFiles(source_paths, verify_crc=False) as sources:
+        index = sources.index()
+        crc_info = {r: sources.reader(r).crc_stored for r in source_paths
+                    if isinstance(sources.reader(r), CheckpointReader) and sources.reader(r).has_crc}
+
+    # -- target and plan ------------------------------------------------------------------
+    target_cfg = dict(target_cfg)
+    target_cfg["strategy"] = _abs(target_cfg.get("strategy"), ctx.launch_dir)
+    tgt = _settle_target({"target": target_cfg}, src.topology, index)
+    planner = Planner(src.topology, tgt.topology, index, unmapped=unmapped)
+    if tgt.compiled is not None:
+        planner.notes.extend(tgt.compiled.notes)
+    ranks = job_cfg.get("ranks")
+    if ranks is not None:
+        bad = [r for r in ranks if not isinstance(r, int) or not 0 <= r < tgt.devices]
+        if bad:
+            raise ConfigError(f"job.ranks {bad} are not target ranks (0..{tgt.devices - 1})")
+        ranks = sorted(set(ranks))
+    missing: dict[int, list[int]] = {}
+    plan = planner.plan(ranks, missing=missing)
+    predicted = min(max_memory, 2 * max((rp.largest_slice for rp in plan.ranks), default=0))
+
+    if mode == "plan":
+        return _plan_only(plan, predicted, missing, ctx, tgt)
+    if missing:
+        from ..errors import MissingRankError
+
+        raise MissingRankError(missing, checkpoints)
+
+    # -- output directory ---------------------------------------------------------------------
+    out_dir = _abs(cfg["output"].get("dir"), ctx.launch_dir) or os.path.join(ctx.run_dir, "output")
+    out = OutputDir(out_dir, overwrite=bool(cfg["output"].get("overwrite", False)))
+    out.check_not_source([checkpoints] + ([strategy] if strategy and os.path.isdir(strategy) else []),
+                         list(source_paths.values()) + list(src.files))
+    out.check_writable()
+    out.lock()
+    store = run_id = None
+    try:
+        store, run_id = _open_lineage(cfg, ctx, out_dir, src.topology.devices, tgt.devices)
+        result = _convert(cfg, ctx, out, plan, src, tgt, source_paths, crc_info, fmt, max_memory, unmapped,
+                          ranks, store, run_id, checkpoints, strategy)
+        return result
+    except BaseException as e:
+        if store is not None and run_id is not None:
+            try:
+                store.fail_run(run_id, _error_text(e))
+            except Exception as le:  # the original error matters more
+                log.error("could not record the failure in the lineage database: %s", le)
+        raise
+    finally:
+        out.unlock()
+        if store is not None:
+            store.close()
+
+
+def _error_text(e: BaseException) -> str:
+    if isinstance(e, KeyboardInterrupt):
+        return "interrupted"
+    return str(e) or type(e).__name__
+
+
+def _plan_only(plan, predicted, missing, ctx: JobContext, tgt: _Target) -> JobResult:
+    import json
+
+    os.makedirs(ctx.run_dir, exist_ok=True)
+    plan_path = os.path.join(ctx.run_dir, "plan.json")
+    doc = plan.to_json()
+    doc["predicted_peak_memory"] = predicted
+    doc["missing"] = {str(k): v for k, v in sorted(missing.items())}
+    tmp = plan_path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(doc, f, indent=1)
+    os.replace(tmp, plan_path)
+    print(plan_report(plan, predicted_peak=predicted, missing=missing))
+    print(f"\nplan written to {plan_path} (nothing else was written)")
+    if missing:
+        from ..errors import MissingRankError
+
+        raise MissingRankError(missing)
+    return JobResult(STATUS_PLANNED, None, None, None, tgt.devices, plan_path)
+
+
+def _open_lineage(cfg, ctx: JobContext, out_dir, src_devices, dst_devices):
+    lin = cfg.get("lineage") or {}
+    if not lin.get("enabled", True):
+        return None, None
+    from ..lineage import LineageStore
+
+    logging.getLogger("alembic").setLevel(logging.WARNING)  # migration chatter is not the job's news
+    url = lin.get("url") or "sqlite:///" + os.path.join(ctx.launch_dir, "runs", "lineage.db")
+    if url.startswith("sqlite:///") and not url.startswith("sqlite:////"):
+        rel = url[len("sqlite:///"):]
+        if rel and rel != ":memory:":
+            url = "sqlite:///" + _abs(rel, ctx.launch_dir)
+    if url.startswith("sqlite:///"):
+        os.makedirs(os.path.dirname(url[len("sqlite:///"):]) or ".", exist_ok=True)
+    store = LineageStore(url)
+    try:
+        store.ensure_schema()
+        abandoned = store.mark_abandoned_runs()
+        if abandoned:
+            log.warning("lineage: marked %d run(s) left 'started' by killed processes as abandoned: %s",
+                        len(abandoned), ", ".join(a[:8] for a in abandoned))
+        run_id = store.start_run(config=cfg, overrides=list(ctx.overrides), tool_version=__version__,
+                                 output_dir=out_dir, source_devices=src_devices, target_devices=dst_devices,
+                                 sweep_id=ctx.sweep_id, job_num=ctx.job_num)
+    except BaseException:
+        store.close()
+        raise
+    return store, run_id
+
+
+def _convert(cfg, ctx, out: OutputDir, plan, src, tgt: _Target, source_paths, crc_info, fmt, max_memory,
+             unmapped, ranks, store, run_id, checkpoints, strategy) -> JobResult:
+    from ..lineage import FileRecord
+
+    # -- hash sources (and verify CRC trailers) ------------------------------------------------
+    needed = sorted(plan.source_ranks)
+    total = sum(os.path.getsize(source_paths[r]) for r in needed)
+    prog = Progress(total, len(needed), enabled=cfg["job"].get("progress"), desc="hashing sources")
+    requests = [(source_paths[r], (os.path.getsize(source_paths[r]) - CRC_TRAILER_LEN) if r in crc_info else None)
+                for r in needed]
+    digests = digest_files(requests, threads=2, progress=prog.add_bytes)
+    prog.close()
+    for r, d in zip(needed, digests):
+        if r in crc_info and d.crc32 != crc_info[r]:
+            from ..errors import CheckpointFormatError
+
+            raise CheckpointFormatError(source_paths[r], f"CRC32 mismatch: trailer says {crc_info[r]}, "
+                                                         f"records give {d.crc32} (file corrupted)")
+    source_files = [{"rank": r, "path": d.path, "size": d.size, "sha256": d.sha256} for r, d in zip(needed, digests)]
+    strategy_files = [digest_file(p) for p in src.files]
+    source_strategy = None
+    if strategy is not None:
+        source_strategy = {"path": strategy,
+                           "files": [{"path": d.path, "size": d.size, "sha256": d.sha256} for d in strategy_files]}
+        if len(strategy_files) == 1 and not os.path.isdir(strategy):
+            source_strategy.update(size=strategy_files[0].size, sha256=strategy_files[0].sha256)
+
+    # -- target strategy bytes -----------------------------------------------------------------
+    target_strategy_name = None
+    target_strategy_bytes = None
+    if tgt.topology is not None:
+        if tgt.strategy_bytes_path is not None:
+            with open(tgt.strategy_bytes_path, "rb") as f:
+                target_strategy_bytes = f.read()
+            target_strategy_name = "strategy.json" if format_for(tgt.strategy_bytes_path) == "json" else "strategy.ckpt"
+        else:
+            from ..formats.strategy import to_protobuf_bytes
+
+            target_strategy_bytes = to_protobuf_bytes(tgt.compiled.strategy)
+            target_strategy_name = "strategy.ckpt"
+    import hashlib
+
+    target_strategy_sha = hashlib.sha256(target_strategy_bytes).hexdigest() if target_strategy_bytes else None
+    prefix = cfg["target"].get("prefix", "checkpoint_")
+    fingerprint = job_fingerprint(
+        source_files=source_files, source_strategy=source_strategy, target_strategy_sha256=target_strategy_sha,
+        target={"devices": tgt.devices, "format": fmt, "prefix": prefix, "unmapped": unmapped,
+                "crc": bool(cfg["target"].get("crc", False)), "ranks": ranks},
+    )
+    inputs = [FileRecord(f["path"], f["sha256"], f["size"], "source_checkpoint", f["rank"]) for f in source_files]
+    inputs += [FileRecord(d.path, d.sha256, d.size, "strategy") for d in strategy_files]
+    if store is not None:
+        store.record_inputs(run_id, inputs)
+
+    # -- resume / idempotence -----------------------------------------------------------------
+    state = out.state(fingerprint)
+    if state == COMPLETE:
+        return _reuse_complete(out, store, run_id, plan)
+    resume = bool(cfg["job"].get("resume", True)) and state == PARTIAL
+    out.start_journal(fingerprint, keep=resume)
+    removed = out.remove_temp_files()
+    if removed:
+        log.info("removed %d temporary file(s) left by an interrupted run", removed)
+
+    strategy_out = None
+    if target_strategy_bytes is not None:
+        from ..formats.atomic import write_bytes_atomic
+
+        path = os.path.join(out.path, target_strategy_name)
+        size, sha = write_bytes_atomic(path, target_strategy_bytes, mode=0o444)
+        strategy_out = {"path": path, "size": size, "sha256": sha,
+                        "from": tgt.strategy_bytes_path or "target.layout"}
+
+    out_paths = {rp.target_rank: os.path.join(out.path, f"rank_{rp.target_rank}", f"{prefix}{rp.target_rank}.{fmt}")
+                 for rp in plan.ranks}
+    kept = out.reusable(out_paths) if resume else {}
+    if kept:
+        log.info("resuming: keeping %d target file(s) that verify: ranks %s", len(kept), sorted(kept))
+    written: dict[int, dict] = {r: {"path": out_paths[r], "size": e.size, "sha256": e.sha256, "tensors": e.tensors}
+                                for r, e in kept.items()}
+    tasks = [RankTask(rp, out_paths[rp.target_rank]) for rp in plan.ranks if rp.target_rank not in kept]
+    workers = cfg["job"].get("workers") or default_workers(len(tasks))
+    if not isinstance(workers, int) or workers < 1:
+        raise ConfigError(f"job.workers must be a positive integer, got {workers!r}")
+    workers = min(workers, max(1, len(tasks)))
+    total_out = sum(rp.bytes_written for rp in plan.ranks if rp.target_rank not in kept)
+    prog = Progress(total_out, len(tasks), enabled=cfg["job"].get("progress"), desc="converting")
+    log.info("converting %d target rank(s) with %d worker(s): %s to write", len(tasks), workers, human_bytes(total_out))
+
+    def on_done(rank: int, wf) -> None:
+        written[rank] = {"path": wf.path, "size": wf.size, "sha256": wf.sha256, "tensors": wf.tensors}
+        out.append_journal(JournalEntry(rank, out.relative(wf.path), wf.size, wf.sha256, wf.tensors))
+        prog.rank_done(rank, wf.size)
+
+    try:
+        run_tasks(tasks, source_paths, WriteOptions(fmt, max_memory, bool(cfg["target"].get("crc", False))),
+                  workers=workers, on_bytes=prog.add_bytes, on_done=on_done)
+    finally:
+        prog.close()
+
+    # -- manifest (last) ---------------------------------------------------------------------
+    target_files = [{"rank": r, "path": written[r]["path"], "size": written[r]["size"], "sha256": written[r]["sha256"]}
+                    for r in sorted(written)]
+    manifest = build_manifest(
+        run_id=run_id or "", tool_version=__version__, fingerprint=fingerprint, config=cfg,
+        source={"checkpoints": checkpoints, "select": cfg["source"].get("select", "last"),
+                "devices": src.topology.devices, "stage_devices": src.topology.stage_devices,
+                "stages": src.topology.num_stages, "strategy": source_strategy, "files": source_files},
+        target={"devices": tgt.devices, "format": fmt, "prefix": prefix, "ranks": ranks,
+                "strategy": strategy_out, "files": target_files},
+        tensors={str(r): written[r]["tensors"] for r in sorted(written)},
+        plan_summary={"totals": plan.to_json()["totals"], "omitted": plan.omitted, "notes": plan.notes,
+                      "source_ranks": {str(rp.target_rank): rp.source_ranks for rp in plan.ranks}},
+    )
+    m_size, m_sha = out.write_manifest(manifest)
+    if store is not None:
+        outputs = [FileRecord(f["path"], f["sha256"], f["size"], "target_checkpoint", f["rank"]) for f in target_files]
+        if strategy_out is not None:
+            outputs.append(FileRecord(strategy_out["path"], strategy_out["sha256"], strategy_out["size"], "strategy"))
+        outputs.append(FileRecord(out.manifest_path, m_sha, m_size, "manifest"))
+        store.complete_run(run_id, outputs=outputs, plan=plan.to_json())
+    return JobResult(STATUS_COMPLETED, out.path, run_id, manifest["manifest_sha256"], tgt.devices)
+
+
+def _reuse_complete(out: OutputDir, store, run_id, plan) -> JobResult:
+    """The same job already completed here: check the files are still in place and do nothing else."""
+    from ..lineage import FileRecord
+
+    manifest = out.read_manifest()
+    files = manifest["target"]["files"]
+    for f in files:
+        try:
+            size = os.path.getsize(f["path"])
+        except OSError:
+            size = None
+        if size != f["size"]:
+            from ..errors import OutputError
+
+            raise OutputError(f"{f['path']}: listed in {out.manifest_path} but "
+                              f"{'missing' if size is None else 'changed size'}; set job.resume=false and "
+                              "output.overwrite=true to redo the conversion")
+    log.info("nothing to do: %s already holds this conversion (run %s)", out.path, manifest.get("run_id"))
+    if store is not None:
+        m = digest_file(out.manifest_path)
+        outputs = [FileRecord(f["path"], f["sha256"], f["size"], "target_checkpoint", f["rank"]) for f in files]
+        strat = manifest["target"].get("strategy")
+        if strat:
+            outputs.append(FileRecord(strat["path"], strat["sha256"], strat["size"], "strategy"))
+        outputs.append(FileRecord(out.manifest_path, m.sha256, m.size, "manifest"))
+        store.complete_run(run_id, outputs=outputs, plan=plan.to_json())
+    return JobResult(STATUS_REUSED, out.path, run_id, manifest.get("manifest_sha256"), manifest["target"]["devices"])

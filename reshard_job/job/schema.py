@@ -1,0 +1,100 @@
+"""The batch job's configuration schema: dataclasses registered in Hydra's ConfigStore.
+
+The YAML presets in ``conf/`` are validated against these (types, unknown keys), so a typo fails
+at composition time with the key's name instead of being silently ignored. Keys and their meaning
+are part of the interface contract (``design.md``): add freely, never rename.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from hydra.core.config_store import ConfigStore
+
+# Prefixes of optimizer-state entries; they follow their parameter's rule unless a rule names them.
+OPTIMIZER_PREFIXES = [
+    "adam_m.", "adam_v.", "moments.", "accu_grads.", "accum.", "exp_avg.", "exp_avg_sq.",
+    "moment1.", "moment2.", "mean_grad.", "mean_square.", "momentum.",
+]
+
+
+@dataclass
+class SourceConfig:
+    # directory holding rank_<r>/ folders; null = the built-in demo (generated on first use)
+    checkpoints: Optional[str] = None
+    # strategy file (.json = JSON, else protobuf), directory of per-stage pipeline files, or null
+    strategy: Optional[str] = None
+    # which file of a rank folder: last (lexicographic, MindSpore's rule) | latest_step | a glob
+    select: str = "last"
+
+
+@dataclass
+class LayoutRule:
+    match: str = ".*"  # regular expression, must match the whole parameter name
+    # one entry per tensor dimension: null (not split), an axis name, or a list of axis names;
+    # [] = fully replicated whatever the rank
+    dims: List[Any] = field(default_factory=list)
+
+
+@dataclass
+class LayoutConfig:
+    # ordered named axes (first = slowest varying); the product must equal target.devices
+    mesh: Dict[str, int] = field(default_factory=dict)
+    # null, or an axis name: dimension 0 is additionally sharded across it (optimizer parallel)
+    optimizer_shard: Optional[str] = None
+    rules: List[LayoutRule] = field(default_factory=list)
+    optimizer_prefixes: List[str] = field(default_factory=lambda: list(OPTIMIZER_PREFIXES))
+
+
+@dataclass
+class TargetConfig:
+    devices: Optional[int] = None  # derived from target.strategy when omitted
+    strategy: Optional[str] = None  # a MindSpore strategy file; null with layout or devices=1
+    layout: Optional[LayoutConfig] = None
+    prefix: str = "checkpoint_"
+    format: str = "ckpt"  # ckpt | safetensors
+    # parameters in the source strategy but not the target one: omit (default) | full
+    unmapped: str = "omit"
+    crc: bool = False  # append MindSpore's CRC32 trailer to .ckpt outputs
+
+
+@dataclass
+class OutputConfig:
+    dir: Optional[str] = None  # null = <run dir>/output
+    overwrite: bool = False  # allow writing into a non-empty directory this tool did not produce
+
+
+@dataclass
+class LineageConfig:
+    enabled: bool = True
+    url: Optional[str] = None  # SQLAlchemy URL; null = sqlite:///<launch dir>/runs/lineage.db
+
+
+@dataclass
+class JobConfig:
+    mode: str = "convert"  # convert | plan
+    workers: Optional[int] = None  # parallel processes; null = CPU count, capped by target ranks
+    ranks: Optional[List[int]] = None  # a subset of target ranks; null = all
+    max_memory: Any = "256MiB"  # bound on in-flight tensor buffers per worker (bytes or "512MiB")
+    resume: bool = True  # keep target files of an interrupted identical run that still verify
+    progress: Optional[bool] = None  # progress bar; null = when stderr is a terminal
+
+
+@dataclass
+class ReshardConfig:
+    source: SourceConfig = field(default_factory=SourceConfig)
+    target: TargetConfig = field(default_factory=TargetConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+    lineage: LineageConfig = field(default_factory=LineageConfig)
+    job: JobConfig = field(default_factory=JobConfig)
+
+
+def register() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="reshard_schema", node=ReshardConfig)
+    cs.store(group="source", name="source_schema", node=SourceConfig)
+    cs.store(group="target", name="target_schema", node=TargetConfig)
+    cs.store(group="lineage", name="lineage_schema", node=LineageConfig)
+    cs.store(group="job", name="job_schema", node=JobConfig)
+    cs.store(group="output", name="output_schema", node=OutputConfig)
