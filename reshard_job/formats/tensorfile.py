@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import os
+import stat
 from dataclasses import dataclass, field
 from math import prod
 
@@ -76,6 +77,9 @@ class PositionedReader:
             raise self._error("is a directory, expected a file") from None
         except PermissionError:
             raise self._error("permission denied") from None
+        if stat.S_ISDIR(os.fstat(self._fd).st_mode):  # Linux opens directories read-only without complaint
+            self.close()
+            raise self._error("is a directory, expected a file")
         return self._fd
 
     def close(self) -> None:
