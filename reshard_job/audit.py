@@ -179,6 +179,10 @@ def main(argv: list[str] | None = None) -> int:
         _print(json.dumps(result, indent=2, sort_keys=False))
     else:
         _print(to_text(result))
+    if code == EXIT_MISMATCH:
+        # Scripts that only look at stderr still learn which files are at fault.
+        bad = "; ".join(f"{f['path']} {f['state']}" for f in result["files"] if f["state"] != "ok")
+        print(f"verify failed: {bad}", file=sys.stderr)
     return code
 
 

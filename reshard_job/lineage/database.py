@@ -94,6 +94,15 @@ def writer(engine: Engine) -> Engine:
 
 
 def _configure_sqlite(engine: Engine) -> None:
+    database_file = sqlite_file(engine.url)
+
+    @event.listens_for(engine, "do_connect")
+    def _create_directory(_dialect, _record, _cargs, _cparams):
+        # The default database lives in runs/, which a fresh checkout or launch directory may
+        # not have yet; SQLite creates the file but not its directory.
+        if database_file is not None:
+            os.makedirs(os.path.dirname(database_file) or ".", exist_ok=True)
+
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_connection, _record):
         # Let SQLAlchemy, not the sqlite3 module, decide when transactions begin (see "begin").
@@ -102,7 +111,7 @@ def _configure_sqlite(engine: Engine) -> None:
         try:
             cursor.execute(f"PRAGMA busy_timeout = {int(SQLITE_BUSY_TIMEOUT_S * 1000)}")
             cursor.execute("PRAGMA foreign_keys = ON")
-            if sqlite_file(engine.url) is not None:
+            if database_file is not None:
                 # Switching to WAL needs a moment of exclusive access; the setting is stored in
                 # the file, so only the first connection ever really changes anything.
                 _retry_sqlite_pragma(cursor, "PRAGMA journal_mode = WAL")

@@ -191,10 +191,10 @@ class _Tracer:
                 "role": role or artifact.kind, "rank": rank if rank is not None else artifact.rank}
         if depth > 0 and artifact.id not in self.ancestors:
             self.ancestors[artifact.id] = {**entry, "depth": depth}
+        # DISTINCT over ids only: PostgreSQL cannot compare the JSON columns of whole rows.
+        producer_ids = select(Event.run_id).where(Event.artifact_id == artifact.id, Event.direction == "output")
         producers = self.session.scalars(
-            select(Run).join(Event, Event.run_id == Run.id)
-            .where(Event.artifact_id == artifact.id, Event.direction == "output")
-            .distinct().order_by(Run.started_at, Run.id)).all()
+            select(Run).where(Run.id.in_(producer_ids)).order_by(Run.started_at, Run.id)).all()
         node["produced_by"] = [self.hop(run, depth) for run in producers]
         node["original"] = not producers
         return node

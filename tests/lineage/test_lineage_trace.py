@@ -1,0 +1,118 @@
+"""Ancestry across runs by content: a copied output of run A, converted again by run B."""
+
+from __future__ import annotations
+
+import pytest
+
+from reshard_job.lineage import LineageError, queries
+
+
+def _walk(node, depth=0):
+    yield node, depth
+    for hop in node["produced_by"]:
+        for child in hop["inputs"]:
+            yield from _walk(child, depth + 1)
+
+
+def test_final_file_traces_back_to_all_eight_original_sources(store, two_hop):
+    with store.read_session() as session:
+        result = queries.trace(session, two_hop.final.path)
+
+    root = result["root"]
+    assert root["sha256"] == two_hop.final.sha256
+    assert [hop["run_id"] for hop in root["produced_by"]] == [two_hop.run_b]
+    assert [run["run_id"] for run in result["runs"]] == [two_hop.run_b, two_hop.run_a]
+
+    # The copy that B read is the same artifact as A's rank-0 output, so the walk reaches A.
+    hop_b = root["produced_by"][0]
+    copied = next(child for child in hop_b["inputs"] if child["path"] == two_hop.copied.path)
+    assert copied["sha256"] == two_hop.outputs_a[0].sha256
+    assert [hop["run_id"] for hop in copied["produced_by"]] == [two_hop.run_a]
+    assert two_hop.outputs_a[0].path in copied["paths"]
+
+    originals = {a["sha256"] for a in result["original_sources"] if a["kind"] == "source_checkpoint"}
+    assert originals == {f.sha256 for f in two_hop.sources}
+    ancestor_hashes = {a["sha256"] for a in result["ancestors"]}
+    assert {f.sha256 for f in two_hop.sources} | {two_hop.source_strategy.sha256} <= ancestor_hashes
+
+    leaves = {node["sha256"] for node, _ in _walk(root) if node["original"]}
+    assert {f.sha256 for f in two_hop.sources} <= leaves
+
+
+def test_hops_carry_run_date_sources_and_strategies(store, two_hop):
+    with store.read_session() as session:
+        result = queries.trace(session, two_hop.final.path)
+    hop_a = next(run for run in result["runs"] if run["run_id"] == two_hop.run_a)
+    assert hop_a["started_at"] and (hop_a["source_devices"], hop_a["target_devices"]) == (8, 4)
+    assert [f["rank"] for f in hop_a["source_checkpoints"]] == list(range(8))
+    assert [f["sha256"] for f in hop_a["source_checkpoints"]] == [f.sha256 for f in two_hop.sources]
+    strategies = {(f["direction"], f["sha256"]) for f in hop_a["strategy_files"]}
+    assert ("input", two_hop.source_strategy.sha256) in strategies
+    assert ("output", two_hop.outputs_a[4].sha256) in strategies
+
+
+def test_shared_ancestors_are_expanded_once(store, two_hop):
+    with store.read_session() as session:
+        result = queries.trace(session, two_hop.final.path)
+    mentions = [hop for node, _ in _walk(result["root"]) for hop in node["produced_by"]
+                if hop["run_id"] == two_hop.run_a]
+    assert len(mentions) == 4 + 1  # four checkpoints and the strategy of A, as read by B
+    assert sum(not hop["expanded_elsewhere"] for hop in mentions) == 1
+
+
+def test_trace_by_sha256_and_by_copied_path(store, two_hop):
+    with store.read_session() as session:
+        by_hash = queries.trace(session, two_hop.final.sha256.upper())
+        by_copy = queries.trace(session, two_hop.copied.path)
+    assert by_hash["root"]["sha256"] == two_hop.final.sha256
+    assert by_hash["query"] == {"sha256": two_hop.final.sha256, "path": None}
+    assert [run["run_id"] for run in by_copy["runs"]] == [two_hop.run_a]
+
+
+def test_an_original_source_is_its_own_origin(store, two_hop):
+    with store.read_session() as session:
+        result = queries.trace(session, two_hop.sources[3].path)
+    assert result["root"]["original"] and result["runs"] == [] and result["ancestors"] == []
+
+
+def test_unknown_content_and_changed_files_are_one_line_errors(store, two_hop, tmp_path):
+    stranger = tmp_path / "stranger.ckpt"
+    stranger.write_bytes(b"never recorded")
+    with store.read_session() as session:
+        with pytest.raises(LineageError, match="is not in the lineage database"):
+            queries.trace(session, str(stranger))
+        with pytest.raises(LineageError, match="no file with sha256"):
+            queries.trace(session, "ab" * 32)
+        with open(two_hop.final.path, "r+b") as f:
+            f.write(b"X")
+        with pytest.raises(LineageError, match="file changed since") as err:
+            queries.trace(session, two_hop.final.path)
+    assert "\n" not in str(err.value)
+
+
+def test_a_deleted_file_is_traced_from_what_was_recorded_at_its_path(store, two_hop):
+    import os
+
+    os.remove(two_hop.final.path)
+    with store.read_session() as session:
+        result = queries.trace(session, two_hop.final.path)
+    assert result["root"]["sha256"] == two_hop.final.sha256
+    assert "not on disk" in result["query"]["note"]
+
+
+def test_a_round_trip_that_reproduces_its_sources_terminates(store, tmp_path, make_file):
+    # 1 -> 2 -> 1 can give back the original file bit for bit: the file is its own ancestor.
+    original = make_file(tmp_path / "full.ckpt", b"full model", "source_checkpoint", 0)
+    halves = [make_file(tmp_path / f"half_{r}.ckpt", f"half {r}".encode(), "target_checkpoint", r) for r in range(2)]
+    split = store.start_run(config={}, overrides=[], tool_version="0.1.0", output_dir=str(tmp_path),
+                            source_devices=1, target_devices=2)
+    store.record_inputs(split, [original])
+    store.complete_run(split, outputs=halves, plan={"ranks": []})
+    merge = store.start_run(config={}, overrides=[], tool_version="0.1.0", output_dir=str(tmp_path),
+                            source_devices=2, target_devices=1)
+    store.record_inputs(merge, halves)
+    store.complete_run(merge, outputs=[make_file(tmp_path / "merged.ckpt", b"full model", "target_checkpoint", 0)],
+                       plan={"ranks": []})
+    with store.read_session() as session:
+        result = queries.trace(session, original.path)
+    assert {run["run_id"] for run in result["runs"]} == {split, merge}

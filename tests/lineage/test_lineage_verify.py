@@ -1,0 +1,76 @@
+"""Is the file on disk still the one we produced? Re-hash against the record."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from reshard_job.lineage import LineageError, queries
+
+
+def _flip_one_byte(path: str, offset: int = 10) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
+def test_intact_outputs_pass(store, two_hop):
+    with store.read_session() as session:
+        report = queries.verify(session, two_hop.run_a)
+    assert report["intact"] and report["checked"] == 6 and report["ok"] == 6
+    assert {f["path"] for f in report["files"]} == {f.path for f in two_hop.outputs_a}
+
+
+def test_one_flipped_byte_is_reported_by_name(store, two_hop):
+    changed = two_hop.outputs_a[2]
+    _flip_one_byte(changed.path)
+    with store.read_session() as session:
+        report = queries.verify(session, two_hop.run_a[:8])  # a unique prefix is enough
+    assert not report["intact"] and report["changed"] == 1 and report["ok"] == 5
+    bad = [f for f in report["files"] if f["state"] != "ok"]
+    assert [(f["path"], f["state"]) for f in bad] == [(changed.path, "changed")]
+    assert bad[0]["expected_sha256"] == changed.sha256 and bad[0]["actual_sha256"] != changed.sha256
+
+
+def test_a_missing_file_is_reported_by_name(store, two_hop):
+    manifest = two_hop.outputs_b[-1]
+    os.remove(manifest.path)
+    with store.read_session() as session:
+        report = queries.verify(session, two_hop.run_b)
+    assert not report["intact"] and report["missing"] == 1
+    assert [f["path"] for f in report["files"] if f["state"] == "missing"] == [manifest.path]
+
+
+def test_verify_a_path_against_what_was_recorded_there(store, two_hop):
+    with store.read_session() as session:
+        assert queries.verify(session, two_hop.final.path)["intact"]
+        _flip_one_byte(two_hop.final.path, offset=0)
+        report = queries.verify(session, two_hop.final.path)
+        assert not report["intact"] and report["files"][0]["run_ids"] == [two_hop.run_b]
+        os.remove(two_hop.final.path)
+        assert queries.verify(session, two_hop.final.path)["missing"] == 1
+
+
+def test_inputs_are_checked_on_request(store, two_hop):
+    os.remove(two_hop.sources[5].path)
+    with store.read_session() as session:
+        assert queries.verify(session, two_hop.run_a)["intact"]
+        report = queries.verify(session, two_hop.run_a, include_inputs=True)
+    assert report["checked"] == 6 + 9
+    assert [f["path"] for f in report["files"] if f["state"] == "missing"] == [two_hop.sources[5].path]
+
+
+def test_nothing_to_verify_is_an_error(store, two_hop, tmp_path):
+    failed = store.start_run(config={}, overrides=[], tool_version="0.1.0", output_dir=str(tmp_path),
+                             source_devices=8, target_devices=4)
+    store.fail_run(failed, "out of memory")
+    with store.read_session() as session:
+        with pytest.raises(LineageError, match="failed and has no recorded outputs"):
+            queries.verify(session, failed)
+        with pytest.raises(LineageError, match="no file was ever recorded"):
+            queries.verify(session, str(tmp_path / "never.ckpt"))
+        with pytest.raises(LineageError, match="no run with id"):
+            queries.verify(session, "not-a-run")
