@@ -51,7 +51,7 @@ def app(cfg: DictConfig) -> None:
         result = run_job(resolved, ctx)
     except ReshardError as e:
         # A user-facing error: one line, no traceback (HYDRA_FULL_ERROR=1 shows it).
-        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        if os.environ.get(_USER_FULL_ERROR) == "1":
             raise
         print(f"reshard_job: error: {e}", file=sys.stderr)
         if not multirun:
@@ -67,8 +67,54 @@ def app(cfg: DictConfig) -> None:
             print(f"  lineage run {result.run_id}: python -m reshard_job.audit show {result.run_id}")
 
 
+_USER_FULL_ERROR = "RESHARD_JOB_FULL_ERROR"
+
+
+def one_line(exc: BaseException) -> str:
+    """Condense Hydra's and OmegaConf's multi-line configuration errors into one line."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    if isinstance(exc, OmegaConfBaseException) and getattr(exc, "msg", None):
+        key = getattr(exc, "full_key", None)
+        msg = str(exc.msg).strip().splitlines()[0]
+        return f"{key}: {msg}" if key and not msg.startswith(f"{key}:") else msg
+    lines = [ln.strip() for ln in str(exc).splitlines()]
+    head = next((ln for ln in lines if ln), type(exc).__name__)
+    options = []
+    if "Available options in" in str(exc):
+        start = next(i for i, ln in enumerate(lines) if ln.startswith("Available options in"))
+        for ln in lines[start + 1:]:
+            if not ln or ln.startswith("Config search path"):
+                break
+            if not ln.endswith("_schema"):  # the structured-config schemas are not presets
+                options.append(ln)
+    cause = exc.__cause__
+    detail = f" ({one_line(cause)})" if cause is not None and cause is not exc and not options else ""
+    return head + (f" (available: {', '.join(options)})" if options else "") + detail
+
+
 def main() -> None:
-    app()
+    """Run the Hydra app; configuration errors (unknown preset, bad override) become one line.
+
+    Hydra prints such errors over several lines itself unless HYDRA_FULL_ERROR=1, in which case it
+    re-raises them; we set it to catch them here, and keep the user's own setting, which still
+    gives full tracebacks.
+    """
+    os.environ.setdefault(_USER_FULL_ERROR, os.environ.get("HYDRA_FULL_ERROR", "0"))
+    user_full = os.environ[_USER_FULL_ERROR] == "1"
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        app()
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except Exception as e:
+        from hydra.errors import HydraException
+        from omegaconf.errors import OmegaConfBaseException
+
+        if user_full or not isinstance(e, (HydraException, OmegaConfBaseException)):
+            raise
+        print(f"reshard_job: error: {one_line(e)}", file=sys.stderr)
+        sys.exit(1)
     if FAILED:
         sys.exit(1)
 

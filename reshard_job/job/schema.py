@@ -91,10 +91,6 @@ class ReshardConfig:
 
 
 def register() -> None:
-    cs = ConfigStore.instance()
-    cs.store(name="reshard_schema", node=ReshardConfig)
-    cs.store(group="source", name="source_schema", node=SourceConfig)
-    cs.store(group="target", name="target_schema", node=TargetConfig)
-    cs.store(group="lineage", name="lineage_schema", node=LineageConfig)
-    cs.store(group="job", name="job_schema", node=JobConfig)
-    cs.store(group="output", name="output_schema", node=OutputConfig)
+    # One schema for the whole tree: the primary config lists it first in its defaults, so every
+    # group's YAML preset is merged onto (and validated by) the typed dataclasses above.
+    ConfigStore.instance().store(name="reshard_schema", node=ReshardConfig)
