@@ -1,0 +1,755 @@
+"""Benchmark runner: our conversion against ``cp -r`` of the same source, in one invocation.
+
+For every requested model size and dtype it generates (or reuses) synthetic GPT-like sources
+(``generate.py``), then, for ``--runs`` rounds, times as child processes:
+
+* ``cp -r`` of each source directory used (the baseline), and ``cp -r`` followed by an fsync of
+  every copied file (``cp -r + fsync``): our writer fsyncs each output before renaming it into
+  place, plain ``cp`` does not, so both baselines are reported;
+* our conversion for each case (8->4, 8->16, 8->6, pipeline 2x4->4) and each ``--workers`` value,
+  through the batch job (``--via job``) or the Python API (``--via api``);
+* optionally MindSpore's ``transform_checkpoints`` (``--mindspore-python``).
+
+Every timed command starts from a warm page cache: the source directory is read once right before
+it (nothing is dropped from the cache, which needs no privileges and treats both sides alike).
+Outputs are deleted and ``sync`` is called after every run, outside the timed region, so that one
+run's write-back does not land in the next one's time. Wall time is measured around the child,
+peak RSS from ``os.wait4`` on that child (``ru_maxrss``: the largest single process of its tree)
+and from sampling the summed RSS of the child's process tree every 50 ms (for multi-process
+workers). Medians over the runs are reported with ratios to ``cp -r`` measured in the same round.
+
+Each case's output is verified once (outside the timed region) against the generator's known
+content, so a fast but wrong conversion cannot be reported as a result.
+
+Results: ``benchmarks/results/<timestamp>.json`` (raw), ``latest.md`` (table), ``scaling.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+if REPO not in sys.path:
+    sys.path.insert(1, REPO)
+
+import generate as gen  # noqa: E402
+
+CASES = {  # name -> (source, target ranks, description)
+    "8to4": ("src", 4, "8 (mp4 x dp2, opt) -> 4 (mp4)"),
+    "8to16": ("src", 16, "8 (mp4 x dp2, opt) -> 16 (mp4 x dp4, opt)"),
+    "8to6": ("src", 6, "8 (mp4 x dp2, opt) -> 6 (mp2 x dp3, opt)"),
+    "pp2x4to4": ("src_pp", 4, "pipeline 2 x 4 (mp2 x dp2, opt) -> 4 (mp4)"),
+}
+MINDSPORE_CASES = {"8to4", "8to16", "pp2x4to4"}  # MindSpore rejects 8 -> 6
+MIB = 1024 * 1024
+SAMPLE_INTERVAL = 0.05
+
+# Reference: MindSpore 2.10 transform_checkpoints on this kind of machine (from the performance issue)
+MINDSPORE_REFERENCE = [
+    ("8to4", "float16", 2.07, 36.5, 5.5 * 1024),
+    ("8to4", "bfloat16", 2.07, 57.5, 9.5 * 1024),
+    ("8to16", "float16", 2.07, 47.6, 5.0 * 1024),
+]
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+# ====================================================================================== measuring
+
+
+def _children_map() -> dict[int, list[int]]:
+    kids: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # the command name may hold spaces and parentheses: the ppid follows the last ')'
+        rest = stat[stat.rfind(b")") + 2:].split()
+        kids.setdefault(int(rest[1]), []).append(int(entry))
+    return kids
+
+
+def _rss_bytes(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/statm", "rb") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+class TreeRssSampler(threading.Thread):
+    """Samples the summed RSS of a process and all its descendants."""
+
+    def __init__(self, pid: int):
+        super().__init__(daemon=True)
+        self.pid = pid
+        self.peak = 0
+        self.max_procs = 0
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        while not self._halt.is_set():
+            kids = _children_map()
+            tree, todo = [], list(kids.get(self.pid, ()))  # the measured command and its descendants
+            while todo:
+                p = todo.pop()
+                tree.append(p)
+                todo.extend(kids.get(p, ()))
+            self.peak = max(self.peak, sum(_rss_bytes(p) for p in tree))
+            self.max_procs = max(self.max_procs, len(tree))
+            self._halt.wait(SAMPLE_INTERVAL)
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join()
+
+
+def run_timed(cmd: list[str], log_path: str, *, cwd: str | None = None, env: dict | None = None) -> dict:
+    """Run `cmd` as a child of ``measure_child.py``: wall time and rusage of that child (os.wait4),
+    plus the summed RSS of its process tree sampled every 50 ms (for multi-process workers)."""
+    res_path = log_path + ".rusage.json"
+    if os.path.exists(res_path):
+        os.unlink(res_path)
+    wrapped = [sys.executable, "-S", os.path.join(HERE, "measure_child.py"), res_path, "--", *cmd]
+    with open(log_path, "ab") as logf:
+        logf.write(("\n$ " + shlex.join(cmd) + "\n").encode())
+        logf.flush()
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(wrapped, stdout=logf, stderr=subprocess.STDOUT, cwd=cwd, env=env)
+        sampler = TreeRssSampler(proc.pid)
+        sampler.start()
+        proc.wait()
+        outer_wall = time.perf_counter() - t0
+        sampler.stop()
+    try:
+        with open(res_path) as f:
+            ru = json.load(f)
+    except (OSError, ValueError):
+        ru = {"wall_s": outer_wall, "rc": proc.returncode or 1, "maxrss_kib": 0, "user_s": 0.0, "sys_s": 0.0}
+    maxrss = ru["maxrss_kib"] * 1024
+    return {
+        "wall_s": ru["wall_s"],
+        "rc": ru["rc"],
+        "maxrss_mib": maxrss / MIB,
+        "tree_rss_peak_mib": sampler.peak / MIB,
+        "peak_rss_mib": max(maxrss, sampler.peak) / MIB,
+        "procs": sampler.max_procs,
+        "user_s": ru["user_s"],
+        "sys_s": ru["sys_s"],
+        "oublock": ru.get("oublock"),
+    }
+
+
+def log_tail(path: str, lines: int = 15) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.path.getsize(path) - 8192))
+            return "\n".join(f.read().decode(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def warm(path: str) -> int:
+    """Read every file under `path` once so that it sits in the page cache; return bytes read."""
+    buf = bytearray(16 * MIB)
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for name in sorted(files):
+            with open(os.path.join(dirpath, name), "rb", buffering=0) as f:
+                while True:
+                    n = f.readinto(buf)
+                    if not n:
+                        break
+                    total += n
+    return total
+
+
+def rm(path: str) -> None:
+    if os.path.isdir(path):
+        for dirpath, dirnames, _ in os.walk(path):  # outputs are written read-only
+            for d in dirnames:
+                os.chmod(os.path.join(dirpath, d), 0o755)
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def settle() -> None:
+    """Flush write-back so that it does not spill into the next timed run."""
+    os.sync()
+    time.sleep(0.5)
+
+
+# ========================================================================================= tools
+
+
+def job_available(python: str) -> tuple[bool, str]:
+    try:
+        p = subprocess.run([python, "-m", "reshard_job", "--help"], capture_output=True, timeout=180, cwd=REPO)
+    except subprocess.TimeoutExpired:
+        return False, "python -m reshard_job --help timed out"
+    if p.returncode != 0:
+        err = (p.stderr or p.stdout).decode(errors="replace").strip().splitlines()
+        return False, f"python -m reshard_job --help exited {p.returncode}: {err[-1] if err else ''}"
+    return True, ""
+
+
+def ours_command(via: str, python: str, src: str, src_strategy: str, dst_strategy: str, out: str,
+                 workers: int, scratch: str) -> list[str]:
+    if via == "job":
+        return [
+            python, "-m", "reshard_job",
+            "source=checkpoints",  # config groups for real inputs (the defaults are the built-in demo)
+            "target=strategy",
+            f"source.checkpoints={src}",
+            f"source.strategy={src_strategy}",
+            f"target.strategy={dst_strategy}",
+            f"output.dir={out}",
+            f"job.workers={workers}",
+            f"lineage.url=sqlite:///{os.path.join(scratch, 'lineage.db')}",
+            f"hydra.run.dir={os.path.join(scratch, 'hydra')}",
+        ]
+    return [python, os.path.join(HERE, "convert_api.py"), src, out, src_strategy, dst_strategy,
+            "--workers", str(workers)]
+
+
+def mindspore_available(python: str) -> tuple[bool, str]:
+    try:
+        p = subprocess.run([python, "-c", "import mindspore; print(mindspore.__version__)"],
+                           capture_output=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return False, str(e)
+    if p.returncode != 0:
+        return False, (p.stderr.decode(errors="replace").strip().splitlines() or ["import failed"])[-1]
+    return True, p.stdout.decode().strip()
+
+
+# ===================================================================================== verifying
+
+
+def _sample_names(d: gen.ModelDims) -> set[str]:
+    base = {"embedding_table", "head.weight", "final_ln.gamma", "final_ln.beta"}
+    first_stage1 = (d.layers + 1) // 2
+    for i in sorted({0, first_stage1 - 1, first_stage1, d.layers - 1}):
+        base |= {p.name for p in gen.model_params(d) if p.name.startswith(f"layers.{i}.")}
+    return base | {f"{m}.{n}" for m in ("adam_m", "adam_v") for n in base}
+
+
+def verify_output(out_dir: str, meta: dict, n_target: int, mode: str = "sample") -> dict:
+    """Check every target file: entry names, dtypes, shapes; the bytes of all (full) or a sample of
+    parameters (first/last layer of each pipeline stage, embedding, head, final norm, their adam
+    states) against the generator's pattern for the target layout; the scalar entries."""
+    from reshard_job.formats.ckpt import CheckpointReader
+
+    d = gen.ModelDims(**meta["dims"])
+    mesh = gen.TARGETS[n_target]
+    params = gen.all_params(d)
+    sample = None if mode == "full" else _sample_names(d)
+    want_names = {p.name for p in params} | {name for name, *_ in gen.scalar_entries()}
+    t0 = time.perf_counter()
+    checked_bytes = 0
+    problems: list[str] = []
+    for t in range(n_target):
+        path = os.path.join(out_dir, f"rank_{t}", f"checkpoint_{t}.ckpt")
+        if not os.path.isfile(path):
+            problems.append(f"missing {path}")
+            continue
+        with CheckpointReader(path) as r:
+            names = set(r.entries)
+            if names != want_names:
+                problems.append(f"rank {t}: missing {sorted(want_names - names)[:5]}, "
+                                f"unexpected {sorted(names - want_names)[:5]}")
+            for name, dt, dims, arr in gen.scalar_entries():
+                if name in r.entries:
+                    got = r.read(name)
+                    if r[name].dtype != dt or got.tobytes() != arr.tobytes():
+                        problems.append(f"rank {t}: {name} = {got!r} ({r[name].dtype}), expected {arr!r}")
+            for p in params:
+                if p.name not in r.entries:
+                    continue
+                e = r[p.name]
+                box = gen.megatron_box(mesh, p, t)
+                shape = tuple(b - a for a, b in box)
+                if e.dtype != d.ms_dtype or tuple(e.shape) != shape:
+                    problems.append(f"rank {t}: {p.name} is {e.dtype}{list(e.shape)}, expected {d.ms_dtype}{list(shape)}")
+                    continue
+                if sample is not None and p.name not in sample:
+                    continue
+                # compare in row blocks so that the check's memory stays small
+                rows = shape[0]
+                row_elems = int(np.prod(shape[1:])) if len(shape) > 1 else 1
+                step = max(1, gen.GEN_CHUNK_ELEMS // max(1, row_elems))
+                for lo in range(0, rows, step):
+                    hi = min(rows, lo + step)
+                    local = ((lo, hi),) + tuple((0, n) for n in shape[1:])
+                    glob = ((box[0][0] + lo, box[0][0] + hi),) + box[1:]
+                    got = r.read_box(p.name, local)
+                    exp = gen.expected_box(p.name, p.shape, glob, d.itemsize)
+                    checked_bytes += exp.nbytes
+                    if got.view(exp.dtype).tobytes() != exp.tobytes():
+                        problems.append(f"rank {t}: {p.name} rows {glob[0]} differ from the expected content")
+                        break
+    return {
+        "ok": not problems,
+        "mode": mode,
+        "checked_bytes": checked_bytes,
+        "seconds": round(time.perf_counter() - t0, 2),
+        "problems": problems[:20],
+    }
+
+
+# ======================================================================================= running
+
+
+def _parse_list(text: str, kind=str) -> list:
+    return [kind(x) for x in text.split(",") if x.strip()]
+
+
+def median(xs):
+    return statistics.median(xs) if xs else None
+
+
+def summarize(rec: dict) -> dict:
+    walls = [r["wall_s"] for r in rec["runs"]]
+    rss = [r["peak_rss_mib"] for r in rec["runs"]]
+    out = dict(rec)
+    out["median_wall_s"] = median(walls)
+    out["min_wall_s"] = min(walls) if walls else None
+    out["max_wall_s"] = max(walls) if walls else None
+    out["median_peak_rss_mib"] = median(rss)
+    out["max_peak_rss_mib"] = max(rss) if rss else None
+    out["gb_per_s"] = rec["source_bytes"] / 1e9 / out["median_wall_s"] if walls else None
+    return out
+
+
+def git_commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, cwd=REPO, timeout=30,
+                              text=True).stdout.strip() or None
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
+def machine_info() -> dict:
+    mem = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    mem = round(int(line.split()[1]) / 1024 / 1024, 1)
+    except OSError:
+        pass
+    cpu = None
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), None)
+    except OSError:
+        pass
+    return {
+        "cpu_count": os.cpu_count(),
+        "cpu_model": cpu,
+        "mem_gib": mem,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--sizes", default="0.5,1,2", help="model sizes in GB (1e9 bytes), comma list")
+    ap.add_argument("--dtypes", default="float16",
+                    help="comma list of float16, bfloat16, float32; DTYPE@S1+S2 limits a dtype to those sizes "
+                         "(e.g. float16,bfloat16@2 runs bfloat16 at 2 GB only)")
+    ap.add_argument("--cases", default=",".join(CASES), help=f"comma list of {', '.join(CASES)}")
+    ap.add_argument("--runs", type=int, default=3, help="timed runs of each command (medians are reported)")
+    ap.add_argument("--workers", default="1", help="comma list of worker counts, e.g. 1,2")
+    ap.add_argument("--via", choices=("job", "api"), default=None,
+                    help="how our conversion is invoked (default: job if `python -m reshard_job` works, else api)")
+    ap.add_argument("--keep-data", action="store_true", help="keep generated sources under --data-dir afterwards")
+    ap.add_argument("--data-dir", default=os.path.join(HERE, "data"))
+    ap.add_argument("--results-dir", default=os.path.join(HERE, "results"))
+    ap.add_argument("--verify", choices=("sample", "full", "none"), default="sample",
+                    help="how much of each case's output to check against the known content (once per case)")
+    ap.add_argument("--no-fsync-baseline", action="store_true", help="skip the `cp -r + fsync` baseline")
+    ap.add_argument("--mindspore-python", default=os.environ.get("MINDSPORE_PYTHON"),
+                    help="a Python that can `import mindspore` (own venv, numpy<2): also time MindSpore")
+    ap.add_argument("--python", default=sys.executable, help="interpreter for our conversion")
+    ap.add_argument("--gen-jobs", type=int, default=None, help="processes used to generate sources")
+    a = ap.parse_args(argv)
+
+    sizes = _parse_list(a.sizes, float)
+    dtype_sizes: dict[str, list[float]] = {}
+    for spec in _parse_list(a.dtypes):
+        name, _, only = spec.partition("@")
+        dtype_sizes[name] = [float(x) for x in only.split("+")] if only else sizes
+    dtypes = list(dtype_sizes)
+    cases = _parse_list(a.cases)
+    workers_list = _parse_list(a.workers, int)
+    for c in cases:
+        if c not in CASES:
+            ap.error(f"unknown case {c!r}; choose from {', '.join(CASES)}")
+    for dt in dtypes:
+        if dt not in gen.DTYPES:
+            ap.error(f"unknown dtype {dt!r}")
+    notes: list[str] = []
+
+    via = a.via
+    ok, why = job_available(a.python)
+    if via is None:
+        via = "job" if ok else "api"
+        if not ok:
+            notes.append(f"`python -m reshard_job` is not usable ({why}); timed through the Python API instead.")
+            log(f"[note] {notes[-1]}")
+    elif via == "job" and not ok:
+        log(f"[error] --via job: {why}")
+        return 2
+
+    ms_python = None
+    if a.mindspore_python:
+        ok_ms, ms_info = mindspore_available(a.mindspore_python)
+        if ok_ms:
+            ms_python = a.mindspore_python
+            log(f"[mindspore] {ms_python}: MindSpore {ms_info}")
+        else:
+            notes.append(f"MindSpore not timed: {a.mindspore_python} cannot import mindspore ({ms_info}).")
+            log(f"[note] {notes[-1]}")
+
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    os.makedirs(a.results_dir, exist_ok=True)
+    scratch_root = os.path.join(a.data_dir, "_work", stamp)
+    os.makedirs(scratch_root, exist_ok=True)
+    log_path = os.path.join(scratch_root, "children.log")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+
+    result = {
+        "timestamp": stamp,
+        "command": shlex.join(["python", os.path.relpath(os.path.abspath(__file__), REPO)] + sys.argv[1:]),
+        "argv": sys.argv,
+        "via": via,
+        "git_commit": git_commit(),
+        "machine": machine_info(),
+        "notes": notes,
+        "measurements": [],
+        "verifications": [],
+    }
+    generated: list[str] = []
+    failed = False
+    measurements = result["measurements"]
+
+    def record(key: dict, res: dict, source_bytes: int) -> dict:
+        for m in measurements:
+            if all(m.get(k) == v for k, v in key.items()):
+                m["runs"].append(res)
+                return m
+        m = dict(key, source_bytes=source_bytes, runs=[res])
+        measurements.append(m)
+        return m
+
+    try:
+        for dtype in dtypes:
+            for size in dtype_sizes[dtype]:
+                data = gen.data_dir_for(a.data_dir, size, dtype)
+                needed = sorted({CASES[c][0] for c in cases})
+                existed = os.path.exists(os.path.join(data, "meta.json"))
+                meta = gen.generate(data, size, dtype, sources=needed, jobs=a.gen_jobs, log=log)
+                if not existed:
+                    generated.append(data)
+                strategies = meta["strategies"]
+                src_bytes = {s: meta["sources"][s]["bytes"] for s in needed}
+                base = {"size_gb": size, "dtype": dtype, "model_bytes": meta["model_bytes"]}
+                verified: set = set()
+                for run_i in range(a.runs):
+                    for s in needed:
+                        src = os.path.join(data, s)
+                        tools = [("cp -r", ["cp", "-r"])]
+                        if not a.no_fsync_baseline:
+                            tools.append(("cp -r + fsync", None))
+                        for tool, _ in tools:
+                            out = os.path.join(scratch_root, "out")
+                            rm(out)
+                            if tool == "cp -r":
+                                cmd = ["cp", "-r", src, out]
+                            else:
+                                cmd = ["sh", "-c", 'cp -r "$0" "$1" && find "$1" -type f -exec sync {} +', src, out]
+                            warm(src)
+                            res = run_timed(cmd, log_path)
+                            rm(out)
+                            settle()
+                            if res["rc"] != 0:
+                                failed = True
+                                raise RuntimeError(f"{tool} failed (rc {res['rc']}): {log_tail(log_path)}")
+                            record(dict(base, case=f"copy:{s}", source=s, tool=tool, workers=1), res, src_bytes[s])
+                            log(f"[{size:g} GB {dtype}] run {run_i + 1}/{a.runs} {tool:<14} {s:<7} "
+                                f"{res['wall_s']:7.2f} s  peak RSS {res['peak_rss_mib']:7.1f} MiB")
+                    for case in cases:
+                        s, n_target, _desc = CASES[case]
+                        src = os.path.join(data, s)
+                        src_strategy = strategies[s]
+                        dst_strategy = strategies[f"dst_{n_target}"]
+                        runners = [("reshard_job", w) for w in workers_list]
+                        if ms_python and case in MINDSPORE_CASES:
+                            runners.append(("mindspore", 1))
+                        for tool, w in runners:
+                            out = os.path.join(scratch_root, "out")
+                            scratch = os.path.join(scratch_root, "scratch")
+                            rm(out)
+                            rm(scratch)
+                            os.makedirs(scratch)
+                            if tool == "mindspore":
+                                cmd = [ms_python, os.path.join(HERE, "convert_mindspore.py"), src, out,
+                                       src_strategy, dst_strategy]
+                                run_env = None
+                            else:
+                                cmd = ours_command(via, a.python, src, src_strategy, dst_strategy, out, w, scratch)
+                                run_env = env
+                            warm(src)
+                            res = run_timed(cmd, log_path, cwd=scratch, env=run_env)
+                            label = f"{tool} ({via})" if tool == "reshard_job" else tool
+                            if res["rc"] != 0:
+                                log(f"[error] {label} {case} workers={w} failed (rc {res['rc']}); see {log_path}:\n"
+                                    + log_tail(log_path))
+                                failed = True
+                                res["failed"] = True
+                            key = dict(base, case=case, source=s, tool=label, workers=w)
+                            m = record(key, res, src_bytes[s])
+                            res["output_bytes"] = gen.dir_bytes(out) if res["rc"] == 0 else 0
+                            vkey = (case, tool, w)
+                            if res["rc"] == 0 and tool == "reshard_job" and a.verify != "none" and vkey not in verified:
+                                v = verify_output(out, meta, n_target, a.verify)
+                                verified.add(vkey)
+                                m["verified"] = v
+                                result["verifications"].append(dict(key, **v))
+                                if not v["ok"]:
+                                    failed = True
+                                    log(f"[WRONG OUTPUT] {case} workers={w}: {v['problems'][:3]}")
+                                else:
+                                    log(f"[verify] {case} workers={w}: ok ({v['mode']}, "
+                                        f"{v['checked_bytes'] / 1e6:.0f} MB compared in {v['seconds']} s)")
+                            rm(out)
+                            rm(scratch)
+                            settle()
+                            log(f"[{size:g} GB {dtype}] run {run_i + 1}/{a.runs} {case:<9} {label} w={w} "
+                                f"{res['wall_s']:7.2f} s  peak RSS {res['peak_rss_mib']:7.1f} MiB"
+                                f"{'  FAILED' if res['rc'] else ''}")
+                if not a.keep_data and data in generated:
+                    shutil.rmtree(data, ignore_errors=True)
+    finally:
+        result["measurements"] = [summarize(m) for m in measurements]
+        add_ratios(result)
+        json_path = os.path.join(a.results_dir, f"{stamp}.json")
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=2, sort_keys=True)
+        md = render_markdown(result)
+        for name in (f"{stamp}.md", "latest.md"):
+            with open(os.path.join(a.results_dir, name), "w") as f:
+                f.write(md)
+        png = plot_scaling(result, os.path.join(a.results_dir, "scaling.png"))
+        log(md)
+        log(f"[results] {json_path}, {os.path.join(a.results_dir, 'latest.md')}" + (f", {png}" if png else ""))
+        if failed:
+            log(f"[results] child output kept in {log_path}")
+        else:
+            shutil.rmtree(scratch_root, ignore_errors=True)
+        try:
+            os.rmdir(os.path.join(a.data_dir, "_work"))
+        except OSError:
+            pass
+    return 1 if failed else 0
+
+
+# ====================================================================================== reporting
+
+
+def _find(ms: list[dict], **key) -> dict | None:
+    for m in ms:
+        if all(m.get(k) == v for k, v in key.items()):
+            return m
+    return None
+
+
+def add_ratios(result: dict) -> None:
+    ms = result["measurements"]
+    for m in ms:
+        if m["case"].startswith("copy:"):
+            continue
+        for tool, field in (("cp -r", "ratio_to_cp"), ("cp -r + fsync", "ratio_to_cp_fsync")):
+            cp = _find(ms, case=f"copy:{m['source']}", tool=tool, size_gb=m["size_gb"], dtype=m["dtype"])
+            if cp and cp["median_wall_s"] and m["median_wall_s"]:
+                m[field] = m["median_wall_s"] / cp["median_wall_s"]
+
+
+def _fmt(x, spec=".2f", none="–"):
+    return none if x is None else format(x, spec)
+
+
+def render_markdown(result: dict) -> str:
+    mach = result["machine"]
+    ms = result["measurements"]
+    lines = [
+        f"# reshard_job benchmark — {result['timestamp']}",
+        "",
+        f"- command: `{result['command']}`",
+        f"- conversion invoked via: **{result['via']}**"
+        + (" (`python -m reshard_job …`)" if result["via"] == "job" else " (`benchmarks/convert_api.py` → `transform_checkpoints`)"),
+        f"- machine: {mach['cpu_count']} cores (os.cpu_count()), {mach['cpu_model']}, {mach['mem_gib']} GiB RAM, "
+        f"{mach['platform']}, Python {mach['python']}, numpy {mach['numpy']}",
+        f"- git commit: `{result['git_commit']}`",
+        "- warm page cache (source read once before every timed command); outputs deleted and `sync` after each run;"
+        " medians over the runs; ratios against `cp -r` of the same source measured in the same invocation.",
+    ]
+    for n in result["notes"]:
+        lines.append(f"- note: {n}")
+    lines += [
+        "",
+        "| size GB | dtype | case | tool | workers | runs | median s | min–max s | source GB/s | peak RSS MiB | × cp -r | × cp -r+fsync | output check |",
+        "|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    order = {c: i for i, c in enumerate(["copy:src", "copy:src_pp", *CASES])}
+    dtype_order = {d: i for i, d in enumerate(dict.fromkeys(m["dtype"] for m in ms))}
+    for m in sorted(ms, key=lambda m: (dtype_order[m["dtype"]], m["size_gb"], order.get(m["case"], 99), m["tool"], m["workers"])):
+        v = m.get("verified")
+        check = "–" if v is None else (f"ok ({v['mode']})" if v["ok"] else "**WRONG**")
+        if any(r.get("failed") for r in m["runs"]):
+            check = "**FAILED**"
+        case = m["case"].replace("copy:", "copy of ")
+        lines.append(
+            f"| {m['size_gb']:g} | {m['dtype']} | {case} | {m['tool']} | {m['workers']} | {len(m['runs'])} | "
+            f"{_fmt(m['median_wall_s'])} | {_fmt(m['min_wall_s'])}–{_fmt(m['max_wall_s'])} | {_fmt(m['gb_per_s'])} | "
+            f"{_fmt(m['max_peak_rss_mib'], '.0f')} | {_fmt(m.get('ratio_to_cp'))} | {_fmt(m.get('ratio_to_cp_fsync'))} | {check} |"
+        )
+    lines += ["", "## Against the targets", ""]
+    lines += target_lines(ms)
+    lines += ["", "MindSpore 2.10 `transform_checkpoints` reference (from the issue, same machine kind, not measured here):", ""]
+    lines += ["| case | dtype | size GB | wall s | peak RSS MiB | ours (this run, closest size, workers 1) |", "|---|---|---:|---:|---:|---|"]
+    for case, dtype, size, wall, rss in MINDSPORE_REFERENCE:
+        ours = _closest(ms, case, dtype, size, 1)
+        txt = "–" if not ours else (f"{ours['median_wall_s']:.2f} s, {ours['max_peak_rss_mib']:.0f} MiB at {ours['size_gb']:g} GB"
+                                    f" ({wall / ours['median_wall_s'] * ours['size_gb'] / size:.1f}× faster per byte)")
+        lines.append(f"| {case} | {dtype} | {size} | {wall} | {rss:.0f} | {txt} |")
+    return "\n".join(lines) + "\n"
+
+
+def _ours(ms):
+    return [m for m in ms if m["tool"].startswith("reshard_job")]
+
+
+def _closest(ms, case, dtype, size, workers):
+    cands = [m for m in _ours(ms) if m["case"] == case and m["dtype"] == dtype and m["workers"] == workers and m["median_wall_s"]]
+    return min(cands, key=lambda m: abs(m["size_gb"] - size)) if cands else None
+
+
+def target_lines(ms) -> list[str]:
+    out = []
+    m = _closest(ms, "8to4", "float16", 2.07, 1)
+    if m and m.get("ratio_to_cp"):
+        ok = "met" if m["ratio_to_cp"] <= 2.5 else "NOT met"
+        out.append(f"- 8→4 wall ≤ 2.5 × `cp -r` (fp16, {m['size_gb']:g} GB): {m['ratio_to_cp']:.2f}× — **{ok}**"
+                   + (f" (against `cp -r + fsync`: {m['ratio_to_cp_fsync']:.2f}×)" if m.get("ratio_to_cp_fsync") else ""))
+    ours = _ours(ms)
+    if ours:
+        peak = max(ours, key=lambda m: m["max_peak_rss_mib"] or 0)
+        ok = "met" if peak["max_peak_rss_mib"] <= 512 else "NOT met"
+        out.append(f"- peak RSS ≤ 512 MiB: max {peak['max_peak_rss_mib']:.0f} MiB ({peak['case']}, {peak['size_gb']:g} GB "
+                   f"{peak['dtype']}, workers {peak['workers']}) — **{ok}**")
+    for case in CASES:
+        for dtype in ("float16", "bfloat16", "float32"):
+            for w in sorted({m["workers"] for m in ours}):
+                pts = sorted((m["size_gb"], m["max_peak_rss_mib"]) for m in ours
+                             if m["case"] == case and m["dtype"] == dtype and m["workers"] == w and m["size_gb"] >= 1)
+                if len(pts) >= 2 and pts[-1][0] > pts[0][0]:
+                    growth = pts[-1][1] - pts[0][1]
+                    ok = "met" if growth < 64 else "NOT met"
+                    out.append(f"- peak RSS growth {pts[0][0]:g} → {pts[-1][0]:g} GB ({case}, {dtype}, workers {w}): "
+                               f"{growth:+.0f} MiB — **{ok}** (target < 64 MiB from 1 to 4 GB)")
+    for case in CASES:
+        for dtype in ("float16", "bfloat16", "float32"):
+            for size in sorted({m["size_gb"] for m in ours}):
+                w1 = _find(ours, case=case, dtype=dtype, size_gb=size, workers=1)
+                w2 = _find(ours, case=case, dtype=dtype, size_gb=size, workers=2)
+                if w1 and w2 and w1["median_wall_s"] and w2["median_wall_s"]:
+                    sp = w1["median_wall_s"] / w2["median_wall_s"]
+                    ok = "faster" if w2["max_wall_s"] < w1["min_wall_s"] else "not measurably faster (ranges overlap)"
+                    out.append(f"- workers 2 vs 1 ({case}, {size:g} GB {dtype}): {sp:.2f}× — {ok}")
+    for case in CASES:
+        for size in sorted({m["size_gb"] for m in ours}):
+            for w in sorted({m["workers"] for m in ours}):
+                f16 = _find(ours, case=case, dtype="float16", size_gb=size, workers=w)
+                b16 = _find(ours, case=case, dtype="bfloat16", size_gb=size, workers=w)
+                if f16 and b16 and f16["gb_per_s"] and b16["gb_per_s"]:
+                    out.append(f"- bfloat16 time per byte / float16 time per byte ({case}, {size:g} GB, workers {w}): "
+                               f"{f16['gb_per_s'] / b16['gb_per_s']:.2f} (1.00 = same cost)")
+    return out or ["- (not enough measurements for the target checks)"]
+
+
+def plot_scaling(result: dict, path: str) -> str | None:
+    ms = result["measurements"]
+    sizes = sorted({m["size_gb"] for m in ms})
+    if not ms:
+        return None
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    dtype = "float16" if any(m["dtype"] == "float16" for m in ms) else ms[0]["dtype"]
+    fig, (ax_t, ax_r) = plt.subplots(1, 2, figsize=(12, 4.8))
+    series = {}
+    for m in ms:
+        if m["dtype"] != dtype or m["workers"] != min(mm["workers"] for mm in ms) or not m["median_wall_s"]:
+            continue
+        label = f"{m['case'].replace('copy:', 'copy ')} ({m['tool']})" if m["case"].startswith("copy:") else f"{m['case']} ({m['tool']})"
+        series.setdefault(label, []).append((m["size_gb"], m["median_wall_s"], m["max_peak_rss_mib"], m["case"].startswith("copy:")))
+    for label, pts in sorted(series.items()):
+        pts.sort()
+        xs = [p[0] for p in pts]
+        style = "--" if pts[0][3] else "-"
+        ax_t.plot(xs, [p[1] for p in pts], style, marker="o", label=label)
+        if not pts[0][3]:
+            ax_r.plot(xs, [p[2] for p in pts], style, marker="o", label=label)
+    ax_t.set_xlabel("model size (GB, weights + adam states)")
+    ax_t.set_ylabel("median wall time (s)")
+    ax_t.set_title(f"Time vs model size ({dtype}, warm cache)")
+    ax_t.grid(alpha=0.3)
+    ax_t.legend(fontsize=7)
+    ax_r.axhline(512, color="red", lw=0.8, ls=":", label="512 MiB target")
+    ax_r.set_xlabel("model size (GB)")
+    ax_r.set_ylabel("peak RSS (MiB)")
+    ax_r.set_title("Peak RSS vs model size")
+    ax_r.set_ylim(bottom=0)
+    ax_r.grid(alpha=0.3)
+    ax_r.legend(fontsize=7)
+    for ax in (ax_t, ax_r):
+        ax.set_xticks(sizes)
+    fig.suptitle(f"reshard_job ({result['via']}) vs cp -r — {result['machine']['cpu_count']} cores, {result['timestamp']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+if __name__ == "__main__":
+    sys.exit(main())
