@@ -515,11 +515,15 @@ class CheckpointWriter:
 
     # --- finishing ------------------------------------------------------------------------------
     def commit(self) -> WrittenFile:
-        if self._open_sink is not None:
-            raise RuntimeError(f"parameter {self._open_sink.name!r} was not finished")
-        if self.crc:
-            self._emit(CRC_MAGIC + self._crc.to_bytes(10, "big"), record=False)
-        size, digest = self._file.commit()
+        try:
+            if self._open_sink is not None:
+                raise RuntimeError(f"parameter {self._open_sink.name!r} was not finished")
+            if self.crc:
+                self._emit(CRC_MAGIC + self._crc.to_bytes(10, "big"), record=False)
+            size, digest = self._file.commit()
+        except BaseException:
+            self._file.abort()  # never leave the temporary file behind
+            raise
         return WrittenFile(self.path, size, digest, dict(self.tensors))
 
     def abort(self) -> None:

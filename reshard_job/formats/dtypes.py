@@ -49,7 +49,7 @@ _ALL = [
     _dt("Float64", "float64", "F64"),
     _dt("BFloat16", "uint16", "BF16"),  # raw bf16 words
     _dt("Complex64", "complex64", "C64"),
-    _dt("Complex128", "complex128", "C128"),
+    _dt("Complex128", "complex128", None),  # safetensors has no 128-bit complex code
     _dt("Int4", None, None),
 ]
 
