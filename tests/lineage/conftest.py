@@ -322,6 +322,12 @@ def record_two_hop(store, root: Path) -> TwoHopLineage:
                          outputs_a=outputs_a, copied=copied, outputs_b=outputs_b, final=checkpoints_b[0])
 
 
+@pytest.fixture(scope="session")
+def record_lineage() -> Callable:
+    """``record_two_hop`` for fixtures of any scope (test modules cannot import a conftest)."""
+    return record_two_hop
+
+
 @pytest.fixture
 def two_hop(store, tmp_path) -> TwoHopLineage:
     return record_two_hop(store, tmp_path / "files")
