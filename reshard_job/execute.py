@@ -21,7 +21,7 @@ from .errors import FormatError, PlanError
 from .formats import dtypes
 from .formats.boxes import Box, box_shape, intersect, split_rows
 from .formats.ckpt import KIND_MAP, KIND_STR, CheckpointReader, CheckpointWriter, WrittenFile
-from .formats.tensorfile import PositionedReader
+from .formats.tensorfile import PositionedReader, Scratch
 from .plan import ACTION_COPY, ParamPlan, RankPlan, TensorMeta
 
 DEFAULT_MAX_MEMORY = 256 * 1024 * 1024
@@ -163,6 +163,11 @@ def _check_source(reader: PositionedReader, p: ParamPlan, box: Box) -> None:
         raise FormatError(reader.path, f"parameter {p.name!r} changed since it was planned")
 
 
+# One assembly buffer and one staging buffer per process, reused across pieces and tensors.
+_ASSEMBLY = Scratch()
+_STAGING = Scratch()
+
+
 def _fill_tensor(sink, p: ParamPlan, sources: SourceFiles, max_memory: int, progress: Progress | None) -> None:
     storage = dtypes.BY_NAME[p.dtype].storage
     shape = p.target_shape
@@ -170,7 +175,7 @@ def _fill_tensor(sink, p: ParamPlan, sources: SourceFiles, max_memory: int, prog
     budget = max(storage.itemsize, max_memory // 2)
     whole = tuple((0, n) for n in shape)
     for piece in split_rows(whole, row_bytes, budget):
-        buf = np.empty(box_shape(piece), dtype=storage)
+        buf = _ASSEMBLY.array(box_shape(piece), storage)
         for c in p.copies:
             overlap = intersect(c.target_box, piece) if piece else ()
             if overlap is None:
@@ -183,8 +188,9 @@ def _fill_tensor(sink, p: ParamPlan, sources: SourceFiles, max_memory: int, prog
             _check_source(reader, p, src_box)
             if view.flags.c_contiguous:
                 reader.read_box(p.name, src_box, out=view)
-            else:
-                view[...] = reader.read_box(p.name, src_box)
+            else:  # stage the box contiguously, then place it
+                staged = _STAGING.array(box_shape(src_box), storage)
+                view[...] = reader.read_box(p.name, src_box, out=staged)
         sink.write(buf.reshape(-1).view(np.uint8))
         if progress:
             progress(buf.nbytes)

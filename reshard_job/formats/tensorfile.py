@@ -29,6 +29,32 @@ MIN_DIRECT_RUN = 8 * 1024
 SPAN_BUFFER = 16 * 1024 * 1024
 
 
+class Scratch:
+    """A reusable byte buffer that grows to the largest size asked for.
+
+    Fresh allocations of tens of MiB are returned to the system when freed, so every new one
+    page-faults all its memory in again, which on a virtual machine costs more than the copy
+    itself. Reusing one buffer per purpose keeps the resident set flat and the copies fast.
+    """
+
+    def __init__(self) -> None:
+        self._buf = np.empty(0, dtype=np.uint8)
+
+    def get(self, nbytes: int) -> np.ndarray:
+        if nbytes > self._buf.size:
+            self._buf = np.empty(max(nbytes, min(2 * self._buf.size, SPAN_BUFFER * 8)), dtype=np.uint8)
+        return self._buf[:nbytes]
+
+    def array(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        dtype = np.dtype(dtype)
+        n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        return self.get(n).view(dtype).reshape(shape)
+
+
+_SPANS = Scratch()
+_BLOCKS = Scratch()
+
+
 @dataclass
 class TensorEntry:
     """Where one tensor's bytes lie in a file: contiguous pieces in logical (C) order."""
@@ -158,12 +184,12 @@ class PositionedReader:
         return self.iter_entry(self.entries[name], block)
 
     def iter_entry(self, entry: TensorEntry, block: int = 8 * 1024 * 1024):
-        buf = bytearray(min(block, max(entry.stored_bytes, 1)))
-        mv = memoryview(buf)
+        """Like iter_content; the yielded views share one buffer, valid until the next one."""
+        mv = memoryview(_BLOCKS.get(min(block, max(entry.stored_bytes, 1))))
         pos = 0
         total = entry.stored_bytes
         while pos < total:
-            n = min(len(buf), total - pos)
+            n = min(len(mv), total - pos)
             self.read_logical(entry, pos, mv[:n])
             yield mv[:n]
             pos += n
@@ -237,7 +263,7 @@ class PositionedReader:
         span_dim = j - 1
         per_index = strides[span_dim]  # bytes of one index of span_dim (covers dims >= j whole)
         batch = max(1, SPAN_BUFFER // per_index)
-        buf = np.empty(batch * per_index, dtype=np.uint8)
+        buf = _SPANS.get(batch * per_index)
         inner_shape = shape[j:]
         sel_inner = tuple(slice(a, b) for a, b in box[j:])
         a0, b0 = box[span_dim]
