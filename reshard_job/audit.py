@@ -64,8 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
                         help="print machine-readable JSON")
 
-    parser = _ArgumentParser(prog="python -m reshard_job.audit", parents=[common],
-                             description="Inspect the lineage of resharded checkpoints.")
+    invoked_as = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    prog = invoked_as if invoked_as.startswith("reshard-audit") else "python -m reshard_job.audit"
+    parser = _ArgumentParser(
+        prog=prog, parents=[common], description="Inspect the lineage of resharded checkpoints.",
+        epilog="RUN may be a unique prefix of a run id. Times are UTC. Exit status: 0 ok, "
+               "1 verify found missing or changed files, 2 usage error or nothing found.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_ArgumentParser)
     commands.required = True
 

@@ -31,11 +31,12 @@ import zlib
 from pathlib import Path
 from typing import Iterator
 
-from sqlalchemy import Connection, Engine, text
+from sqlalchemy import Connection, Engine, inspect, text
 
 from .database import sqlite_file, writer
 from .errors import SchemaError
 
+VERSION_TABLE = "alembic_version"
 # Arbitrary but fixed: every process of every version must agree on it.
 PG_ADVISORY_LOCK_KEY = zlib.crc32(b"reshard_job.lineage.migrate")
 
@@ -70,10 +71,24 @@ def head_revision() -> str | None:
     return ScriptDirectory.from_config(alembic_config()).get_current_head()
 
 
-def current_revision(connection: Connection) -> str | None:
-    from alembic.runtime.migration import MigrationContext
+def known_revisions() -> set[str]:
+    from alembic.script import ScriptDirectory
 
-    return MigrationContext.configure(connection).get_current_revision()
+    return {script.revision for script in ScriptDirectory.from_config(alembic_config()).walk_revisions()}
+
+
+def current_revision(connection: Connection) -> str | None:
+    """The database's Alembic revision (None when it has no schema yet).
+
+    Read with plain SQL rather than through Alembic's MigrationContext, which logs its backend
+    at INFO on every call: every job start would print it.
+    """
+    if not inspect(connection).has_table(VERSION_TABLE):
+        return None
+    revisions = connection.execute(text(f"SELECT version_num FROM {VERSION_TABLE}")).scalars().all()
+    if len(revisions) > 1:
+        raise SchemaError(f"the lineage database has several schema heads ({', '.join(sorted(revisions))})")
+    return revisions[0] if revisions else None
 
 
 @contextlib.contextmanager
@@ -130,6 +145,9 @@ def upgrade_to_head(engine: Engine) -> None:
         connection.rollback()
         if current == head:
             return
+        if current is not None and current not in known_revisions():
+            raise SchemaError(f"{_shown(connection)} has schema revision {current}, newer than this tool "
+                              f"knows ({head}); upgrade reshard_job")
         try:
             command.upgrade(alembic_config(connection), "head")
             if connection.in_transaction():
@@ -152,14 +170,15 @@ def check_at_head(connection: Connection) -> None:
     head = head_revision()
     if current == head:
         return
-    url = connection.engine.url.render_as_string(hide_password=True)
     if current is None:
-        raise SchemaError(f"{url} is not a lineage database (no schema); a job creates it on its first run")
-    from alembic.script import ScriptDirectory
+        raise SchemaError(f"{_shown(connection)} is not a lineage database (no schema); "
+                          f"a job creates it on its first run")
+    if current not in known_revisions():
+        raise SchemaError(f"{_shown(connection)} has schema revision {current}, newer than this tool "
+                          f"knows ({head}); upgrade reshard_job")
+    raise SchemaError(f"{_shown(connection)} has an outdated schema (revision {current}, head {head}); "
+                      f"run 'alembic -x url=... upgrade head' from the project root, or any job")
 
-    known = {rev.revision for rev in ScriptDirectory.from_config(alembic_config()).walk_revisions()}
-    if current not in known:
-        raise SchemaError(f"{url} has schema revision {current}, newer than this tool knows ({head}); "
-                          f"upgrade reshard_job")
-    raise SchemaError(f"{url} has an outdated schema (revision {current}, head {head}); "
-                      f"run 'alembic -x url=... upgrade head' from the project root or any job")
+
+def _shown(connection: Connection) -> str:
+    return connection.engine.url.render_as_string(hide_password=True)

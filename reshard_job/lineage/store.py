@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -74,8 +75,6 @@ class FileRecord:
     @classmethod
     def from_file(cls, path: str, kind: str, rank: int | None = None) -> FileRecord:
         """Hash the file at `path` (made absolute) and describe it."""
-        import os
-
         absolute = os.path.abspath(path)
         sha256, size = hash_file(absolute)
         return cls(path=absolute, sha256=sha256, size=size, kind=kind, rank=rank)

@@ -7,12 +7,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import inspect
+from sqlalchemy import inspect, text
 
-from reshard_job.lineage import create_lineage_engine
+from reshard_job.lineage import SchemaError, create_lineage_engine
 from reshard_job.lineage.database import writer
 from reshard_job.lineage.migrate import alembic_config, check_at_head, head_revision, migrations_dir
 from reshard_job.lineage.models import Base
@@ -62,3 +63,13 @@ def test_alembic_command_line_from_the_project_root(tmp_path):
                                 env=environment, timeout=120)
         assert result.returncode == 0, result.stderr
     assert (tmp_path / "cli" / "lineage.db").exists()
+
+
+def test_a_schema_newer_than_the_tool_is_refused_in_one_line(store):
+    with store.engine.begin() as connection:
+        connection.execute(text("UPDATE alembic_version SET version_num = '9999_from_the_future'"))
+    with pytest.raises(SchemaError, match="newer than this tool knows") as refused:
+        store.ensure_schema()
+    assert "\n" not in str(refused.value)
+    with store.engine.connect() as connection, pytest.raises(SchemaError, match="newer than this tool"):
+        check_at_head(connection)
