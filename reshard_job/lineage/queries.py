@@ -18,7 +18,7 @@ import datetime as dt
 import os
 from typing import Any
 
-from sqlalchemy import func, or_, select
+from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
 from .errors import AmbiguousRunError, LineageError, UnknownRunError
@@ -189,14 +189,18 @@ class _Tracer:
         entry = _artifact_entry(self.session, artifact)
         node = {**entry, "path": path or (entry["paths"][-1] if entry["paths"] else None),
                 "role": role or artifact.kind, "rank": rank if rank is not None else artifact.rank}
-        if depth > 0 and artifact.id not in self.ancestors:
-            self.ancestors[artifact.id] = {**entry, "depth": depth}
         # DISTINCT over ids only: PostgreSQL cannot compare the JSON columns of whole rows.
         producer_ids = select(Event.run_id).where(Event.artifact_id == artifact.id, Event.direction == "output")
         producers = self.session.scalars(
             select(Run).where(Run.id.in_(producer_ids)).order_by(Run.started_at, Run.id)).all()
-        node["produced_by"] = [self.hop(run, depth) for run in producers]
         node["original"] = not producers
+        if depth > 0:
+            seen = self.ancestors.get(artifact.id)
+            if seen is None:
+                self.ancestors[artifact.id] = {**entry, "depth": depth, "original": not producers}
+            else:
+                seen["depth"] = min(seen["depth"], depth)
+        node["produced_by"] = [self.hop(run, depth) for run in producers]
         return node
 
     def hop(self, run: Run, depth: int) -> dict[str, Any]:
@@ -241,16 +245,8 @@ def trace_artifact(session: Session, artifact: Artifact, *, path: str | None = N
         "root": root,
         "runs": tracer.runs,
         "ancestors": ancestors,
-        "original_sources": [a for a in ancestors if _is_original(session, a)],
+        "original_sources": [a for a in ancestors if a["original"]],
     }
-
-
-def _is_original(session: Session, entry: dict[str, Any]) -> bool:
-    produced = session.scalar(
-        select(func.count()).select_from(Event).join(Artifact, Event.artifact_id == Artifact.id)
-        .where(Artifact.hash_algo == entry["hash_algo"], Artifact.digest == entry["digest"],
-               Artifact.size == entry["size"], Event.direction == "output"))
-    return not produced
 
 
 def trace(session: Session, ref: str) -> dict[str, Any]:
@@ -259,8 +255,8 @@ def trace(session: Session, ref: str) -> dict[str, Any]:
         found = artifacts_by_digest(session, ref)
         if not found:
             raise LineageError(f"no file with sha256 {ref.lower()} in the lineage database")
-        traced = [trace_artifact(session, artifact) for artifact in found]
-        result = traced[0]
+        # Equal digests of different sizes would take a broken hash; the first is the answer.
+        result = trace_artifact(session, found[0])
         result["query"] = {"sha256": ref.lower(), "path": None}
         return result
 
@@ -313,7 +309,8 @@ def check_file(path: str, expected_digest: str, expected_size: int) -> dict[str,
 
 
 def _verdict(files: list[dict[str, Any]]) -> dict[str, Any]:
-    counts = {state: sum(1 for f in files if f["state"] == state) for state in ("ok", "missing", "changed", "unreadable")}
+    states = ("ok", "missing", "changed", "unreadable")
+    counts = {state: sum(1 for f in files if f["state"] == state) for state in states}
     return {"intact": counts["ok"] == len(files), "checked": len(files), **counts, "files": files}
 
 

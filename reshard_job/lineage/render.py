@@ -95,7 +95,8 @@ def run_details(details: dict[str, Any]) -> str:
         ("tool", f"reshard_job {d['tool_version']} on {d['host']} (user {d['user'] or '?'}, pid {d['pid']})"),
     ]
     if d.get("sweep_id") is not None or d.get("job_num") is not None:
-        fields.append(("sweep", f"{d.get('sweep_id') or '-'} job {d.get('job_num') if d.get('job_num') is not None else '-'}"))
+        job = "-" if d.get("job_num") is None else d["job_num"]
+        fields.append(("sweep", f"{d.get('sweep_id') or '-'} job {job}"))
     fields.append(("overrides", " ".join(d["overrides"]) or "(none)"))
     if d.get("error"):
         fields.append(("error", d["error"]))

@@ -195,12 +195,14 @@ class LineageStore:
 
         def mark(session: Session) -> list[str]:
             candidates = session.execute(
-                select(Run.id, Run.pid).where(Run.status == "started", Run.host == host)
+                select(Run.id, Run.pid).where(Run.status == "started", Run.host == host).order_by(Run.started_at)
             ).all()
-            dead = [run_id for run_id, pid in candidates if pid != me and not pid_is_alive(pid)]
             marked: list[str] = []
             now = utc_now()
-            for run_id, pid in ((r, p) for r, p in candidates if r in dead):
+            for run_id, pid in candidates:
+                if pid == me or pid_is_alive(pid):
+                    continue
+                # Conditional on "started": the run may have reported since it was selected.
                 result = session.execute(
                     update(Run)
                     .where(Run.id == run_id, Run.status == "started")

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
 from sqlalchemy import text
 from sqlalchemy.exc import OperationalError
