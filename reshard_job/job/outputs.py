@@ -197,6 +197,24 @@ class OutputDir:
         except OSError:
             pass
 
+    def uncommit(self, fingerprint: str, entries: list[JournalEntry]) -> None:
+        """Turn a complete directory back into a partial one, to redo (some of) its files.
+
+        The journal (listing `entries`, the files a resume may keep) is written before the manifest
+        goes, so a crash in between leaves a directory that is still complete, never one that is
+        neither complete nor resumable.
+        """
+        os.makedirs(self.state_dir, exist_ok=True)
+        lines = [json.dumps({"fingerprint": fingerprint})]
+        lines += [json.dumps({"rank": e.rank, "path": e.path, "size": e.size, "sha256": e.sha256,
+                              "tensors": e.tensors}) for e in entries]
+        write_bytes_atomic(self.journal_path, ("\n".join(lines) + "\n").encode("utf-8"), mode=0o644)
+        try:
+            os.unlink(self.manifest_path)
+        except FileNotFoundError:
+            pass
+        fsync_dir(self.path)
+
     # ------------------------------------------------------------------------------ journal
     def start_journal(self, fingerprint: str, keep: bool) -> None:
         """Begin (or, with `keep`, continue) the journal of files written for this job."""

@@ -337,9 +337,20 @@ def _convert(cfg, ctx, out: OutputDir, plan, src, tgt: _Target, source_paths, cr
 
     # -- resume / idempotence -----------------------------------------------------------------
     state = out.state(fingerprint)
+    resume = bool(cfg["job"].get("resume", True))
     if state == COMPLETE:
-        return _reuse_complete(out, store, run_id, plan)
-    resume = bool(cfg["job"].get("resume", True)) and state == PARTIAL
+        listed = _listed_outputs(out)
+        damaged = [e for e in listed if _size_or_none(os.path.join(out.path, e.path)) != e.size]
+        if resume and not damaged:
+            return _reuse_complete(out, store, run_id, plan, listed)
+        if resume:
+            log.warning("%s: %d file(s) listed in its manifest are missing or changed (%s); redoing them",
+                        out.path, len(damaged), ", ".join(e.path for e in damaged))
+        else:
+            log.info("job.resume=false: redoing the conversion already complete in %s", out.path)
+        out.uncommit(fingerprint, [e for e in listed if e not in damaged] if resume else [])
+        state = PARTIAL
+    resume = resume and state == PARTIAL
     out.start_journal(fingerprint, keep=resume)
     removed = out.remove_temp_files()
     if removed:
@@ -405,30 +416,42 @@ def _convert(cfg, ctx, out: OutputDir, plan, src, tgt: _Target, source_paths, cr
     return JobResult(STATUS_COMPLETED, out.path, run_id, manifest["manifest_sha256"], tgt.devices)
 
 
-def _reuse_complete(out: OutputDir, store, run_id, plan) -> JobResult:
-    """The same job already completed here: check the files are still in place and do nothing else."""
+def _size_or_none(path: str) -> int | None:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return None
+
+
+def _listed_outputs(out: OutputDir) -> list[JournalEntry]:
+    """The target files a complete directory's manifest lists, as journal entries.
+
+    Paths are taken relative to the directory as it is now (``rank_<r>/<file>``), so a directory
+    that was moved or copied is checked where it is, not where it was written.
+    """
+    manifest = out.read_manifest() or {}
+    tensors = manifest.get("tensors", {})
+    entries = []
+    for f in manifest.get("target", {}).get("files", []):
+        rel = os.path.join(os.path.basename(os.path.dirname(f["path"])), os.path.basename(f["path"]))
+        entries.append(JournalEntry(f["rank"], rel, f["size"], f["sha256"], tensors.get(str(f["rank"]), {})))
+    return entries
+
+
+def _reuse_complete(out: OutputDir, store, run_id, plan, listed: list[JournalEntry]) -> JobResult:
+    """The same job already completed here and its files are in place: do nothing else."""
     from ..lineage import FileRecord
 
     manifest = out.read_manifest()
-    files = manifest["target"]["files"]
-    for f in files:
-        try:
-            size = os.path.getsize(f["path"])
-        except OSError:
-            size = None
-        if size != f["size"]:
-            from ..errors import OutputError
-
-            raise OutputError(f"{f['path']}: listed in {out.manifest_path} but "
-                              f"{'missing' if size is None else 'changed size'}; set job.resume=false and "
-                              "output.overwrite=true to redo the conversion")
     log.info("nothing to do: %s already holds this conversion (run %s)", out.path, manifest.get("run_id"))
     if store is not None:
         m = digest_file(out.manifest_path)
-        outputs = [FileRecord(f["path"], f["sha256"], f["size"], "target_checkpoint", f["rank"]) for f in files]
+        outputs = [FileRecord(os.path.join(out.path, e.path), e.sha256, e.size, "target_checkpoint", e.rank)
+                   for e in listed]
         strat = manifest["target"].get("strategy")
         if strat:
-            outputs.append(FileRecord(strat["path"], strat["sha256"], strat["size"], "strategy"))
+            path = os.path.join(out.path, os.path.basename(strat["path"]))
+            outputs.append(FileRecord(path, strat["sha256"], strat["size"], "strategy"))
         outputs.append(FileRecord(out.manifest_path, m.sha256, m.size, "manifest"))
         store.complete_run(run_id, outputs=outputs, plan=plan.to_json())
     return JobResult(STATUS_REUSED, out.path, run_id, manifest.get("manifest_sha256"), manifest["target"]["devices"])
