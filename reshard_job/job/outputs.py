@@ -71,6 +71,21 @@ class OutputDir:
         if os.path.exists(self.path) and not os.path.isdir(self.path):
             raise OutputError(f"output.dir {self.path} exists and is not a directory")
 
+    def check_not_overwriting(self, planned: list[str], source_files: list[str]) -> None:
+        """Refuse when a file this job would write is a source file, whatever ``output.overwrite`` says.
+
+        A source strategy file kept next to its checkpoints as ``strategy.ckpt`` is the usual way to
+        get here: writing the target strategy into that directory would replace it.
+        """
+        sources = {os.path.realpath(f): f for f in source_files}
+        for p in planned:
+            where = os.path.join(os.path.realpath(os.path.dirname(p)), os.path.basename(p))
+            if where in sources:
+                raise OutputError(
+                    f"output.dir {self.path}: writing {os.path.relpath(p, self.path)} would replace the source file "
+                    f"{sources[where]}; choose another output.dir"
+                )
+
     def check_writable(self) -> None:
         probe_dir = self.path
         while not os.path.exists(probe_dir):

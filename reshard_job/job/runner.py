@@ -141,6 +141,9 @@ def run_job(cfg: dict, ctx: JobContext) -> JobResult:
     fmt = target_cfg.get("format", FORMAT_CKPT)
     if fmt not in (FORMAT_CKPT, FORMAT_SAFETENSORS):
         raise ConfigError(f"target.format must be 'ckpt' or 'safetensors', got {fmt!r}")
+    prefix = target_cfg.get("prefix", "checkpoint_")
+    if not isinstance(prefix, str) or "/" in prefix or (os.altsep and os.altsep in prefix) or prefix in (".", ".."):
+        raise ConfigError(f"target.prefix must be the start of a file name (no '/'), got {prefix!r}")
     unmapped = target_cfg.get("unmapped", UNMAPPED_OMIT)
     if unmapped not in (UNMAPPED_OMIT, UNMAPPED_FULL):
         raise ConfigError(f"target.unmapped must be 'omit' or 'full', got {unmapped!r}")
@@ -203,6 +206,10 @@ def run_job(cfg: dict, ctx: JobContext) -> JobResult:
     out = OutputDir(out_dir, overwrite=bool(cfg["output"].get("overwrite", False)))
     out.check_not_source([checkpoints] + ([strategy] if strategy and os.path.isdir(strategy) else []),
                          list(source_paths.values()) + list(src.files))
+    prefix = target_cfg.get("prefix", "checkpoint_")
+    planned = [os.path.join(out.path, f"rank_{rp.target_rank}", f"{prefix}{rp.target_rank}.{fmt}") for rp in plan.ranks]
+    planned += [out.manifest_path] + [os.path.join(out.path, n) for n in ("strategy.ckpt", "strategy.json")]
+    out.check_not_overwriting(planned, list(source_paths.values()) + list(src.files))
     out.check_writable()
     out.lock()
     store = run_id = None
