@@ -166,8 +166,13 @@ def run_job(cfg: dict, ctx: JobContext) -> JobResult:
     src = load_strategy(strategy)
     extra = sorted(r for r in found.files if r >= src.topology.devices)
     if extra:
-        log.warning("ignoring rank director%s %s: the source strategy describes only %d rank(s)",
-                    "ies" if len(extra) > 1 else "y", ", ".join(f"rank_{r}" for r in extra), src.topology.devices)
+        if strategy is None:
+            log.warning("ignoring rank director%s %s: without source.strategy the source is one unsharded rank "
+                        "(rank_0); if the rank directories hold shards of one model, set source.strategy",
+                        "ies" if len(extra) > 1 else "y", ", ".join(f"rank_{r}" for r in extra))
+        else:
+            log.warning("ignoring rank director%s %s: the source strategy describes only %d rank(s)",
+                        "ies" if len(extra) > 1 else "y", ", ".join(f"rank_{r}" for r in extra), src.topology.devices)
     for rank, others in sorted(found.ignored.items()):
         if rank < src.topology.devices:
             log.info("rank_%d: using %s, ignoring %s", rank, os.path.basename(found.files[rank]), ", ".join(others))
@@ -176,6 +181,9 @@ def run_job(cfg: dict, ctx: JobContext) -> JobResult:
         index = sources.index()
         crc_info = {r: sources.reader(r).crc_stored for r in source_paths
                     if isinstance(sources.reader(r), CheckpointReader) and sources.reader(r).has_crc}
+
+    if extra:
+        _check_extra_ranks(found.files, extra, index, src.topology.devices, strategy)
 
     # -- target and plan ------------------------------------------------------------------
     target_cfg = dict(target_cfg)
@@ -229,6 +237,36 @@ def run_job(cfg: dict, ctx: JobContext) -> JobResult:
         out.unlock()
         if store is not None:
             store.close()
+
+
+def _check_extra_ranks(files: dict[int, str], extra: list[int], index, devices: int, strategy: str | None) -> None:
+    """Ignoring rank directories beyond the strategy's devices is safe only when they hold nothing the
+    others lack; otherwise (a pipeline strategy directory missing its last stage, the strategy of
+    another run) their parameters would silently be missing from the outputs."""
+    from ..errors import PlanError
+    from ..execute import open_reader
+
+    known = set().union(*index.values()) if index else set()
+    for r in extra:
+        try:
+            with open_reader(files[r], verify_crc=False) as reader:
+                unknown = [n for n in reader.names() if n not in known]
+        except ReshardError as e:
+            log.warning("rank_%d is ignored and cannot be read either: %s", r, e)
+            continue
+        if unknown:
+            if strategy is None:
+                hint = "set source.strategy to the strategy these checkpoints were saved with"
+            elif os.path.isdir(strategy):
+                hint = f"is a pipeline stage's strategy file missing from {strategy}?"
+            else:
+                hint = "was source.strategy saved with these checkpoints?"
+            scope = ("the one unsharded rank read without source.strategy" if strategy is None
+                     else f"the {devices} rank(s) the source strategy describes")
+            raise PlanError(
+                f"{files[r]}: rank {r} lies beyond {scope}, but holds {len(unknown)} parameter(s) that no rank "
+                f"within it holds (e.g. {unknown[0]!r}); {hint}"
+            )
 
 
 def _error_text(e: BaseException) -> str:
