@@ -54,8 +54,14 @@ def sqlite_url(path: str | os.PathLike) -> str:
 
 
 def normalize_url(url: str | URL) -> URL:
-    """Parse `url`; a relative SQLite path becomes absolute (relative to the current directory)."""
+    """Parse `url`; a relative SQLite path becomes absolute (relative to the current directory).
+
+    A bare ``postgresql://`` URL means psycopg 3, the driver this project installs (SQLAlchemy
+    2.0 would otherwise pick psycopg2).
+    """
     parsed = make_url(url)
+    if parsed.drivername == "postgresql":
+        parsed = parsed.set(drivername="postgresql+psycopg")
     if parsed.get_backend_name() == "sqlite":
         database = parsed.database
         if database and database != ":memory:" and not database.startswith("file:"):

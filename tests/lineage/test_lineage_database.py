@@ -30,6 +30,7 @@ def test_relative_sqlite_paths_are_pinned_to_the_current_directory(tmp_path, mon
     monkeypatch.chdir(tmp_path)
     assert normalize_url("sqlite:///a/b.db").database == str(tmp_path / "a" / "b.db")
     assert normalize_url("sqlite://").database is None
+    assert normalize_url("postgresql://u@h/db").drivername == "postgresql+psycopg"
 
 
 def test_sqlite_connections_enforce_foreign_keys_and_use_wal(tmp_path):
