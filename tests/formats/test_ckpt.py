@@ -1,0 +1,570 @@
+"""The `.ckpt` reader and writer (spec/checkpoint-format.md): byte compatibility with MindSpore's
+files and with protobuf's own serializer, both chunking schemes, boxes, strings, the CRC trailer,
+and clean errors on bad input."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import zlib
+from math import prod
+from pathlib import Path
+from unittest import mock
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, assume, example, given, settings
+from hypothesis import strategies as st
+
+from reshard_job.errors import CheckpointFormatError, ReshardError
+from reshard_job.formats import dtypes, schema, tensorfile
+from reshard_job.formats.ckpt import (CRC_MAGIC, CRC_TRAILER_LEN, CheckpointReader, CheckpointWriter,
+                                      copy_checkpoint, record_header)
+
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
+GOLDEN_CKPTS = sorted(GOLDEN.glob("*/*/rank_*/*.ckpt"))
+
+SLICEABLE = sorted(n for n, d in dtypes.BY_NAME.items() if d.storage is not None)
+FAST = settings(deadline=None, max_examples=40, suppress_health_check=[HealthCheck.too_slow])
+
+
+def proto_record(name: str, dims, dtype: str, content: bytes) -> bytes:
+    """One record exactly as MindSpore writes it: a Checkpoint holding one Value, serialized by protobuf."""
+    msg = schema.Checkpoint()
+    v = msg.value.add()
+    v.tag = name
+    v.tensor.dims.extend(dims)
+    v.tensor.tensor_type = dtype
+    v.tensor.tensor_content = content
+    return msg.SerializeToString()
+
+
+def write_file(path, data: bytes) -> str:
+    Path(path).write_bytes(data)
+    return str(path)
+
+
+@st.composite
+def arrays(draw, dtype_names=SLICEABLE, max_dims=3, max_side=6):
+    """(MindSpore dtype name, array of its storage dtype with arbitrary bytes: NaNs, bf16 words...)."""
+    name = draw(st.sampled_from(dtype_names))
+    storage = dtypes.BY_NAME[name].storage
+    shape = tuple(draw(st.lists(st.integers(0, max_side), max_size=max_dims)))
+    n = prod(shape)
+    if name == "Bool":  # MindSpore's bools are bytes 0/1
+        raw = bytes(draw(st.lists(st.integers(0, 1), min_size=n, max_size=n)))
+    else:
+        raw = draw(st.binary(min_size=n * storage.itemsize, max_size=n * storage.itemsize))
+    return name, np.frombuffer(raw, dtype=storage).reshape(shape)
+
+
+# ================================================================================ golden files
+
+
+@functools.lru_cache(maxsize=None)
+def golden_manifest(scenario: Path) -> dict:
+    return json.loads((scenario / "manifest.json").read_text())
+
+
+def golden_manifest_entry(path: Path) -> dict:
+    """The manifest's record (name -> shape, dtype, sha256, records) for a golden checkpoint file."""
+    scenario = path.parents[2]
+    kind = path.parents[1].name  # src_checkpoints | expected
+    rank = path.parent.name.removeprefix("rank_")
+    manifest = golden_manifest(scenario)
+    return manifest["src_checkpoints" if kind == "src_checkpoints" else "expected"][rank]
+
+
+def test_golden_files_are_present():
+    assert len(GOLDEN_CKPTS) >= 50
+
+
+@pytest.mark.parametrize("path", GOLDEN_CKPTS, ids=lambda p: str(p.relative_to(GOLDEN)))
+def test_golden_checkpoint_reads_and_rewrites_byte_identical(path, tmp_path):
+    want = golden_manifest_entry(path)
+    with CheckpointReader(path) as r:
+        assert list(r.entries) == list(want)
+        for name, e in want.items():
+            entry = r.entries[name]
+            assert entry.dtype == e["dtype"]
+            assert list(entry.shape) == e["shape"]
+            assert len(entry.extra["records"]) == e["records"]
+            assert hashlib.sha256(r.read_raw(name)).hexdigest() == e["sha256"], name
+        written = copy_checkpoint(r, tmp_path / "copy.ckpt")
+    original = path.read_bytes()
+    assert written.sha256 == hashlib.sha256(original).hexdigest()
+    assert (tmp_path / "copy.ckpt").read_bytes() == original
+    assert written.tensors == {n: e["sha256"] for n, e in want.items()}
+
+
+# ================================================================================ encoding
+
+
+names = st.one_of(
+    st.text(max_size=40),
+    st.text(alphabet="ab-._/0123456789", min_size=1, max_size=20),
+    st.text(min_size=130, max_size=400),  # length prefixes of two bytes
+    st.sampled_from(["", "-", "0-layer1.weight", "layers.0.ffn-w1", "héllo", "名字", "emoji\U0001F600", "a" * 20000]),
+)
+dims_lists = st.lists(st.one_of(st.integers(0, 8), st.integers(0, 2**62), st.integers(-(2**63), 2**63 - 1)),
+                      max_size=6)
+dtype_names = st.sampled_from(sorted(dtypes.BY_NAME) + [dtypes.STR_TYPE])
+
+
+@FAST
+@given(name=names, dims=dims_lists, dtype=dtype_names, content=st.binary(max_size=300))
+@example(name="a", dims=[3, 700], dtype="Float32", content=b"")  # spec §1's worked bytes, header part
+@example(name="scalar", dims=[], dtype="Int64", content=b"\x01" * 8)
+@example(name="s", dims=[0], dtype="str", content="héllo".encode("utf-32-le"))
+def test_record_header_equals_protobuf_serialization(name, dims, dtype, content):
+    ours = record_header(name, dims, dtype, len(content)) + content
+    assert ours == proto_record(name, dims, dtype, content)
+
+
+def test_record_header_matches_spec_bytes():
+    # spec §1: first record of a [3,700] Float32 tensor "a" written with 1 KiB slices
+    want = bytes.fromhex("0a9708" "0a0161" "129108" "0803" "08bc05" "1207") + b"Float32" + bytes.fromhex("1a8008")
+    assert record_header("a", [3, 700], "Float32", 1024) == want
+
+
+# ================================================================================ round trips
+
+
+@FAST
+@given(arr=arrays(), crc=st.booleans())
+def test_tensor_round_trip_every_dtype(tmp_path_factory, arr, crc):
+    name, a = arr
+    path = tmp_path_factory.mktemp("rt") / "t.ckpt"
+    with CheckpointWriter(path, crc=crc) as w:
+        digest = w.add("p", a, name)
+    assert digest == hashlib.sha256(a.tobytes()).hexdigest()
+    with CheckpointReader(path) as r:
+        e = r.entries["p"]
+        assert e.dtype == name
+        assert e.shape == a.shape
+        got = r.read("p")
+        assert got.dtype == dtypes.BY_NAME[name].storage  # BFloat16 stays uint16 words, never upcast
+        assert got.tobytes() == a.tobytes()  # bit-exact, NaN payloads included
+        assert r.has_crc == crc
+
+
+def test_bfloat16_words_are_kept_exactly(tmp_path):
+    values = np.array([1.5, -2.25, 3.0], dtype=np.float32)
+    words = dtypes.float32_to_bf16(values)
+    assert words.tobytes() == bytes.fromhex("C03F10C04040")  # spec §4
+    odd = np.array([0x7FC1, 0xFFFF, 0x0001, 0x8000], dtype=np.uint16)  # NaN payload, -NaN, subnormal, -0
+    with CheckpointWriter(tmp_path / "b.ckpt") as w:
+        w.add("w", words, "BFloat16")
+        w.add("odd", odd, "BFloat16")
+    with CheckpointReader(tmp_path / "b.ckpt") as r:
+        assert r.entries["w"].dtype == "BFloat16"
+        assert r.read("w").dtype == np.uint16
+        assert np.array_equal(dtypes.bf16_to_float32(r.read("w")), values)
+        assert r.read("odd").tobytes() == odd.tobytes()
+
+
+def test_writer_never_guesses_bfloat16(tmp_path):
+    with CheckpointWriter(tmp_path / "u.ckpt") as w:
+        w.add("u", np.arange(4, dtype=np.uint16))
+    with CheckpointReader(tmp_path / "u.ckpt") as r:
+        assert r.entries["u"].dtype == "UInt16"
+
+
+@FAST
+@given(arr=arrays(max_side=12), chunk=st.sampled_from([1, 3, 8, 64, 1024]))
+def test_raw_byte_chunking_round_trip(tmp_path_factory, arr, chunk):
+    """§3.1: consecutive pieces of exactly `chunk` bytes, the last the remainder, each with full dims."""
+    name, a = arr
+    path = tmp_path_factory.mktemp("chunk") / "c.ckpt"
+    with CheckpointWriter(path, chunk_bytes=chunk) as w:
+        w.add("p", a, name)
+    nbytes = a.nbytes
+    want = [chunk] * (nbytes // chunk) + ([nbytes % chunk] if nbytes % chunk else [])
+    want = want or [0]
+    expected = b"".join(proto_record("p", a.shape, name, a.tobytes()[o: o + n])
+                        for o, n in zip(np.cumsum([0] + want[:-1]), want))
+    assert path.read_bytes() == expected
+    with CheckpointReader(path) as r:
+        recs = r.entries["p"].extra["records"]
+        assert [x.content_len for x in recs] == want
+        assert all(x.dims == tuple(a.shape) for x in recs)
+        assert r.read("p").tobytes() == a.tobytes()
+
+
+def test_spec_chunking_example(tmp_path):
+    """§3.1 verified example: 3x700 Float32 with 1 KiB slices -> 8 records of 1024 B and one of 208 B."""
+    a = np.arange(2100, dtype=np.float32).reshape(3, 700)
+    with CheckpointWriter(tmp_path / "c.ckpt", chunk_bytes=1024) as w:
+        w.add("a", a)
+    with CheckpointReader(tmp_path / "c.ckpt") as r:
+        assert [x.content_len for x in r.entries["a"].extra["records"]] == [1024] * 8 + [208]
+        assert np.array_equal(r.read("a"), a)
+
+
+def array_split_pieces(a: np.ndarray, count: int) -> list[bytes]:
+    return [np.ascontiguousarray(p).tobytes() for p in np.array_split(a, count)]
+
+
+@FAST
+@given(arr=arrays(max_dims=3, max_side=5).filter(lambda t: t[1].ndim >= 1), count=st.integers(1, 9))
+def test_array_split_chunking_is_read(tmp_path_factory, arr, count):
+    """§3.2: numpy array_split along axis 0, possibly with empty pieces, each a record with full dims."""
+    name, a = arr
+    pieces = array_split_pieces(a, count)
+    d = tmp_path_factory.mktemp("split")
+    by_hand = write_file(d / "hand.ckpt", b"".join(proto_record("p", a.shape, name, p) for p in pieces))
+    with CheckpointWriter(d / "ours.ckpt") as w:
+        sink = w.begin("p", name, a.shape, chunk_sizes=[len(p) for p in pieces])
+        sink.write(a.tobytes())
+        sink.close()
+    assert (d / "ours.ckpt").read_bytes() == Path(by_hand).read_bytes()
+    with CheckpointReader(by_hand) as r:
+        assert len(r.entries["p"].extra["records"]) == count
+        assert r.read("p").tobytes() == a.tobytes()
+        copy_checkpoint(r, d / "copy.ckpt")
+    assert (d / "copy.ckpt").read_bytes() == Path(by_hand).read_bytes()
+
+
+def test_spec_array_split_example(tmp_path):
+    """§3.2 verified example: 3x700 Float32 split 9 ways -> 3 records of 2800 B and 6 empty ones."""
+    a = np.arange(2100, dtype=np.float32).reshape(3, 700)
+    pieces = array_split_pieces(a, 9)
+    assert [len(p) for p in pieces] == [2800] * 3 + [0] * 6
+    path = write_file(tmp_path / "s.ckpt", b"".join(proto_record("a", [3, 700], "Float32", p) for p in pieces))
+    with CheckpointReader(path) as r:
+        assert np.array_equal(r.read("a"), a)
+        assert np.array_equal(r.read_box("a", ((1, 3), (100, 107))), a[1:3, 100:107])
+
+
+@st.composite
+def array_and_box(draw):
+    name, a = draw(arrays(max_dims=4, max_side=7))
+    box = []
+    for n in a.shape:
+        lo = draw(st.integers(0, n))
+        hi = draw(st.integers(lo, n))
+        box.append((lo, hi))
+    return name, a, tuple(box)
+
+
+@FAST
+@given(t=array_and_box(), chunk=st.sampled_from([1, 5, 16, 1 << 20]), min_run=st.sampled_from([0, 4, 8 * 1024]),
+       span=st.sampled_from([8, 16 * 1024 * 1024]), into=st.booleans())
+def test_read_box_equals_numpy_slicing(tmp_path_factory, t, chunk, min_run, span, into):
+    """Across record boundaries and through both read paths (direct runs and in-memory spans)."""
+    name, a, box = t
+    path = tmp_path_factory.mktemp("box") / "b.ckpt"
+    with CheckpointWriter(path, chunk_bytes=chunk) as w:
+        w.add("p", a, name)
+    want = a[tuple(slice(lo, hi) for lo, hi in box)]
+    with mock.patch.object(tensorfile, "MIN_DIRECT_RUN", min_run), mock.patch.object(tensorfile, "SPAN_BUFFER", span):
+        with CheckpointReader(path) as r:
+            if into:
+                out = np.full(want.shape, 0, dtype=a.dtype)
+                got = r.read_box("p", box, out=out)
+                assert got is out
+            else:
+                got = r.read_box("p", box)
+    assert got.shape == want.shape
+    assert got.tobytes() == want.tobytes()
+
+
+def test_read_box_outside_the_tensor_is_refused(tmp_path):
+    with CheckpointWriter(tmp_path / "b.ckpt") as w:
+        w.add("p", np.zeros((2, 3), np.float32))
+    with CheckpointReader(tmp_path / "b.ckpt") as r:
+        with pytest.raises(ReshardError, match="outside parameter 'p'"):
+            r.read_box("p", ((0, 3), (0, 3)))
+        with pytest.raises(ReshardError):
+            r.read_box("p", ((0, 2),))
+
+
+def test_multiple_tensors_keep_file_order_and_later_group_wins(tmp_path):
+    recs = [proto_record("b", [2], "Int8", b"\x01\x02"), proto_record("a", [], "Float32", b"\0\0\x80?"),
+            proto_record("b", [1], "Int8", b"\x07")]
+    path = write_file(tmp_path / "o.ckpt", b"".join(recs))
+    with CheckpointReader(path) as r:
+        # MindSpore's loader: a tag seen again later starts a new group that replaces the earlier one
+        assert list(r.entries) == ["a", "b"]
+        assert r.read("b").tolist() == [7]
+        assert [g.name for g in r.groups] == ["b", "a", "b"]
+        copy_checkpoint(r, tmp_path / "copy.ckpt")
+    assert (tmp_path / "copy.ckpt").read_bytes() == Path(path).read_bytes()
+
+
+def test_dims_zero_with_one_element_is_a_scalar(tmp_path):
+    """§3.3: dims [0] reads as a scalar (MindSpore's loader turns [0] into [])."""
+    path = write_file(tmp_path / "z.ckpt", proto_record("x", [0], "Int32", b"\x05\0\0\0"))
+    with CheckpointReader(path) as r:
+        assert r.entries["x"].shape == ()
+        assert r.read("x").tolist() == 5
+
+
+# ================================================================================ strings
+
+
+@FAST
+@given(text=st.text(max_size=60), name=names)
+def test_str_entries(tmp_path_factory, text, name):
+    path = tmp_path_factory.mktemp("str") / "s.ckpt"
+    with CheckpointWriter(path) as w:
+        w.add("before", np.arange(3, dtype=np.int32))
+        w.add_str(name, text)
+    content = text.encode("utf-32-le")
+    assert path.read_bytes().endswith(proto_record(name, [0], "str", content))
+    with CheckpointReader(path) as r:
+        assert r.kind(name) == "str"
+        assert r.entries[name].dtype == "str"
+        assert r.read_str(name) == text
+        assert r.value(name) == text
+        assert r.entries[name].extra["dims"] == (0,)
+        copy_checkpoint(r, path.with_name("copy.ckpt"))
+    assert path.with_name("copy.ckpt").read_bytes() == path.read_bytes()
+
+
+def test_str_spec_example(tmp_path):
+    path = write_file(tmp_path / "s.ckpt", proto_record("k", [0], "str", "héllo".encode("utf-32-le")))
+    assert len("héllo".encode("utf-32-le")) == 20
+    with CheckpointReader(path) as r:
+        assert r.value("k") == "héllo"
+
+
+def test_str_with_bad_length_is_a_format_error(tmp_path):
+    path = write_file(tmp_path / "s.ckpt", proto_record("k", [0], "str", b"abc"))
+    with pytest.raises(CheckpointFormatError, match="s.ckpt"):
+        CheckpointReader(path)
+
+
+# ================================================================================ CRC trailer
+
+
+def test_crc_trailer_written_and_verified(tmp_path):
+    path = tmp_path / "c.ckpt"
+    with CheckpointWriter(path, crc=True, chunk_bytes=64) as w:
+        w.add("a", np.arange(100, dtype=np.float32))
+        w.add_str("s", "text")
+    data = path.read_bytes()
+    body, trailer = data[:-CRC_TRAILER_LEN], data[-CRC_TRAILER_LEN:]
+    assert trailer[:7] == CRC_MAGIC == b"crc_num"
+    assert trailer[7:] == zlib.crc32(body).to_bytes(10, "big")
+    assert trailer[7:13] == bytes(6)
+    with CheckpointReader(path) as r:
+        assert r.has_crc and r.crc_stored == zlib.crc32(body)
+        r.verify_crc()
+        assert np.array_equal(r.read("a"), np.arange(100, dtype=np.float32))
+        copy_checkpoint(r, tmp_path / "copy.ckpt")  # keeps the trailer
+    assert (tmp_path / "copy.ckpt").read_bytes() == data
+
+
+def test_no_crc_by_default(tmp_path):
+    with CheckpointWriter(tmp_path / "n.ckpt") as w:
+        w.add("a", np.arange(3, dtype=np.int8))
+    assert CRC_MAGIC not in (tmp_path / "n.ckpt").read_bytes()
+    with CheckpointReader(tmp_path / "n.ckpt") as r:
+        assert not r.has_crc
+
+
+@pytest.mark.parametrize("where", ["content", "trailer"])
+def test_crc_mismatch_names_the_file(tmp_path, where):
+    path = tmp_path / "c.ckpt"
+    a = np.arange(64, dtype=np.float32)
+    with CheckpointWriter(path, crc=True) as w:
+        w.add("a", a)
+    data = bytearray(path.read_bytes())
+    pos = data.index(a.tobytes()) + 13 if where == "content" else len(data) - 1
+    data[pos] ^= 0x01
+    os.chmod(path, 0o644)
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointFormatError, match="CRC") as ei:
+        CheckpointReader(path)
+    assert str(path) in str(ei.value)
+    with CheckpointReader(path, verify_crc=False) as r:  # the check can be skipped on request
+        assert r.has_crc
+
+
+# ================================================================================ bad input
+
+
+def assert_format_error(path, match: str | None = None):
+    with pytest.raises(CheckpointFormatError) as ei:
+        CheckpointReader(path)
+    assert isinstance(ei.value, ReshardError)
+    assert str(path) in str(ei.value)
+    if match:
+        assert match in str(ei.value)
+    return ei.value
+
+
+@pytest.fixture
+def good_bytes(tmp_path) -> bytes:
+    with CheckpointWriter(tmp_path / "good.ckpt", chunk_bytes=40) as w:
+        w.add("weight", np.arange(30, dtype=np.float32).reshape(5, 6))
+        w.add("step", np.array(3, dtype=np.int64))
+    return (tmp_path / "good.ckpt").read_bytes()
+
+
+def test_truncated_mid_record(tmp_path, good_bytes):
+    for cut in (1, 2, 5, len(good_bytes) // 2, len(good_bytes) - 1):
+        path = write_file(tmp_path / f"t{cut}.ckpt", good_bytes[:cut])
+        assert_format_error(path)
+
+
+def test_truncated_golden_file(tmp_path):
+    data = GOLDEN_CKPTS[0].read_bytes()
+    path = write_file(tmp_path / "g.ckpt", data[: len(data) - 100])
+    assert_format_error(path, "truncated")
+
+
+def test_zero_byte_file(tmp_path):
+    assert_format_error(write_file(tmp_path / "empty.ckpt", b""), "empty")
+
+
+def test_text_file_renamed_ckpt(tmp_path):
+    assert_format_error(write_file(tmp_path / "notes.ckpt", b"these are my notes\nnot a checkpoint\n"),
+                        "not a MindSpore checkpoint")
+
+
+def test_missing_file_and_directory(tmp_path):
+    assert_format_error(tmp_path / "nope.ckpt", "not found")
+    (tmp_path / "dir.ckpt").mkdir()
+    assert_format_error(tmp_path / "dir.ckpt")
+
+
+def test_unknown_dtype(tmp_path):
+    path = write_file(tmp_path / "u.ckpt", proto_record("x", [2], "Float8", b"\0\0"))
+    assert_format_error(path, "Float8")
+
+
+def test_dims_disagree_with_content(tmp_path):
+    path = write_file(tmp_path / "d.ckpt", proto_record("x", [3, 4], "Float32", b"\0" * 40))
+    err = assert_format_error(path, "'x'")
+    assert "48" in str(err) and "40" in str(err)
+
+
+def test_negative_dims(tmp_path):
+    path = write_file(tmp_path / "n.ckpt", proto_record("x", [-1], "Float32", b""))
+    assert_format_error(path, "negative")
+
+
+def test_record_without_name(tmp_path):
+    msg = schema.Checkpoint()
+    v = msg.value.add()
+    v.tensor.tensor_type = "Int8"
+    v.tensor.tensor_content = b"\x01"
+    path = write_file(tmp_path / "n.ckpt", msg.SerializePartialToString())
+    assert_format_error(path, "without a parameter name")
+
+
+@FAST
+@given(data=st.binary(min_size=1, max_size=200), lead=st.booleans())
+def test_random_bytes(tmp_path_factory, data, lead):
+    if lead:
+        data = b"\x0a" + data
+    path = tmp_path_factory.mktemp("rnd") / "r.ckpt"
+    path.write_bytes(data)
+    try:
+        r = CheckpointReader(path)
+    except CheckpointFormatError as e:
+        assert str(path) in str(e)
+        return
+    with r:  # a few random byte strings are valid checkpoints; reading them must not crash either
+        for name in r.entries:
+            try:
+                r.value(name)
+            except ReshardError as e:
+                assert str(path) in str(e)
+
+
+@pytest.fixture(scope="module")
+def rich_checkpoint(tmp_path_factory) -> bytes:
+    path = tmp_path_factory.mktemp("rich") / "rich.ckpt"
+    with CheckpointWriter(path, crc=True, chunk_bytes=24) as w:
+        w.add("w", np.arange(12, dtype=np.float32).reshape(3, 4))
+        w.add("b", np.arange(5, dtype=np.uint16), "BFloat16")
+        w.add_str("s", "hi")
+        part = [((2,), "int32", np.arange(2, dtype=np.int32).tobytes()),
+                ((2, 2), "float32", np.zeros(4, np.float32).tobytes()),
+                ((2,), "int32", bytes(8))]
+        w.add_map("m", [part, part])
+        w.add("step", np.array(7, dtype=np.int64))
+    return path.read_bytes()
+
+
+@settings(deadline=None, max_examples=200, suppress_health_check=[HealthCheck.too_slow])
+@given(edits=st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), min_size=1, max_size=4),
+       truncate=st.one_of(st.none(), st.integers(0, 10**6)), keep_crc=st.booleans())
+def test_corrupted_files_never_raise_bare_errors(tmp_path_factory, rich_checkpoint, edits, truncate, keep_crc):
+    """Mutations of a valid file (tensors, bf16, str, map tensor, CRC) either read or raise a
+    ReshardError naming the file: never a bare protobuf, numpy or index error."""
+    data = bytearray(rich_checkpoint if keep_crc else rich_checkpoint[:-CRC_TRAILER_LEN])
+    for pos, byte in edits:
+        data[pos % len(data)] = byte
+    if truncate is not None:
+        data = data[: truncate % (len(data) + 1)]
+    path = tmp_path_factory.mktemp("mut") / "m.ckpt"
+    path.write_bytes(bytes(data))
+    try:
+        with CheckpointReader(path) as r:
+            for name in r.entries:
+                try:
+                    r.value(name)
+                except ReshardError as e:
+                    assert str(path) in str(e)
+            copy_checkpoint(r, path.with_name("copy.ckpt"))
+    except CheckpointFormatError as e:
+        assert str(path) in str(e)
+
+
+def test_map_tensor_round_trip(tmp_path):
+    keys = np.array([3, 1], dtype=np.int32)
+    values = np.arange(4, dtype=np.float32).reshape(2, 2)
+    status = np.zeros(2, dtype=np.int32)
+    part = [((2,), "int32", keys.tobytes()), ((2, 2), "float32", values.tobytes()), ((2,), "int32", status.tobytes())]
+    with CheckpointWriter(tmp_path / "m.ckpt") as w:
+        w.add_map("emb", [part, part])
+    with CheckpointReader(tmp_path / "m.ckpt") as r:
+        assert r.kind("emb") == "map"
+        k, v, s = r.value("emb")
+        assert k.tolist() == [3, 1, 3, 1]
+        assert v.shape == (4, 2)
+        copy_checkpoint(r, tmp_path / "copy.ckpt")
+    assert (tmp_path / "copy.ckpt").read_bytes() == (tmp_path / "m.ckpt").read_bytes()
+
+
+# ================================================================================ writer behaviour
+
+
+def test_writer_is_atomic_on_error(tmp_path):
+    path = tmp_path / "a.ckpt"
+    with pytest.raises(RuntimeError):
+        with CheckpointWriter(path) as w:
+            w.add("a", np.zeros(3, np.float32))
+            raise RuntimeError("boom")
+    assert not path.exists()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_writer_rejects_short_or_long_tensors(tmp_path):
+    with CheckpointWriter(tmp_path / "a.ckpt") as w:
+        sink = w.begin("a", "Float32", (2, 2))
+        with pytest.raises(ValueError, match="more bytes"):
+            sink.write(bytes(20))
+        sink.write(bytes(8))
+        with pytest.raises(ValueError, match="8 of 16"):
+            sink.close()
+        sink.write(bytes(8))
+        sink.close()
+
+
+def test_written_file_reports_sizes_and_hashes(tmp_path):
+    a = np.arange(10, dtype=np.int16)
+    with CheckpointWriter(tmp_path / "a.ckpt") as w:
+        w.add("a", a)
+    res = w.result
+    data = (tmp_path / "a.ckpt").read_bytes()
+    assert res.size == len(data)
+    assert res.sha256 == hashlib.sha256(data).hexdigest()
+    assert res.tensors == {"a": hashlib.sha256(a.tobytes()).hexdigest()}
+    assert os.path.isabs(res.path)
