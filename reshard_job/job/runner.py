@@ -227,11 +227,15 @@ def run_job(cfg: dict, ctx: JobContext) -> JobResult:
                           ranks, store, run_id, checkpoints, strategy)
         return result
     except BaseException as e:
+        db_error = _lineage_error(e, cfg, ctx)
         if store is not None and run_id is not None:
             try:
-                store.fail_run(run_id, _error_text(e))
+                store.fail_run(run_id, _error_text(db_error or e))
             except Exception as le:  # the original error matters more
-                log.error("could not record the failure in the lineage database: %s", le)
+                log.error("could not record the failure in the lineage database: %s",
+                          _lineage_error(le, cfg, ctx) or le)
+        if db_error is not None:
+            raise db_error from e
         raise
     finally:
         out.unlock()
@@ -269,6 +273,35 @@ def _check_extra_ranks(files: dict[int, str], extra: list[int], index, devices: 
             )
 
 
+def _lineage_error(e: BaseException, cfg, ctx: JobContext):
+    """A database failure (disk full, locked, unreachable server) as a one-line LineageError, else None."""
+    try:
+        from sqlalchemy.exc import SQLAlchemyError
+    except ImportError:
+        return None
+    if not isinstance(e, SQLAlchemyError):
+        return None
+    from ..lineage import LineageError
+
+    cause = getattr(e, "orig", None) or e
+    detail = next((ln.strip() for ln in str(cause).splitlines() if ln.strip()), type(cause).__name__)
+    url = _lineage_url(cfg, ctx)
+    if "://" in url and "@" in url:  # keep passwords out of messages
+        scheme, rest = url.split("://", 1)
+        url = f"{scheme}://***@{rest.rsplit('@', 1)[1]}"
+    return LineageError(f"lineage database {url}: {detail} (lineage.enabled=false runs without recording)")
+
+
+def _lineage_url(cfg, ctx: JobContext) -> str:
+    lin = cfg.get("lineage") or {}
+    url = lin.get("url") or "sqlite:///" + os.path.join(ctx.launch_dir, "runs", "lineage.db")
+    if url.startswith("sqlite:///") and not url.startswith("sqlite:////"):
+        rel = url[len("sqlite:///"):]
+        if rel and rel != ":memory:":
+            url = "sqlite:///" + _abs(rel, ctx.launch_dir)
+    return url
+
+
 def _error_text(e: BaseException) -> str:
     if isinstance(e, KeyboardInterrupt):
         return "interrupted"
@@ -303,13 +336,16 @@ def _open_lineage(cfg, ctx: JobContext, out_dir, src_devices, dst_devices):
     from ..lineage import LineageStore
 
     logging.getLogger("alembic").setLevel(logging.WARNING)  # migration chatter is not the job's news
-    url = lin.get("url") or "sqlite:///" + os.path.join(ctx.launch_dir, "runs", "lineage.db")
-    if url.startswith("sqlite:///") and not url.startswith("sqlite:////"):
-        rel = url[len("sqlite:///"):]
-        if rel and rel != ":memory:":
-            url = "sqlite:///" + _abs(rel, ctx.launch_dir)
+    url = _lineage_url(cfg, ctx)
     if url.startswith("sqlite:///"):
-        os.makedirs(os.path.dirname(url[len("sqlite:///"):]) or ".", exist_ok=True)
+        db_dir = os.path.dirname(url[len("sqlite:///"):]) or "."
+        try:
+            os.makedirs(db_dir, exist_ok=True)
+        except OSError as e:
+            from ..lineage import LineageError
+
+            raise LineageError(f"lineage database {url}: cannot create {db_dir} ({e.strerror}); "
+                               "lineage.enabled=false runs without recording") from None
     store = LineageStore(url)
     try:
         store.ensure_schema()
