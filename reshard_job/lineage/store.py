@@ -120,7 +120,7 @@ class LineageStore:
         values = dict(
             id=run_id, status="started", started_at=utc_now(), ended_at=None,
             tool_version=str(tool_version), host=current_host(), pid=current_pid(), user=current_user(),
-            overrides=[str(o) for o in overrides], config=_as_json(config, "config"),
+            overrides=[str(o) for o in overrides], config=_config_as_json(config),
             sweep_id=None if sweep_id is None else str(sweep_id), job_num=job_num,
             output_dir=str(output_dir), source_devices=source_devices, target_devices=target_devices,
             error=None,
@@ -333,6 +333,16 @@ def _as_json(value: Any, what: str) -> Any:
         return json.loads(json.dumps(value, allow_nan=False))
     except (TypeError, ValueError) as exc:
         raise LineageError(f"the run's {what} is not plain JSON data: {exc}") from None
+
+
+def _config_as_json(config: Any) -> Any:
+    """The resolved config as JSON. Unlike the plan (our own plain data), a config may carry an
+    OmegaConf container or values such as paths; recording them as text beats failing the job."""
+    if type(config).__module__.startswith("omegaconf"):
+        from omegaconf import OmegaConf
+
+        config = OmegaConf.to_container(config, resolve=True)
+    return _as_json(json.loads(json.dumps(config, default=str)), "config")
 
 
 def _rank_map(plan: dict) -> list[dict[str, Any]]:

@@ -121,10 +121,16 @@ def test_unknown_runs(store, tmp_path):
         store.fail_run("no-such-run", "boom")
 
 
-def test_config_and_plan_must_be_plain_json(store, tmp_path):
+def test_config_is_recorded_as_json_and_the_plan_must_be_plain_json(store, tmp_path):
+    from omegaconf import OmegaConf
+
+    config = OmegaConf.create({"source": {"checkpoints": "/data/src", "copy": "${source.checkpoints}"}})
+    run_id = _start(store, tmp_path, config=config)
+    assert store.get_run(run_id)["config"] == {"source": {"checkpoints": "/data/src", "copy": "/data/src"}}
+    run_id = _start(store, tmp_path, config={"output": tmp_path})
+    assert store.get_run(run_id)["config"] == {"output": str(tmp_path)}
     with pytest.raises(LineageError, match="config is not plain JSON"):
-        _start(store, tmp_path, config={"path": tmp_path})
-    run_id = _start(store, tmp_path)
+        _start(store, tmp_path, config={"ratio": float("inf")})
     with pytest.raises(LineageError, match="plan is not plain JSON"):
         store.complete_run(run_id, outputs=[], plan={"ranks": [], "nan": float("nan")})
     assert store.get_run(run_id)["status"] == "started"
