@@ -16,17 +16,22 @@ import errno
 import fcntl
 import json
 import os
+import re
 import socket
 from dataclasses import dataclass
 
 from ..errors import OutputError
-from ..formats.atomic import fsync_dir, is_temp_name, write_bytes_atomic
+from ..formats.atomic import TMP_SUFFIX, fsync_dir, write_bytes_atomic
 from ..hashing import digest_file
 
 STATE_DIR = ".reshard_job"
 LOCK_FILE = "lock"
 JOURNAL_FILE = "journal.jsonl"
 MANIFEST = "manifest.json"
+
+# AtomicFile's temporary names: ".<final name>.<12 hex digits>.tmp"
+TEMP_NAME = re.compile(r"^\..+\.[0-9a-f]{12}" + re.escape(TMP_SUFFIX) + "$", re.S)
+RANK_DIR = re.compile(r"^rank_\d+$")
 
 FRESH = "fresh"
 PARTIAL = "partial"
@@ -267,13 +272,28 @@ class OutputDir:
         return keep
 
     def remove_temp_files(self) -> int:
-        """Delete temporary files left by a killed run (they never carry a final name)."""
+        """Delete temporary files left by a killed run (they never carry a final name).
+
+        Only where this tool writes (the directory itself, its state directory and ``rank_<r>/``)
+        and only names of the exact form ``AtomicFile`` creates: with ``output.overwrite=true`` the
+        directory may hold the user's own files, ``.notes.tmp`` among them.
+        """
         removed = 0
-        for root, _dirs, files in os.walk(self.path):
-            for name in files:
-                if is_temp_name(name):
+        dirs = [self.path, self.state_dir]
+        try:
+            dirs += [os.path.join(self.path, e) for e in os.listdir(self.path) if RANK_DIR.match(e)]
+        except OSError:
+            return 0
+        for d in dirs:
+            try:
+                names = os.listdir(d)
+            except OSError:
+                continue
+            for name in names:
+                full = os.path.join(d, name)
+                if TEMP_NAME.match(name) and os.path.isfile(full) and not os.path.islink(full):
                     try:
-                        os.unlink(os.path.join(root, name))
+                        os.unlink(full)
                         removed += 1
                     except OSError:
                         pass
