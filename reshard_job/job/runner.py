@@ -184,6 +184,10 @@ def run_job(cfg: dict, ctx: JobContext) -> JobResult:
 
     if extra:
         _check_extra_ranks(found.files, extra, index, src.topology.devices, strategy)
+    absent = [n for n in src.topology.layouts if not any(n in names for names in index.values())]
+    if absent:
+        log.warning("%d parameter(s) of the source strategy are in no source checkpoint and will not be in the "
+                    "outputs: %s%s", len(absent), ", ".join(repr(n) for n in absent[:5]), ", ..." if len(absent) > 5 else "")
 
     # -- target and plan ------------------------------------------------------------------
     target_cfg = dict(target_cfg)
