@@ -183,6 +183,9 @@ class _Tracer:
         self.expanded_runs: set[str] = set()
         self.runs: list[dict[str, Any]] = []
         self.ancestors: dict[int, dict[str, Any]] = {}
+        # Original files by (path, digest): byte-identical replicas (data-parallel ranks) are one
+        # artifact but several files, and users count files.
+        self.originals: dict[tuple[str | None, str], dict[str, Any]] = {}
 
     def node(self, artifact: Artifact, *, path: str | None, role: str | None, rank: int | None,
              depth: int) -> dict[str, Any]:
@@ -200,6 +203,10 @@ class _Tracer:
                 self.ancestors[artifact.id] = {**entry, "depth": depth, "original": not producers}
             else:
                 seen["depth"] = min(seen["depth"], depth)
+            if not producers:
+                self.originals.setdefault((node["path"], artifact.digest), {
+                    "path": node["path"], "kind": node["role"], "rank": node["rank"], "size": artifact.size,
+                    "hash_algo": artifact.hash_algo, "digest": artifact.digest, "sha256": entry.get("sha256")})
         node["produced_by"] = [self.hop(run, depth) for run in producers]
         return node
 
@@ -237,7 +244,9 @@ class _Tracer:
 
 
 def trace_artifact(session: Session, artifact: Artifact, *, path: str | None = None) -> dict[str, Any]:
-    """The ancestry tree of `artifact`, plus flat lists of the runs and ancestor files in it."""
+    """The ancestry tree of `artifact`, plus flat lists of its runs, its ancestor contents
+    (``ancestors``, one per artifact) and the original files it came from (``original_sources``,
+    one per path, so replicas with equal bytes are each listed)."""
     tracer = _Tracer(session)
     root = tracer.node(artifact, path=path, role=None, rank=None, depth=0)
     ancestors = sorted(tracer.ancestors.values(), key=lambda a: (a["depth"], a["kind"], a["rank"] or 0, a["digest"]))
@@ -245,7 +254,7 @@ def trace_artifact(session: Session, artifact: Artifact, *, path: str | None = N
         "root": root,
         "runs": tracer.runs,
         "ancestors": ancestors,
-        "original_sources": [a for a in ancestors if a["original"]],
+        "original_sources": sorted(tracer.originals.values(), key=_sort_key),
     }
 
 

@@ -163,10 +163,13 @@ def trace_tree(result: dict[str, Any]) -> str:
         out.append(f"({note})")
     _tree(root, "", out)
     originals = result["original_sources"]
-    checkpoints = [a for a in originals if a["kind"] == "source_checkpoint"]
-    out.append(f"{len(result['runs'])} run{'s' if len(result['runs']) != 1 else ''} in the ancestry; "
-               f"{len(originals)} original file{'s' if len(originals) != 1 else ''} "
-               f"({len(checkpoints)} source checkpoint{'s' if len(checkpoints) != 1 else ''})")
+    by_kind: dict[str, int] = {}
+    for f in originals:
+        by_kind[f["kind"]] = by_kind.get(f["kind"], 0) + 1
+    kinds = ", ".join(f"{n} {kind.replace('_', ' ')}{'s' if n != 1 else ''}" for kind, n in by_kind.items())
+    runs = len(result["runs"])
+    out.append(f"{runs} run{'s' if runs != 1 else ''} in the ancestry; "
+               f"{len(originals)} original file{'s' if len(originals) != 1 else ''}" + (f": {kinds}" if kinds else ""))
     return "\n".join(out)
 
 

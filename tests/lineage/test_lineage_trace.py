@@ -116,3 +116,19 @@ def test_a_round_trip_that_reproduces_its_sources_terminates(store, tmp_path, ma
     with store.read_session() as session:
         result = queries.trace(session, original.path)
     assert {run["run_id"] for run in result["runs"]} == {split, merge}
+
+
+def test_byte_identical_replicas_are_each_an_original_file(store, tmp_path, make_file):
+    # Data-parallel ranks often hold identical bytes: one artifact, but two files to account for.
+    replicas = [make_file(tmp_path / f"src/rank_{r}/checkpoint_{r}.ckpt", b"replica", "source_checkpoint", r)
+                for r in (0, 1)]
+    output = make_file(tmp_path / "out/rank_0/checkpoint_0.ckpt", b"merged", "target_checkpoint", 0)
+    run_id = store.start_run(config={}, overrides=[], tool_version="0.1.0", output_dir=str(tmp_path / "out"),
+                             source_devices=2, target_devices=1)
+    store.record_inputs(run_id, replicas)
+    store.complete_run(run_id, outputs=[output], plan={"ranks": []})
+    with store.read_session() as session:
+        result = queries.trace(session, output.path)
+    assert len(result["ancestors"]) == 1
+    assert [(f["path"], f["rank"], f["sha256"]) for f in result["original_sources"]] == [
+        (r.path, r.rank, r.sha256) for r in replicas]
