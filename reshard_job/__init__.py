@@ -1,15 +1,10 @@
-"""reshard_job: reshard MindSpore distributed checkpoints from M ranks to N ranks."""
+"""reshard_job: reshard MindSpore distributed checkpoints from M ranks to N ranks.
+
+The MindSpore-compatible functions are imported on first use, so that light entry points (the
+audit CLI) do not pay for numpy and the engine.
+"""
 
 __version__ = "0.1.0"
-
-from .api import (  # noqa: E402
-    merge_pipeline_strategies,
-    merge_pipeline_strategys,
-    rank_list_for_transform,
-    transform_checkpoint_by_rank,
-    transform_checkpoints,
-)
-from .errors import ReshardError  # noqa: E402
 
 __all__ = [
     "transform_checkpoints",
@@ -20,3 +15,20 @@ __all__ = [
     "ReshardError",
     "__version__",
 ]
+
+
+def __getattr__(name):
+    if name in ("transform_checkpoints", "transform_checkpoint_by_rank", "rank_list_for_transform",
+                "merge_pipeline_strategies", "merge_pipeline_strategys"):
+        from . import api
+
+        return getattr(api, name)
+    if name == "ReshardError":
+        from .errors import ReshardError
+
+        return ReshardError
+    raise AttributeError(f"module 'reshard_job' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

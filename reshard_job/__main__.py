@@ -88,6 +88,12 @@ def one_line(exc: BaseException) -> str:
                 break
             if not ln.endswith("_schema"):  # the structured-config schemas are not presets
                 options.append(ln)
+    from hydra.errors import OverrideParseException
+
+    if isinstance(exc, OverrideParseException):
+        bad = getattr(exc, "override", None)
+        return (f"cannot parse override {bad!r}: {head}; quote values that contain characters such as "
+                "= ? & , [ ] { } or spaces, e.g. lineage.url='postgresql+psycopg://host/db?sslmode=require'")
     cause = exc.__cause__
     detail = f" ({one_line(cause)})" if cause is not None and cause is not exc and not options else ""
     return head + (f" (available: {', '.join(options)})" if options else "") + detail
