@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 
 import numpy as np
-import pytest
 
 from reshard_job import rank_list_for_transform, transform_checkpoint_by_rank, transform_checkpoints
 from reshard_job.formats.ckpt import CheckpointReader

@@ -7,7 +7,6 @@ from math import prod
 import numpy as np
 import pytest
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from reshard_job.errors import LayoutError
 from reshard_job.formats.strategy import ParamLayout, read_strategy

@@ -10,7 +10,6 @@ Random cases cover device matrices of 1–3 axes of sizes 1–4 (1–16 ranks, s
 
 from __future__ import annotations
 
-import shutil
 import tempfile
 from dataclasses import dataclass, field
 from math import prod
@@ -33,6 +32,7 @@ from .reference import dev_matrices, divisors, lcm, param_layouts, reference_box
 
 DTYPES = ["Float32", "BFloat16", "Int8", "Bool", "Float16", "Int64", "UInt8"]
 MAX_ELEMENTS = 6000
+FACTORS = st.integers(0, 11).map(lambda i: 0 if i == 11 else 1 + i % 2)  # now and then a zero-size dim
 EXTRAS = {"global_step": np.array(1234, dtype=np.int64), "note": "trained for 3 epochs"}
 
 
@@ -61,11 +61,18 @@ class Side:
             layouts = {f"{s}-{n}": per[s] for s in range(self.stages) for n, per in self.layouts.items() if s in per}
         return StrategyFile(layouts, [StrategyItem(f"op{s}", s, ()) for s in range(self.stages)])
 
-    def write(self, path: Path, json: bool = False) -> str | None:
+    def write(self, path: Path, json: bool = False, as_dir: bool = False) -> str | None:
         sf = self.strategy()
         if sf is None:
             return None
         nested = any(lay.nested for lay in sf.layouts.values())
+        if as_dir and self.stages > 1:  # one file per stage, as pipeline training writes them
+            suffix = ".json" if json and not nested else ".ckpt"
+            for s in range(self.stages):
+                stage = StrategyFile({n: per[s] for n, per in self.layouts.items() if s in per},
+                                     [StrategyItem(f"op{s}", s, ())])
+                write_strategy(stage, path / f"stage{s}{suffix}")
+            return str(path)
         path = path.with_suffix(".json" if json and not nested else ".ckpt")
         write_strategy(sf, path)
         return str(path)
@@ -85,6 +92,7 @@ class Case:
     dtypes: dict[str, str]
     seed: int
     json: bool = False
+    as_dir: bool = False  # pipeline strategies as a directory of per-stage files
 
     def tensors(self) -> dict[str, tuple[np.ndarray, str]]:
         rng = np.random.default_rng(self.seed)
@@ -130,10 +138,10 @@ def cases(draw, pipeline: bool = False, allow_none: bool = True) -> Case:
         for side in (src, dst):
             for lay in (side.layouts.get(name, {}) or {}).values():
                 units = [lcm(u, d) for u, d in zip(units, divisors(lay))]
-        shapes[name] = tuple(u * draw(st.integers(1, 2)) for u in units)
+        shapes[name] = tuple(u * draw(FACTORS) for u in units)
         dts[name] = draw(st.sampled_from(DTYPES))
     assume(sum(prod(s) for s in shapes.values()) <= MAX_ELEMENTS)
-    return Case(src, dst, shapes, dts, draw(st.integers(0, 2**32 - 1)), draw(st.booleans()))
+    return Case(src, dst, shapes, dts, draw(st.integers(0, 2**32 - 1)), draw(st.booleans()), draw(st.booleans()))
 
 
 # ================================================================================ checking
@@ -187,8 +195,8 @@ def convert_there_and_back(case: Case, helpers):
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         src_files = write_sources(case, root / "src", helpers)
-        src_strategy = case.src.write(root / "src_strategy", case.json)
-        dst_strategy = case.dst.write(root / "dst_strategy", case.json)
+        src_strategy = case.src.write(root / "src_strategy", case.json, case.as_dir)
+        dst_strategy = case.dst.write(root / "dst_strategy", case.json, case.as_dir)
         out = transform_checkpoints(root / "src", root / "out", "checkpoint_", src_strategy, dst_strategy)
         check_outputs(case, out, src_files)
         back = transform_checkpoints(root / "out", root / "back", "checkpoint_", dst_strategy, src_strategy)
@@ -330,7 +338,7 @@ def test_plan_writes_every_target_element_exactly_once(case):
             for c in p.copies:
                 assert c.source_rank in index and p.name in index[c.source_rank]
                 local = index[c.source_rank][p.name].shape
-                assert all(0 <= a < b <= n for (a, b), n in zip(c.source_box, local)), "source box outside the slice"
+                assert all(0 <= a <= b <= n for (a, b), n in zip(c.source_box, local)), "source box outside the slice"
                 assert [b - a for a, b in c.source_box] == [b - a for a, b in c.target_box]
                 # the copy moves global elements to the same global place
                 s_start = global_start(case.src, p.name, c.source_rank, shape)
