@@ -12,6 +12,8 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import signal
+import sys
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Callable
@@ -37,9 +39,35 @@ class WriteOptions:
 _progress_queue = None
 
 
-def _init_worker(q) -> None:
+def _init_worker(q, parent_pid: int | None = None) -> None:
     global _progress_queue
     _progress_queue = q
+    if parent_pid is not None:
+        _die_with_parent(parent_pid)
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Make a worker end when the job process ends, even by SIGKILL.
+
+    An orphaned worker would finish its rank unjournaled and then wait forever for work, holding
+    the output directory's lock (inherited across fork), so the rerun meant to resume the job
+    would be refused until someone found and killed it. Linux only (prctl); elsewhere a no-op.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            return
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent_pid:  # the job died before the signal was armed
+        os._exit(1)
+
+
+_PR_SET_PDEATHSIG = 1
 
 
 def _report(n: int) -> None:
@@ -76,7 +104,8 @@ def run_tasks(tasks: list[RankTask], source_paths: dict[int, str], opts: WriteOp
         return
     ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else mp.get_context()
     q = ctx.Queue()
-    pool = ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_init_worker, initargs=(q,))
+    pool = ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_init_worker,
+                               initargs=(q, os.getpid()))
     pending = set()
     try:
         # largest ranks first, so one big rank does not finish alone at the end
