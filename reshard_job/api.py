@@ -116,8 +116,9 @@ def transform_checkpoint_by_rank(rank_id, checkpoint_files_map: Mapping[int, str
 def rank_list_for_transform(rank_id, src_strategy_file=None, dst_strategy_file=None, *,
                             unmapped: str = UNMAPPED_OMIT) -> list[int]:
     """The source ranks whose checkpoints are read to produce destination rank `rank_id`,
-    in descending order (as MindSpore returns them). Exactly the ranks the plan reads: a subset
-    of MindSpore's list, and enough on its own."""
+    in descending order (as MindSpore returns them). The ranks the plan reads, plus per source
+    stage read from the rank that parameters outside the strategies are copied from: a subset of
+    MindSpore's list, and enough on its own."""
     if not isinstance(rank_id, int) or isinstance(rank_id, bool):
         raise TypeError("rank_id must be an int")
     src = load_strategy(src_strategy_file)

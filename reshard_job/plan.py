@@ -14,7 +14,8 @@ Choices, and how they relate to MindSpore 2.10's converter (spec §5–§7):
   target local rank ``r`` reads the ranks of the optimizer chunk of source local rank
   ``r mod F`` (the chunk's blocks tile the tensor exactly), which is MindSpore's replica rule.
 * **Exact reads.** A target rank reads only source ranks whose boxes intersect its own box, so
-  ``rank_list_for_transform`` returns the set actually read (a subset of MindSpore's list).
+  ``rank_list_for_transform`` returns the set actually read, plus per source stage read from the
+  file that parameters outside the strategies are copied from (a subset of MindSpore's list).
 * **Training truth.** Boxes follow training semantics (``layout.py``); for optimizer-sharded
   non-canonical maps this differs from MindSpore's fast path, which reads the wrong rows.
 * **Parameters in the source strategy but not in the target one** (pipeline ``accu_grads.*``):
@@ -507,8 +508,10 @@ def source_ranks_for(src: Topology, dst: Topology | None, target_rank: int, *,
 
     Shapes do not matter (a copy pattern only depends on the two layouts), so every strategy
     parameter is planned on its unit shape. Parameters outside the source strategy (copied, or
-    whole tensors such as ``global_step``) are read from source local rank ``r mod F`` of stage 0,
-    which is therefore always included.
+    whole tensors such as ``global_step``) are read from source local rank ``r mod F`` of the
+    lowest stage holding them, so that rank of stage 0 and of every stage read from is included
+    (MindSpore's list holds it for every source stage): given only these files, the plan takes
+    such parameters from the same file as with all files at hand.
     """
     dst_t = dst if dst is not None else Topology.unsharded()
     T, F = dst_t.stage_devices, src.stage_devices
@@ -535,4 +538,5 @@ def source_ranks_for(src: Topology, dst: Topology | None, target_rank: int, *,
              else Layout.replicated(len(rec.tensor_map), T))
         _, pattern = copy_pattern(s, t, r)
         needed.update(stage * F + q for q, _, _ in pattern)
+        needed.add(stage * F + r % F)
     return sorted(needed, reverse=True)
