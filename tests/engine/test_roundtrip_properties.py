@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from reshard_job import rank_list_for_transform, transform_checkpoint_by_rank, transform_checkpoints
 from reshard_job.formats import dtypes
-from reshard_job.formats.ckpt import CheckpointReader
+from reshard_job.formats.ckpt import CheckpointReader, CheckpointWriter
 from reshard_job.formats.strategy import ParamLayout, StrategyFile, StrategyItem, write_strategy
 from reshard_job.layout import Layout
 from reshard_job.plan import ACTION_RESHARD, Planner, TensorMeta, source_ranks_for
@@ -285,6 +285,36 @@ def test_pipeline_target_from_flat_source(helpers):
     convert_there_and_back(Case(src, dst, shapes, {"emb": "BFloat16", "head": "Float32"}, seed=3), helpers)
 
 
+def test_by_rank_copies_stage_local_unmapped_parameters_from_the_same_file(tmp_path):
+    """A parameter outside the strategies that only a later pipeline stage holds (e.g. an optimizer
+    state when only trainable parameters are recorded) is copied from source local rank r mod F of
+    that stage. rank_list_for_transform must name that file, or transform_checkpoint_by_rank given
+    only the listed files takes it from another rank than transform_checkpoints does."""
+    src = StrategyFile({"0-emb": ParamLayout((2,), (0, -1)), "1-head": ParamLayout((2,), (0, -1))},
+                       [StrategyItem("op0", 0, ()), StrategyItem("op1", 1, ())])
+    dst = StrategyFile({"emb": ParamLayout((4,), (0, -1)), "head": ParamLayout((4,), (0, -1))},
+                       [StrategyItem("op", 0, ())])
+    write_strategy(src, tmp_path / "src.ckpt")
+    write_strategy(dst, tmp_path / "dst.ckpt")
+    files = {}
+    for g in range(4):
+        files[g] = str(tmp_path / "src" / f"rank_{g}" / f"checkpoint_{g}.ckpt")
+        with CheckpointWriter(files[g]) as w:
+            w.add("emb" if g < 2 else "head", np.full((4, 4), g, np.float32))
+            if g >= 2:
+                w.add("adam_m.head", np.full((4, 4), g, np.float32))  # differs per rank: shows which was read
+            w.add("global_step", np.array([g], np.int32))
+    strategies = str(tmp_path / "src.ckpt"), str(tmp_path / "dst.ckpt")
+    out = transform_checkpoints(tmp_path / "src", tmp_path / "out", "checkpoint_", *strategies)
+    for t in range(4):
+        with CheckpointReader(out[t].path) as r:
+            assert r.read("adam_m.head").flat[0] == 2 + t % 2  # stage 1, local rank t mod 2
+        needed = rank_list_for_transform(t, *strategies)
+        one = transform_checkpoint_by_rank(t, {g: files[g] for g in needed}, str(tmp_path / f"one{t}.ckpt"),
+                                           *strategies)
+        assert one.sha256 == out[t].sha256, t
+
+
 # ================================================================================ the plan alone
 
 
@@ -348,6 +378,12 @@ def test_plan_writes_every_target_element_exactly_once(case):
             assert (count == 1).all(), f"rank {t} {p.name}: target elements written {np.unique(count)} times"
         extras = [p for p in rp.params if p.name not in case.shapes]
         assert [p.name for p in extras] == ["global_step"] and rp.params[-1].name == "global_step"
-        # rank_list_for_transform is exactly what the plan reads
-        assert source_ranks_for(src_topo, dst_topo, t) == sorted(rp.source_ranks, reverse=True)
+        # rank_list_for_transform: what the plan reads, plus for each source stage read from the rank
+        # parameters outside the strategies are copied from (r mod F of that stage)
+        listed = source_ranks_for(src_topo, dst_topo, t)
+        assert listed == sorted(listed, reverse=True)
+        reads = set(rp.source_ranks)
+        r = (t % (case.dst.stage_devices if case.dst.dev else 1)) % src_topo.stage_devices
+        stages_read = {g // src_topo.stage_devices for g in reads} | {0}
+        assert reads <= set(listed) <= reads | {s * src_topo.stage_devices + r for s in stages_read}
     assert plan.to_json()["totals"]["target_ranks"] == case.dst.devices
