@@ -183,9 +183,25 @@ class OutputDir:
                 return PARTIAL
             return self._other("the partial outputs of a different conversion")
         if self._foreign_entries():
-            shown = ", ".join(self._foreign_entries()[:3])
-            return self._other(f"files this tool did not produce ({shown}{', ...' if len(self._foreign_entries()) > 3 else ''})")
+            return self._other(self._foreign_description())
         return FRESH
+
+    def _foreign_description(self) -> str:
+        entries = self._foreign_entries()
+        return f"files this tool did not produce ({', '.join(entries[:3])}{', ...' if len(entries) > 3 else ''})"
+
+    def check_not_foreign(self) -> None:
+        """Refuse a directory of someone else's files before writing anything into it, the lock included.
+
+        Whether a directory of this tool's is this job's needs the source hashes, so that is decided
+        later (``state``); a directory with neither manifest nor journal can be refused right away.
+        """
+        if self.overwrite or not os.path.isdir(self.path):
+            return
+        if self.read_manifest() is not None or self.read_journal()[0] is not None:
+            return
+        if self._foreign_entries():
+            self._other(self._foreign_description())
 
     def _other(self, what: str) -> str:
         if not self.overwrite:

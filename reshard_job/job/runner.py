@@ -223,6 +223,7 @@ def run_job(cfg: dict, ctx: JobContext) -> JobResult:
     planned += [out.manifest_path] + [os.path.join(out.path, n) for n in ("strategy.ckpt", "strategy.json")]
     out.check_not_overwriting(planned, list(source_paths.values()) + list(src.files))
     out.check_writable()
+    out.check_not_foreign()
     out.lock()
     store = run_id = None
     try:
