@@ -515,9 +515,15 @@ def source_ranks_for(src: Topology, dst: Topology | None, target_rank: int, *,
     """
     dst_t = dst if dst is not None else Topology.unsharded()
     T, F = dst_t.stage_devices, src.stage_devices
-    if not 0 <= target_rank < dst_t.devices:
+    if target_rank < 0 or (dst is not None and target_rank >= dst_t.devices):
         raise PlanError(f"target rank {target_rank} is outside 0..{dst_t.devices - 1}")
-    t_stage, r = divmod(target_rank, T)
+    if dst is None:
+        # MindSpore takes `rank_id` itself as the local rank when there is no target strategy
+        # (one whole checkpoint): the list is that of the replicas source rank `rank_id mod F`
+        # reads. Kept so our list stays a subset of MindSpore's for any rank_id.
+        t_stage, r = 0, target_rank
+    else:
+        t_stage, r = divmod(target_rank, T)
     needed = {r % F}
     for name, per_stage in src.layouts.items():
         if dst is not None:
