@@ -152,7 +152,7 @@ def parse_protobuf_strategy(data: bytes, path: str | None = None) -> StrategyFil
         else:  # one TensorMap per dimension (multi-axis); the empty pad entry of 1-D tensors drops out
             tensor_map = tuple(m for m in maps if m)
         layouts[name] = ParamLayout(
-            dev_matrix=tuple(pl.dev_matrix[0].dim),
+            dev_matrix=_dev_matrix(tuple(pl.dev_matrix[0].dim), path, name),
             tensor_map=tensor_map,
             opt_shard_step=int(pl.opt_weight_shard_step),
             opt_shard_size=int(pl.opt_weight_shard_size),
@@ -171,6 +171,12 @@ def parse_protobuf_strategy(data: bytes, path: str | None = None) -> StrategyFil
     return StrategyFile(layouts, items, int(msg.current_stage), FORMAT_PROTOBUF, path)
 
 
+def _dev_matrix(dims: tuple[int, ...], path, name) -> tuple[int, ...]:
+    if any(d < 1 for d in dims):
+        raise StrategyFormatError(path, f"parameter {name!r}: dev_matrix {list(dims)} must hold positive device counts")
+    return dims
+
+
 def _int_list(value, path, what) -> tuple[int, ...]:
     if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
         raise StrategyFormatError(path, f"{what} must be a list of integers, got {value!r}")
@@ -182,6 +188,8 @@ def parse_json_strategy(data: bytes, path: str | None = None) -> StrategyFile:
         obj = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise StrategyFormatError(path, f"not valid JSON ({e}); a name ending in .json is read as JSON") from None
+    except RecursionError:
+        raise StrategyFormatError(path, "not a JSON strategy: nested too deeply") from None
     if not isinstance(obj, dict):
         raise StrategyFormatError(path, "JSON strategy must be an object with 'parallel_layout_item'")
     raw_layouts = obj.get("parallel_layout_item", {})
@@ -213,7 +221,7 @@ def parse_json_strategy(data: bytes, path: str | None = None) -> StrategyFile:
             if not isinstance(d[key], int) or isinstance(d[key], bool):
                 raise StrategyFormatError(path, f"{where}: {key} must be an integer, got {d[key]!r}")
         layouts[name] = ParamLayout(
-            dev_matrix=_int_list(d["dev_matrix"], path, f"{where}: dev_matrix"),
+            dev_matrix=_dev_matrix(_int_list(d["dev_matrix"], path, f"{where}: dev_matrix"), path, name),
             tensor_map=tuple(entries),
             opt_shard_step=d["opt_weight_shard_step"],
             opt_shard_size=d["opt_weight_shard_size"],
