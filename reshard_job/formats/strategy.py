@@ -141,6 +141,8 @@ def parse_protobuf_strategy(data: bytes, path: str | None = None) -> StrategyFil
     layouts: dict[str, ParamLayout] = {}
     for item in msg.parallel_layout_item:
         name = item.param_name
+        if not isinstance(name, str):  # proto2 strings holding invalid UTF-8 come back as bytes
+            raise StrategyFormatError(path, f"parameter name {name!r} is not valid UTF-8")
         pl = item.parallel_layouts
         if not pl.dev_matrix:
             raise StrategyFormatError(path, f"parameter {name!r}: layout has no dev_matrix")
@@ -160,6 +162,9 @@ def parse_protobuf_strategy(data: bytes, path: str | None = None) -> StrategyFil
             indices_offset=tuple(pl.indices_offset[0].dim) if pl.indices_offset else (),
             field=int(pl.field),
         )
+    bad = next((it.node_name for it in msg.parallel_strategy_item if not isinstance(it.node_name, str)), None)
+    if bad is not None:
+        raise StrategyFormatError(path, f"operator name {bad!r} is not valid UTF-8")
     items = [
         StrategyItem(
             it.node_name,
