@@ -1,0 +1,33 @@
+"""Fixtures of the reliability tests (helpers live in reliability_helpers.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from reliability_helpers import GOLDEN, BigSource, Launcher, make_big_source, snapshot
+
+
+@pytest.fixture(scope="session")
+def big_source(tmp_path_factory) -> BigSource:
+    """128 MiB of source (two ranks), four 32 MiB target files: a conversion that takes seconds."""
+    return make_big_source(tmp_path_factory.mktemp("big_source"))
+
+
+@pytest.fixture(scope="session")
+def app():
+    """``app(cwd, *args)``: run ``python -m reshard_job`` as a fresh process (forked from a pre-imported one)."""
+    with Launcher() as launcher:
+        yield lambda cwd, *args, timeout=300: launcher.run(cwd, list(args), timeout)
+
+
+# ================================================================================== guards
+
+
+@pytest.fixture(scope="session", autouse=True)
+def golden_files_unchanged():
+    """Whatever the tests do, the golden scenarios (read by many of them) stay byte- and mtime-identical."""
+    before = snapshot(GOLDEN)
+    yield
+    after = snapshot(GOLDEN)
+    changed = sorted(p for p in set(before) | set(after) if before.get(p) != after.get(p))
+    assert not changed, f"tests/golden changed during the reliability tests: {changed[:5]}"

@@ -1,0 +1,268 @@
+"""Where the job may write, and what a failed write leaves behind.
+
+The job refuses to write into a source directory, over a source file, or into a non-empty
+directory it did not produce (unless ``output.overwrite=true``); a second job writing the same
+directory is refused by the lock; an unwritable directory or a disk that fills up ends the run with
+one line, no partial file under a final name, no temporary file, no manifest, and a failed lineage
+run without outputs.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from reliability_helpers import (app_command, app_env, assert_nothing_recorded, can_drop_dac_override, copy_s1,
+                                 file_size_limit, lineage_runs, run_app, run_in_process, s1_args, snapshot,
+                                 temp_files, the_error, without_dac_override)
+
+from reshard_job.errors import OutputError
+from reshard_job.formats import atomic
+
+
+@pytest.fixture
+def s1(tmp_path):
+    ckpts, src, dst = copy_s1(tmp_path / "src")
+    return ckpts, src, dst
+
+
+def _db(cwd: Path) -> Path:
+    return cwd / "runs" / "lineage.db"
+
+
+# ================================================================================== refusals
+
+
+@pytest.mark.parametrize("where", ["source_dir", "inside_source_dir", "source_file", "strategy_file"])
+def test_refuses_to_write_among_the_sources(tmp_path, s1, app, where):
+    ckpts, src, dst = s1
+    out = {"source_dir": ckpts, "inside_source_dir": ckpts / "rank_0" / "converted",
+           "source_file": ckpts / "rank_0" / "checkpoint_0.ckpt", "strategy_file": src}[where]
+    before = snapshot(tmp_path / "src")
+    error = the_error(app(tmp_path, *s1_args(ckpts, src, dst, out)))
+    if where in ("source_dir", "inside_source_dir"):
+        assert error == (f"output.dir {out} is inside the source directory {ckpts}; outputs must not be written among "
+                         "the sources (choose a directory outside it)")
+    else:
+        assert error == f"output.dir {out} is a source file; choose a new directory"
+    assert snapshot(tmp_path / "src") == before
+    assert not _db(tmp_path).exists()
+
+
+def test_never_replaces_a_source_file_even_with_overwrite(tmp_path, s1, app):
+    """A source strategy kept as strategy.ckpt in the output directory: the target strategy would replace it."""
+    ckpts, src, dst = s1
+    out = tmp_path / "shared"
+    out.mkdir()
+    kept = out / "strategy.ckpt"
+    shutil.copy(src, kept)
+    before = snapshot(tmp_path / "src", out)
+    for overwrite in ("false", "true"):
+        error = the_error(app(tmp_path, *s1_args(ckpts, kept, dst, out), f"output.overwrite={overwrite}"))
+        assert error == (f"output.dir {out}: writing strategy.ckpt would replace the source file {kept}; choose "
+                         "another output.dir")
+    assert snapshot(tmp_path / "src", out) == before
+    assert sorted(os.listdir(out)) == ["strategy.ckpt"]
+
+
+def test_prefix_cannot_escape_the_output_dir(tmp_path, s1, app):
+    ckpts, src, dst = s1
+    error = the_error(app(tmp_path, *s1_args(ckpts, src, dst, tmp_path / "out"), "target.prefix=../../src/ckpts/rank_0/x_"))
+    assert error == "target.prefix must be the start of a file name (no '/'), got '../../src/ckpts/rank_0/x_'"
+    assert not (tmp_path / "out").exists()
+
+
+def test_foreign_non_empty_dir_is_refused_unless_overwrite(tmp_path, s1, app):
+    ckpts, src, dst = s1
+    out = tmp_path / "home"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine\n")
+    (out / ".draft.tmp").write_text("also mine\n")  # looks like a temp file; must survive the cleanup too
+    (out / "rank_0").mkdir()
+    (out / "rank_0" / "keep.txt").write_text("mine too\n")
+    foreign = snapshot(out)
+    error = the_error(app(tmp_path, *s1_args(ckpts, src, dst, out)))
+    assert error == (f"output.dir {out} holds files this tool did not produce (.draft.tmp, notes.txt, rank_0); choose "
+                     "another output.dir or set output.overwrite=true")
+    assert snapshot(out) == foreign
+    assert lineage_runs(_db(tmp_path)) == []
+
+    res = app(tmp_path, *s1_args(ckpts, src, dst, out), "output.overwrite=true")
+    assert res.returncode == 0, res.stderr
+    assert (out / "manifest.json").exists()
+    assert {p: s for p, s in snapshot(out).items() if p in foreign} == foreign  # the user's files are untouched
+
+
+def test_outputs_of_another_conversion_are_refused_unless_overwrite(tmp_path, s1, app):
+    ckpts, src, dst = s1
+    out = tmp_path / "out"
+    assert app(tmp_path, *s1_args(ckpts, src, dst, out)).returncode == 0
+    run_id = json.loads((out / "manifest.json").read_text())["run_id"]
+    single = [f"source.checkpoints={ckpts}", f"source.strategy={src}", "target=single", f"output.dir={out}"]
+    error = the_error(app(tmp_path, *single))
+    assert error == (f"output.dir {out} holds the outputs of a different conversion (run {run_id}); choose another "
+                     "output.dir or set output.overwrite=true")
+    res = app(tmp_path, *single, "output.overwrite=true")
+    assert res.returncode == 0, res.stderr
+    assert sorted(p.name for p in out.glob("rank_*/*")) == ["checkpoint_0.ckpt"]  # the 4-rank files were removed
+    assert json.loads((out / "manifest.json").read_text())["target"]["devices"] == 1
+
+
+# ================================================================================== lock
+
+
+def test_second_writer_is_refused_while_the_first_runs(tmp_path, big_source, app):
+    out = tmp_path / "out"
+    first = subprocess.Popen(app_command(*big_source.args(out, "job.workers=1")), cwd=tmp_path, env=app_env(),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lock = out / ".reshard_job" / "lock"
+        deadline = time.monotonic() + 60
+        while not (lock.exists() and lock.read_text().startswith("pid")):
+            assert first.poll() is None, first.communicate()
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        second = app(tmp_path, *big_source.args(out, "job.workers=1"))
+        assert first.poll() is None, "the first job ended before the second was refused; use a larger source"
+        error = the_error(second)
+        assert error.startswith(f"output.dir {out} is being written by another job (pid {first.pid} on ")
+        assert error.endswith("); wait for it to finish or choose another output.dir")
+        stdout, stderr = first.communicate(timeout=300)
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    assert first.returncode == 0, stderr
+    assert (out / "manifest.json").exists()
+    # the refused job recorded nothing; the first one completed
+    assert [r["status"] for r in lineage_runs(_db(tmp_path))] == ["completed"]
+
+
+# ================================================================================== not writable
+
+
+@pytest.mark.skipif(not can_drop_dac_override(), reason="cannot drop CAP_DAC_OVERRIDE here (prctl refused)")
+@pytest.mark.parametrize("existing", [True, False], ids=["existing_dir", "parent_dir"])
+def test_output_dir_not_writable(tmp_path, s1, existing):
+    ckpts, src, dst = s1
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    out = locked if existing else locked / "out"
+    locked.chmod(0o555)
+    try:
+        before = snapshot(tmp_path / "src")
+        res = run_app(tmp_path, *s1_args(ckpts, src, dst, out), preexec_fn=without_dac_override())
+        assert the_error(res) == f"output.dir {out} is not writable (no write permission on {locked})"
+        assert snapshot(tmp_path / "src") == before
+        assert os.listdir(locked) == []
+        assert lineage_runs(_db(tmp_path)) == []
+    finally:
+        locked.chmod(0o755)
+
+
+def test_output_dir_where_even_root_cannot_write(tmp_path, s1, app):
+    ckpts, src, dst = s1
+    error = the_error(app(tmp_path, *s1_args(ckpts, src, dst, Path("/proc/1/reshard_out"))))
+    assert error == "output.dir /proc/1/reshard_out is not writable (no write permission on /proc/1)"
+    assert lineage_runs(_db(tmp_path)) == []
+
+
+# ================================================================================== disk full
+
+
+def test_disk_full_in_a_child_process(tmp_path, big_source):
+    """RLIMIT_FSIZE makes any write past 4 MiB fail (EFBIG), as a full disk would: the 32 MiB target
+    files cannot be written, the small strategy copy and lineage database can."""
+    out = tmp_path / "out"
+    before = snapshot(big_source.checkpoints)
+    res = run_app(tmp_path, *big_source.args(out, "job.workers=2"), preexec_fn=file_size_limit(4 << 20))
+    error = the_error(res)
+    assert error.startswith(f"{out}/rank_"), error
+    assert error.endswith(".ckpt: write failed (File too large); the partial file was removed")
+    assert_nothing_recorded(out, _db(tmp_path), error)
+    assert [r["status"] for r in lineage_runs(_db(tmp_path))] == ["failed"]
+    assert snapshot(big_source.checkpoints) == before
+
+
+class _FullDisk:
+    """A file object whose device fills up after `room` bytes: writes (or the final flush) fail with ENOSPC."""
+
+    def __init__(self, f, room: int, at_flush: bool):
+        self._f, self._room, self._at_flush = f, room, at_flush
+
+    def write(self, data):
+        n = memoryview(data).nbytes
+        if not self._at_flush and n > self._room:
+            self._f.write(memoryview(data).cast("B")[: self._room])  # what fitted stays in the temp file
+            self._room = 0
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self._room -= n
+        return self._f.write(data)
+
+    def flush(self):
+        if self._at_flush and self._room < 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return self._f.flush()
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+
+@pytest.mark.parametrize("at_flush", [False, True], ids=["on_write", "on_flush"])
+def test_disk_full_while_writing_then_resume(tmp_path, s1, monkeypatch, at_flush):
+    """ENOSPC on the third target file (in-process, so AtomicFile can be patched): the two finished
+    files stay, nothing partial or temporary remains, no manifest; a rerun resumes and completes."""
+    ckpts, src, dst = s1
+    out = tmp_path / "out"
+    args = s1_args(ckpts, src, dst, out)
+    opened = []
+    real_init = atomic.AtomicFile.__init__
+
+    def init(self, path, **kw):
+        real_init(self, path, **kw)
+        if os.path.basename(path).startswith("checkpoint_"):
+            opened.append(path)
+            if len(opened) == 3:
+                self._f = _FullDisk(self._f, 10_000, at_flush)
+
+    monkeypatch.setattr(atomic.AtomicFile, "__init__", init)
+    before = snapshot(tmp_path / "src")
+    with pytest.raises(OutputError) as err:
+        run_in_process(tmp_path, *args)
+    victim = opened[2]
+    assert str(err.value) == f"{victim}: no space left on device while writing; the partial file was removed"
+    assert not os.path.exists(victim)
+    assert temp_files(out) == []
+    assert not (out / "manifest.json").exists()
+    finished = sorted(str(p) for p in out.glob("rank_*/checkpoint_*.ckpt"))
+    assert finished == sorted(opened[:2])
+    kept = {p: os.stat(p).st_ino for p in finished}
+    runs = lineage_runs(_db(tmp_path))
+    assert [(r["status"], r["error"], r["outputs"]) for r in runs] == [("failed", str(err.value), [])]
+
+    monkeypatch.setattr(atomic.AtomicFile, "__init__", real_init)  # space freed
+    result = run_in_process(tmp_path, *args)
+    assert result.status == "completed"
+    assert {p: os.stat(p).st_ino for p in kept} == kept  # the finished files were kept, not rewritten
+    assert len(list(out.glob("rank_*/checkpoint_*.ckpt"))) == 4
+    assert snapshot(tmp_path / "src") == before
+
+
+def test_a_failed_write_leaves_an_existing_file_intact(tmp_path):
+    """Atomicity of a single file: the old content stays under the final name until the new one is complete."""
+    target = tmp_path / "file.bin"
+    target.write_bytes(b"old content")
+    f = atomic.AtomicFile(target)
+    f.write(b"new")
+    f._f = _FullDisk(f._f, 0, at_flush=False)
+    with pytest.raises(OutputError, match="no space left on device while writing; the partial file was removed"):
+        f.write(b"more than fits")
+    assert target.read_bytes() == b"old content"
+    assert temp_files(tmp_path) == []
