@@ -76,8 +76,9 @@ class OutputDir:
         if os.path.exists(self.path) and not os.path.isdir(self.path):
             raise OutputError(f"output.dir {self.path} exists and is not a directory")
 
-    def check_not_overwriting(self, planned: list[str], source_files: list[str]) -> None:
-        """Refuse when a file this job would write is a source file, whatever ``output.overwrite`` says.
+    def check_not_overwriting(self, planned: list[str], source_files: list[str], source_dirs: list[str] = ()) -> None:
+        """Refuse when a file this job would write is a source file, or lands in a source directory
+        through a symbolic link, whatever ``output.overwrite`` says.
 
         A source strategy file kept next to its checkpoints as ``strategy.ckpt`` is the usual way to
         get here: writing the target strategy into that directory would replace it.
@@ -90,6 +91,12 @@ class OutputDir:
                     f"output.dir {self.path}: writing {os.path.relpath(p, self.path)} would replace the source file "
                     f"{sources[where]}; choose another output.dir"
                 )
+            for d in source_dirs:
+                if d and _inside(where, d):
+                    raise OutputError(
+                        f"output.dir {self.path}: {os.path.relpath(p, self.path)} would be written into the source "
+                        f"directory {d} (through a symbolic link); choose another output.dir"
+                    )
 
     def check_writable(self) -> None:
         probe_dir = self.path

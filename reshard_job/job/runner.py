@@ -221,7 +221,8 @@ def run_job(cfg: dict, ctx: JobContext) -> JobResult:
     prefix = target_cfg.get("prefix", "checkpoint_")
     planned = [os.path.join(out.path, f"rank_{rp.target_rank}", f"{prefix}{rp.target_rank}.{fmt}") for rp in plan.ranks]
     planned += [out.manifest_path] + [os.path.join(out.path, n) for n in ("strategy.ckpt", "strategy.json")]
-    out.check_not_overwriting(planned, list(source_paths.values()) + list(src.files))
+    out.check_not_overwriting(planned, list(source_paths.values()) + list(src.files),
+                              [checkpoints] + ([strategy] if strategy and os.path.isdir(strategy) else []))
     out.check_writable()
     out.check_not_foreign()
     out.lock()

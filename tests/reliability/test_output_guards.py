@@ -72,6 +72,26 @@ def test_never_replaces_a_source_file_even_with_overwrite(tmp_path, s1, app):
     assert sorted(os.listdir(out)) == ["strategy.ckpt"]
 
 
+@pytest.mark.parametrize("prefix", ["checkpoint_", "converted_"])
+def test_never_writes_into_a_source_dir_through_a_symlink(tmp_path, s1, app, prefix):
+    """output.dir/rank_0 links to a source rank folder: with the default prefix the output would replace
+    the source file, with another it would land among the sources; both are refused, overwrite or not."""
+    ckpts, src, dst = s1
+    out = tmp_path / "view"
+    out.mkdir()
+    (out / "rank_0").symlink_to(ckpts / "rank_0")
+    before = snapshot(tmp_path / "src")
+    error = the_error(app(tmp_path, *s1_args(ckpts, src, dst, out), "output.overwrite=true", f"target.prefix={prefix}"))
+    if prefix == "checkpoint_":
+        assert error == (f"output.dir {out}: writing rank_0/checkpoint_0.ckpt would replace the source file "
+                         f"{ckpts / 'rank_0' / 'checkpoint_0.ckpt'}; choose another output.dir")
+    else:
+        assert error == (f"output.dir {out}: rank_0/converted_0.ckpt would be written into the source directory "
+                         f"{ckpts} (through a symbolic link); choose another output.dir")
+    assert snapshot(tmp_path / "src") == before
+    assert sorted(os.listdir(ckpts / "rank_0")) == ["checkpoint_0.ckpt"]
+
+
 def test_prefix_cannot_escape_the_output_dir(tmp_path, s1, app):
     ckpts, src, dst = s1
     error = the_error(app(tmp_path, *s1_args(ckpts, src, dst, tmp_path / "out"), "target.prefix=../../src/ckpts/rank_0/x_"))
