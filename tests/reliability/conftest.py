@@ -9,8 +9,12 @@ from reliability_helpers import GOLDEN, BigSource, Launcher, make_big_source, sn
 
 @pytest.fixture(scope="session")
 def big_source(tmp_path_factory) -> BigSource:
-    """128 MiB of source (two ranks), four 32 MiB target files: a conversion that takes seconds."""
-    return make_big_source(tmp_path_factory.mktemp("big_source"))
+    """128 MiB of source (two ranks), four 32 MiB target files: a conversion that takes seconds.
+    Every test that converts it (killed, refused, out of space) must leave it unchanged."""
+    source = make_big_source(tmp_path_factory.mktemp("big_source"))
+    before = snapshot(source.root)
+    yield source
+    assert snapshot(source.root) == before, "the big source changed"
 
 
 @pytest.fixture(scope="session")

@@ -29,8 +29,11 @@ from reshard_job.formats import atomic
 
 @pytest.fixture
 def s1(tmp_path):
+    """A copy of golden scenario S1; whatever the test does, its files are unchanged afterwards."""
     ckpts, src, dst = copy_s1(tmp_path / "src")
-    return ckpts, src, dst
+    before = snapshot(tmp_path / "src")
+    yield ckpts, src, dst
+    assert snapshot(tmp_path / "src") == before, "source files changed"
 
 
 def _db(cwd: Path) -> Path:

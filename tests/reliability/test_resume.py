@@ -121,12 +121,15 @@ def test_kill_9_then_resume_gives_the_uninterrupted_result(tmp_path, big_source,
 
 @pytest.fixture
 def completed(tmp_path, app):
+    """S1 converted into tmp_path/out; the sources are unchanged after the test, whatever it reran."""
     ckpts, src, dst = copy_s1(tmp_path / "src")
+    before = snapshot(tmp_path / "src")
     out = tmp_path / "out"
     args = s1_args(ckpts, src, dst, out)
     res = app(tmp_path, *args)
     assert res.returncode == 0, res.stderr
-    return out, args
+    yield out, args
+    assert snapshot(tmp_path / "src") == before, "source files changed"
 
 
 def test_identical_rerun_does_nothing(tmp_path, app, completed):
