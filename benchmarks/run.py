@@ -131,6 +131,7 @@ def run_timed(cmd: list[str], log_path: str, *, cwd: str | None = None, env: dic
     res_path = log_path + ".rusage.json"
     if os.path.exists(res_path):
         os.unlink(res_path)
+    load_before = os.getloadavg()[0]
     wrapped = [sys.executable, "-S", os.path.join(HERE, "measure_child.py"), res_path, "--", *cmd]
     with open(log_path, "ab") as logf:
         logf.write(("\n$ " + shlex.join(cmd) + "\n").encode())
@@ -149,6 +150,7 @@ def run_timed(cmd: list[str], log_path: str, *, cwd: str | None = None, env: dic
         ru = {"wall_s": outer_wall, "rc": proc.returncode or 1, "maxrss_kib": 0, "user_s": 0.0, "sys_s": 0.0}
     maxrss = ru["maxrss_kib"] * 1024
     return {
+        "loadavg_1min_before": load_before,
         "wall_s": ru["wall_s"],
         "rc": ru["rc"],
         "maxrss_mib": maxrss / MIB,
@@ -336,6 +338,7 @@ def summarize(rec: dict) -> dict:
     out["min_wall_s"] = min(walls) if walls else None
     out["max_wall_s"] = max(walls) if walls else None
     out["median_peak_rss_mib"] = median(rss)
+    out["median_cpu_s"] = median([r["user_s"] + r["sys_s"] for r in rec["runs"]])
     out["max_peak_rss_mib"] = max(rss) if rss else None
     out["gb_per_s"] = rec["source_bytes"] / 1e9 / out["median_wall_s"] if walls else None
     return out
@@ -395,8 +398,14 @@ def main(argv=None) -> int:
     ap.add_argument("--mindspore-python", default=os.environ.get("MINDSPORE_PYTHON"),
                     help="a Python that can `import mindspore` (own venv, numpy<2): also time MindSpore")
     ap.add_argument("--python", default=sys.executable, help="interpreter for our conversion")
+    ap.add_argument("--prefault-gb", type=float, default=0.0,
+                    help="touch this much memory once before measuring (see README: first-touch cost in VMs)")
     ap.add_argument("--gen-jobs", type=int, default=None, help="processes used to generate sources")
+    ap.add_argument("--render", metavar="RESULTS_JSON",
+                    help="only re-render <stamp>.md, latest.md and scaling.png from an existing results JSON")
     a = ap.parse_args(argv)
+    if a.render:
+        return render_files(a.render, a.results_dir)
 
     sizes = _parse_list(a.sizes, float)
     dtype_sizes: dict[str, list[float]] = {}
@@ -454,6 +463,12 @@ def main(argv=None) -> int:
         "measurements": [],
         "verifications": [],
     }
+    if a.prefault_gb > 0:
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-c", "import numpy as np, sys; "
+                        "a = np.ones(int(float(sys.argv[1]) * 2**30), dtype=np.uint8)", str(a.prefault_gb)], check=True)
+        notes.append(f"{a.prefault_gb:g} GiB of memory touched once before measuring ({time.perf_counter() - t0:.1f} s).")
+        log(f"[note] {notes[-1]}")
     generated: list[str] = []
     failed = False
     measurements = result["measurements"]
@@ -582,6 +597,20 @@ def main(argv=None) -> int:
 # ====================================================================================== reporting
 
 
+def render_files(json_path: str, results_dir: str) -> int:
+    with open(json_path) as f:
+        result = json.load(f)
+    result["measurements"] = [summarize(m) for m in result["measurements"]]
+    add_ratios(result)
+    md = render_markdown(result)
+    for name in (f"{result['timestamp']}.md", "latest.md"):
+        with open(os.path.join(results_dir, name), "w") as f:
+            f.write(md)
+    plot_scaling(result, os.path.join(results_dir, "scaling.png"))
+    log(md)
+    return 0
+
+
 def _find(ms: list[dict], **key) -> dict | None:
     for m in ms:
         if all(m.get(k) == v for k, v in key.items()):
@@ -619,12 +648,16 @@ def render_markdown(result: dict) -> str:
         "- warm page cache (source read once before every timed command); outputs deleted and `sync` after each run;"
         " medians over the runs; ratios against `cp -r` of the same source measured in the same invocation.",
     ]
+    loads = [r.get("loadavg_1min_before") for m in ms for r in m["runs"] if r.get("loadavg_1min_before") is not None]
+    if loads:
+        lines.append(f"- machine load (1-min load average before each timed command): median {statistics.median(loads):.1f}, "
+                     f"range {min(loads):.1f}–{max(loads):.1f} on {mach['cpu_count']} cores; CPU s = user + sys of the command's process tree")
     for n in result["notes"]:
         lines.append(f"- note: {n}")
     lines += [
         "",
-        "| size GB | dtype | case | tool | workers | runs | median s | min–max s | source GB/s | peak RSS MiB | × cp -r | × cp -r+fsync | output check |",
-        "|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| size GB | dtype | case | tool | workers | runs | median s | min–max s | CPU s | source GB/s | peak RSS MiB | × cp -r | × cp -r+fsync | output check |",
+        "|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     order = {c: i for i, c in enumerate(["copy:src", "copy:src_pp", *CASES])}
     dtype_order = {d: i for i, d in enumerate(dict.fromkeys(m["dtype"] for m in ms))}
@@ -636,7 +669,8 @@ def render_markdown(result: dict) -> str:
         case = m["case"].replace("copy:", "copy of ")
         lines.append(
             f"| {m['size_gb']:g} | {m['dtype']} | {case} | {m['tool']} | {m['workers']} | {len(m['runs'])} | "
-            f"{_fmt(m['median_wall_s'])} | {_fmt(m['min_wall_s'])}–{_fmt(m['max_wall_s'])} | {_fmt(m['gb_per_s'])} | "
+            f"{_fmt(m['median_wall_s'])} | {_fmt(m['min_wall_s'])}–{_fmt(m['max_wall_s'])} | {_fmt(m.get('median_cpu_s'))} | "
+            f"{_fmt(m['gb_per_s'])} | "
             f"{_fmt(m['max_peak_rss_mib'], '.0f')} | {_fmt(m.get('ratio_to_cp'))} | {_fmt(m.get('ratio_to_cp_fsync'))} | {check} |"
         )
     lines += ["", "## Against the targets", ""]
