@@ -216,13 +216,12 @@ def run_job(cfg: dict, ctx: JobContext) -> JobResult:
     # -- output directory ---------------------------------------------------------------------
     out_dir = _abs(cfg["output"].get("dir"), ctx.launch_dir) or os.path.join(ctx.run_dir, "output")
     out = OutputDir(out_dir, overwrite=bool(cfg["output"].get("overwrite", False)))
-    out.check_not_source([checkpoints] + ([strategy] if strategy and os.path.isdir(strategy) else []),
-                         list(source_paths.values()) + list(src.files))
-    prefix = target_cfg.get("prefix", "checkpoint_")
+    source_dirs = [checkpoints] + ([strategy] if strategy and os.path.isdir(strategy) else [])
+    source_files = list(source_paths.values()) + list(src.files)
+    out.check_not_source(source_dirs, source_files)
     planned = [os.path.join(out.path, f"rank_{rp.target_rank}", f"{prefix}{rp.target_rank}.{fmt}") for rp in plan.ranks]
     planned += [out.manifest_path] + [os.path.join(out.path, n) for n in ("strategy.ckpt", "strategy.json")]
-    out.check_not_overwriting(planned, list(source_paths.values()) + list(src.files),
-                              [checkpoints] + ([strategy] if strategy and os.path.isdir(strategy) else []))
+    out.check_not_overwriting(planned, source_files, source_dirs)
     out.check_writable()
     out.check_not_foreign()
     out.lock()
