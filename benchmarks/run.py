@@ -90,6 +90,18 @@ def _children_map() -> dict[int, list[int]]:
     return kids
 
 
+def _pss_bytes(pid: int) -> int:
+    """Proportional set size: shared pages (e.g. copy-on-write after fork) split among their users."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup", "rb") as f:
+            for line in f:
+                if line.startswith(b"Pss:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, IndexError, ValueError):
+        pass
+    return 0
+
+
 def _rss_bytes(pid: int) -> int:
     try:
         with open(f"/proc/{pid}/statm", "rb") as f:
@@ -99,12 +111,16 @@ def _rss_bytes(pid: int) -> int:
 
 
 class TreeRssSampler(threading.Thread):
-    """Samples the summed RSS of a process and all its descendants."""
+    """Samples the summed RSS and PSS of a process's descendants.
+
+    Forked workers share their parent's pages copy-on-write: summed RSS counts those pages once
+    per process, summed PSS once in all, which is what the machine actually spends."""
 
     def __init__(self, pid: int):
         super().__init__(daemon=True)
         self.pid = pid
         self.peak = 0
+        self.peak_pss = 0
         self.max_procs = 0
         self._halt = threading.Event()
 
@@ -117,6 +133,8 @@ class TreeRssSampler(threading.Thread):
                 tree.append(p)
                 todo.extend(kids.get(p, ()))
             self.peak = max(self.peak, sum(_rss_bytes(p) for p in tree))
+            if len(tree) > 1:
+                self.peak_pss = max(self.peak_pss, sum(_pss_bytes(p) for p in tree))
             self.max_procs = max(self.max_procs, len(tree))
             self._halt.wait(SAMPLE_INTERVAL)
 
@@ -155,7 +173,9 @@ def run_timed(cmd: list[str], log_path: str, *, cwd: str | None = None, env: dic
         "rc": ru["rc"],
         "maxrss_mib": maxrss / MIB,
         "tree_rss_peak_mib": sampler.peak / MIB,
-        "peak_rss_mib": max(maxrss, sampler.peak) / MIB,
+        "tree_pss_peak_mib": sampler.peak_pss / MIB,
+        # one process: its exact high-water mark; several: their summed PSS (sampled) if larger
+        "peak_rss_mib": max(maxrss, sampler.peak_pss) / MIB,
         "procs": sampler.max_procs,
         "user_s": ru["user_s"],
         "sys_s": ru["sys_s"],
