@@ -649,12 +649,21 @@ class SafetensorsWriter:
             sink.write(data)
             sink.close()
 
-    def begin(self, name: str) -> TensorSink:
-        """Start writing a declared tensor; pass its bytes to the sink's ``write``, then ``close``."""
+    def begin(self, name: str, dtype: str | None = None, dims=None) -> TensorSink:
+        """Start writing a declared tensor; pass its bytes to the sink's ``write``, then ``close``.
+
+        `dtype` and `dims` are optional (the declaration has them); when given, as by callers that
+        drive `.ckpt` and safetensors writers alike, they must match the declaration.
+        """
         if self._open_sink is not None:
             raise RuntimeError(f"parameter {self._open_sink.name!r} is still being written")
         if name not in self._decls:
             raise RuntimeError(f"parameter {name!r} was not declared")
+        decl = self._decls[name]
+        if dtype is not None and dtype not in (decl.dtype, decl.code):
+            raise RuntimeError(f"parameter {name!r} was declared {decl.dtype}, not {dtype}")
+        if dims is not None and tuple(int(d) for d in dims) != decl.shape:
+            raise RuntimeError(f"parameter {name!r} was declared with shape {list(decl.shape)}, not {list(dims)}")
         if name in self.tensors or name in self._pending:
             raise RuntimeError(f"parameter {name!r} was already written")
         if self._order is None:

@@ -165,3 +165,19 @@ def test_help_and_cfg_job_work_as_in_hydra(tmp_path):
     assert "devices: 8" in res.stdout and "mp: ${target.devices}" in res.stdout
     res = run_app(tmp_path, "--cfg", "job", "--resolve", "target.devices=8")
     assert "mp: 8" in res.stdout
+
+
+def test_safetensors_output_and_safetensors_source_round_trip(tmp_path):
+    res = run_app(tmp_path, "target.format=safetensors", "output.dir=st")
+    assert res.returncode == 0, res.stderr
+    files = sorted((tmp_path / "st").glob("rank_*/checkpoint_*.safetensors"))
+    assert len(files) == 4
+    from safetensors.numpy import load_file
+
+    assert load_file(files[0])  # the safetensors library reads our files
+    res = run_app(tmp_path, "source.checkpoints=st", "source.strategy=st/strategy.ckpt", "target=single",
+                  "output.dir=back")
+    assert res.returncode == 0, res.stderr
+    merged = tensors_of(tmp_path / "back" / "rank_0" / "checkpoint_0.ckpt")
+    for name, want in global_tensors().items():
+        assert merged[name] == want.tobytes(), name
