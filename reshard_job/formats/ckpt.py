@@ -444,7 +444,7 @@ class CheckpointWriter:
         self.path = os.fspath(path)
         self.crc = crc
         self.chunk_bytes = chunk_bytes
-        self._file = AtomicFile(self.path, mode=mode, overwrite=overwrite)
+        self._file = AtomicFile(self.path, mode=mode, overwrite=overwrite, direct=True)
         self._crc = 0
         self._open_sink: TensorSink | None = None
         self.tensors: dict[str, str] = {}

@@ -507,7 +507,8 @@ class SafetensorsWriter:
         self._reserved: int | None = None  # header length reserved for a CRC not yet known
         self.tensors: dict[str, str] = {}
         self.header_len: int | None = None
-        self._file = AtomicFile(self.path, mode=mode, overwrite=overwrite)
+        # A CRC known only at the end is patched into the header afterwards, which needs a buffered file.
+        self._file = AtomicFile(self.path, mode=mode, overwrite=overwrite, direct=crc is not True)
 
     # --- declaring ------------------------------------------------------------------------------
     def declare(self, name: str, dtype: str, shape) -> int:
@@ -742,9 +743,7 @@ class SafetensorsWriter:
         """Put the real CRC into the reserved header; return the file's sha256, read back once."""
         header = self._header(self._order, str(crc))
         header += b" " * (self._reserved - len(header))  # same length: the data does not move
-        f = self._file._f  # AtomicFile has no positioned write; its buffered handle must be flushed first
-        f.flush()
-        os.pwrite(f.fileno(), header, 8)
+        self._file.rewrite_at(8, header)
         h = hashlib.sha256()
         with open(self._file.tmp_path, "rb") as r:
             while block := r.read(8 * 1024 * 1024):

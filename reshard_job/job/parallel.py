@@ -75,7 +75,16 @@ def _report(n: int) -> None:
         _progress_queue.put(n)
 
 
+# The parent's open, indexed source readers. Forked workers inherit them (positioned reads on a
+# shared descriptor are safe), so no source file is indexed more than once per job.
+_shared_sources: SourceFiles | None = None
+
+
 def _convert(task: RankTask, source_paths: dict[int, str], opts: WriteOptions) -> tuple[int, WrittenFile]:
+    if _shared_sources is not None:
+        written = execute_rank(task.rank_plan, _shared_sources, task.out_path, fmt=opts.fmt,
+                               max_memory=opts.max_memory, crc=opts.crc, progress=_report)
+        return task.rank_plan.target_rank, written
     needed = {r: source_paths[r] for r in task.rank_plan.source_ranks}
     with SourceFiles(needed, verify_crc=False) as sources:  # CRCs were checked while hashing
         written = execute_rank(task.rank_plan, sources, task.out_path, fmt=opts.fmt,
@@ -84,25 +93,31 @@ def _convert(task: RankTask, source_paths: dict[int, str], opts: WriteOptions) -
 
 
 def run_tasks(tasks: list[RankTask], source_paths: dict[int, str], opts: WriteOptions, *, workers: int,
-              on_bytes: Callable[[int], None], on_done: Callable[[int, WrittenFile], None]) -> None:
-    """Run every task; call on_done as each rank lands. The first failure stops the rest and is raised."""
+              on_bytes: Callable[[int], None], on_done: Callable[[int, WrittenFile], None],
+              sources: SourceFiles | None = None) -> None:
+    """Run every task; call on_done as each rank lands. The first failure stops the rest and is raised.
+
+    `sources`, if given, are open readers of `source_paths` to reuse (in this process, and in
+    forked workers).
+    """
+    global _shared_sources
     if not tasks:
         return
     if workers <= 1 or len(tasks) == 1:
-        global _progress_queue
-        previous = _progress_queue
-        _progress_queue = None
+        own = sources is None
+        readers = SourceFiles(source_paths, verify_crc=False) if own else sources
         try:
             for t in tasks:
-                needed = {r: source_paths[r] for r in t.rank_plan.source_ranks}
-                with SourceFiles(needed, verify_crc=False) as sources:
-                    written = execute_rank(t.rank_plan, sources, t.out_path, fmt=opts.fmt,
-                                           max_memory=opts.max_memory, crc=opts.crc, progress=on_bytes)
+                written = execute_rank(t.rank_plan, readers, t.out_path, fmt=opts.fmt,
+                                       max_memory=opts.max_memory, crc=opts.crc, progress=on_bytes)
                 on_done(t.rank_plan.target_rank, written)
         finally:
-            _progress_queue = previous
+            if own:
+                readers.close()
         return
-    ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else mp.get_context()
+    forking = "fork" in mp.get_all_start_methods()
+    ctx = mp.get_context("fork") if forking else mp.get_context()
+    _shared_sources = sources if forking else None
     q = ctx.Queue()
     pool = ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_init_worker,
                                initargs=(q, os.getpid()))
@@ -126,6 +141,7 @@ def run_tasks(tasks: list[RankTask], source_paths: dict[int, str], opts: WriteOp
     finally:
         pool.shutdown(wait=True)
         q.close()
+        _shared_sources = None
 
 
 def _drain(q, on_bytes) -> None:

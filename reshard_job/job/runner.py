@@ -2,11 +2,12 @@
 
 ``run_job`` takes a resolved configuration and carries a conversion from start to end:
 
-1. find the sources (the demo when none is given) and their strategy; index every source file;
+1. find the sources (the demo when none is given) and their strategy; index every source file
+   once (the readers stay open, and forked workers reuse them);
 2. settle the target: a strategy file, a declarative layout compiled into one, or one full rank;
 3. plan (``job.mode=plan`` stops here and writes only ``plan.json`` into the run directory);
-4. check and lock the output directory, open a lineage run, hash the sources (verifying CRC
-   trailers on the way), and decide between fresh start, resume and nothing-to-do;
+4. check and lock the output directory; open a lineage run (in a thread, while the sources are
+   hashed and their CRC trailers verified); decide between fresh start, resume and nothing-to-do;
 5. convert the target ranks in parallel workers, journaling each finished file;
 6. write ``manifest.json`` last, then record the outputs in the lineage database.
 
@@ -16,21 +17,24 @@ never recorded as outputs.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
-import shutil
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from math import prod
 from typing import Any
 
 from .. import __version__
 from ..demo import ensure_demo
-from ..errors import ConfigError, LayoutError, ReshardError
-from ..execute import DEFAULT_MAX_MEMORY, FORMAT_CKPT, FORMAT_SAFETENSORS, SourceFiles
+from ..errors import CheckpointFormatError, ConfigError, MissingRankError, PlanError, ReshardError
+from ..execute import DEFAULT_MAX_MEMORY, FORMAT_CKPT, FORMAT_SAFETENSORS, SourceFiles, open_reader
+from ..formats import dtypes
+from ..formats.atomic import write_bytes_atomic
 from ..formats.ckpt import CRC_TRAILER_LEN, CheckpointReader
-from ..formats.strategy import format_for, write_strategy
-from ..hashing import digest_file, digest_files
-from ..plan import UNMAPPED_FULL, UNMAPPED_OMIT, Planner
+from ..formats.strategy import format_for, to_protobuf_bytes
+from ..hashing import HashCache, digest_file, digest_files
+from ..plan import UNMAPPED_FULL, UNMAPPED_OMIT, Plan, Planner
 from ..sources import discover, load_strategy
 from ..topology import Topology
 from .declarative import compile_layout
@@ -46,6 +50,8 @@ STATUS_COMPLETED = "completed"
 STATUS_REUSED = "completed (already done)"
 STATUS_PLANNED = "planned"
 STATUS_FAILED = "failed"
+
+HASH_CACHE_FILE = ".source-hash-cache.json"
 
 
 @dataclass
@@ -81,425 +87,486 @@ def _abs(path: str | None, base: str) -> str | None:
     return os.path.normpath(path if os.path.isabs(path) else os.path.join(base, path))
 
 
-# ===================================================================================== settle
-
-
 @dataclass
 class _Target:
     topology: Topology | None  # None: one whole, unsharded checkpoint
-    strategy_bytes_path: str | None  # user file to copy, or None
+    strategy_path: str | None  # the user's strategy file (copied into the output), or None
     compiled: Any = None  # CompiledLayout when declarative
     devices: int = 1
 
-
-def _settle_target(cfg: dict, src_topo: Topology, index) -> _Target:
-    t = cfg["target"]
-    devices = t.get("devices")
-    if devices is not None and (not isinstance(devices, int) or devices < 1):
-        raise ConfigError(f"target.devices must be a positive integer, got {devices!r}")
-    layout = t.get("layout")
-    has_layout = bool(layout) and bool(layout.get("mesh"))
-    if t.get("strategy") is not None:
-        if has_layout:
-            raise ConfigError("give target.strategy or target.layout, not both (set target.layout=null)")
-        loaded = load_strategy(t["strategy"])
-        derived = loaded.topology.devices
-        if devices is not None and devices != derived:
-            raise ConfigError(f"target.devices={devices} but target.strategy {t['strategy']} describes {derived} devices")
-        if os.path.isdir(t["strategy"]):
-            raise ConfigError("target.strategy must be a single strategy file (merge per-stage files first)")
-        return _Target(loaded.topology, t["strategy"], None, derived)
-    if has_layout:
-        if devices is None:
-            raise ConfigError("target.layout needs target.devices")
-        shapes = _global_shapes(src_topo, index)
-        compiled = compile_layout(layout, devices, shapes)
-        compiled.strategy.path = "target.layout"
-        return _Target(Topology.from_strategy(compiled.strategy), None, compiled, devices)
-    if devices not in (None, 1):
-        raise ConfigError(f"target.devices={devices} needs target.strategy or target.layout to say how to shard")
-    return _Target(None, None, None, 1)
-
-
-def _global_shapes(src_topo: Topology, index) -> dict[str, tuple[int, ...]]:
-    planner = Planner(src_topo, None, index)
-    from ..formats import dtypes
-
-    return {ps.name: ps.global_shape for ps in planner.params
-            if ps.meta is not None and ps.meta.kind == "tensor" and dtypes.BY_NAME[ps.meta.dtype].sliceable}
-
-
-# ===================================================================================== run
+    def strategy_bytes(self) -> tuple[str, bytes] | None:
+        """(file name in the output directory, bytes) of the target strategy, if there is one."""
+        if self.topology is None:
+            return None
+        if self.strategy_path is not None:
+            with open(self.strategy_path, "rb") as f:
+                data = f.read()
+            return ("strategy.json" if format_for(self.strategy_path) == "json" else "strategy.ckpt"), data
+        return "strategy.ckpt", to_protobuf_bytes(self.compiled.strategy)
 
 
 def run_job(cfg: dict, ctx: JobContext) -> JobResult:
     """Run one conversion (or plan) described by a resolved config dict."""
-    source_cfg, target_cfg, job_cfg = cfg["source"], cfg["target"], cfg["job"]
-    mode = job_cfg.get("mode", "convert")
-    if mode not in ("convert", "plan"):
-        raise ConfigError(f"job.mode must be 'convert' or 'plan', got {mode!r}")
-    fmt = target_cfg.get("format", FORMAT_CKPT)
-    if fmt not in (FORMAT_CKPT, FORMAT_SAFETENSORS):
-        raise ConfigError(f"target.format must be 'ckpt' or 'safetensors', got {fmt!r}")
-    prefix = target_cfg.get("prefix", "checkpoint_")
-    if not isinstance(prefix, str) or "/" in prefix or (os.altsep and os.altsep in prefix) or prefix in (".", ".."):
-        raise ConfigError(f"target.prefix must be the start of a file name (no '/'), got {prefix!r}")
-    unmapped = target_cfg.get("unmapped", UNMAPPED_OMIT)
-    if unmapped not in (UNMAPPED_OMIT, UNMAPPED_FULL):
-        raise ConfigError(f"target.unmapped must be 'omit' or 'full', got {unmapped!r}")
-    try:
-        max_memory = parse_bytes(job_cfg.get("max_memory") or DEFAULT_MAX_MEMORY)
-    except ValueError as e:
-        raise ConfigError(f"job.max_memory: {e}") from None
-    if max_memory < 1024:
-        raise ConfigError(f"job.max_memory={max_memory} bytes is too small (at least 1 KiB)")
-
-    # -- sources ------------------------------------------------------------------------------
-    checkpoints = _abs(source_cfg.get("checkpoints"), ctx.launch_dir)
-    strategy = _abs(source_cfg.get("strategy"), ctx.launch_dir)
-    if checkpoints is None:
-        if strategy is not None:
-            raise ConfigError("source.strategy is set but source.checkpoints is not")
-        checkpoints, strategy = ensure_demo(os.path.join(ctx.launch_dir, "runs", "demo"))
-        log.info("no source.checkpoints given: using the built-in demo (MLP 784-512-512-10 on 8 ranks) at %s", checkpoints)
-    found = discover(checkpoints, source_cfg.get("select", "last"))
-    src = load_strategy(strategy)
-    extra = sorted(r for r in found.files if r >= src.topology.devices)
-    if extra:
-        if strategy is None:
-            log.warning("ignoring rank director%s %s: without source.strategy the source is one unsharded rank "
-                        "(rank_0); if the rank directories hold shards of one model, set source.strategy",
-                        "ies" if len(extra) > 1 else "y", ", ".join(f"rank_{r}" for r in extra))
-        else:
-            log.warning("ignoring rank director%s %s: the source strategy describes only %d rank(s)",
-                        "ies" if len(extra) > 1 else "y", ", ".join(f"rank_{r}" for r in extra), src.topology.devices)
-    for rank, others in sorted(found.ignored.items()):
-        if rank < src.topology.devices:
-            log.info("rank_%d: using %s, ignoring %s", rank, os.path.basename(found.files[rank]), ", ".join(others))
-    source_paths = {r: p for r, p in found.files.items() if r < src.topology.devices}
-    with SourceFiles(source_paths, verify_crc=False) as sources:
-        index = sources.index()
-        crc_info = {r: sources.reader(r).crc_stored for r in source_paths
-                    if isinstance(sources.reader(r), CheckpointReader) and sources.reader(r).has_crc}
-
-    if extra:
-        _check_extra_ranks(found.files, extra, index, src.topology.devices, strategy)
-    absent = [n for n in src.topology.layouts if not any(n in names for names in index.values())]
-    if absent:
-        log.warning("%d parameter(s) of the source strategy are in no source checkpoint and will not be in the "
-                    "outputs: %s%s", len(absent), ", ".join(repr(n) for n in absent[:5]), ", ..." if len(absent) > 5 else "")
-
-    # -- target and plan ------------------------------------------------------------------
-    target_cfg = dict(target_cfg)
-    target_cfg["strategy"] = _abs(target_cfg.get("strategy"), ctx.launch_dir)
-    tgt = _settle_target({"target": target_cfg}, src.topology, index)
-    planner = Planner(src.topology, tgt.topology, index, unmapped=unmapped)
-    if tgt.compiled is not None:
-        planner.notes.extend(tgt.compiled.notes)
-    ranks = job_cfg.get("ranks")
-    if ranks is not None:
-        bad = [r for r in ranks if not isinstance(r, int) or not 0 <= r < tgt.devices]
-        if bad:
-            raise ConfigError(f"job.ranks {bad} are not target ranks (0..{tgt.devices - 1})")
-        ranks = sorted(set(ranks))
-    missing: dict[int, list[int]] = {}
-    plan = planner.plan(ranks, missing=missing)
-    predicted = min(max_memory, 2 * max((rp.largest_slice for rp in plan.ranks), default=0))
-
-    if mode == "plan":
-        return _plan_only(plan, predicted, missing, ctx, tgt)
-    if missing:
-        from ..errors import MissingRankError
-
-        raise MissingRankError(missing, checkpoints)
-
-    # -- output directory ---------------------------------------------------------------------
-    out_dir = _abs(cfg["output"].get("dir"), ctx.launch_dir) or os.path.join(ctx.run_dir, "output")
-    out = OutputDir(out_dir, overwrite=bool(cfg["output"].get("overwrite", False)))
-    source_dirs = [checkpoints] + ([strategy] if strategy and os.path.isdir(strategy) else [])
-    source_files = list(source_paths.values()) + list(src.files)
-    out.check_not_source(source_dirs, source_files)
-    planned = [os.path.join(out.path, f"rank_{rp.target_rank}", f"{prefix}{rp.target_rank}.{fmt}") for rp in plan.ranks]
-    planned += [out.manifest_path] + [os.path.join(out.path, n) for n in ("strategy.ckpt", "strategy.json")]
-    out.check_not_overwriting(planned, source_files, source_dirs)
-    out.check_writable()
-    out.check_not_foreign()
-    out.lock()
-    store = run_id = None
-    try:
-        store, run_id = _open_lineage(cfg, ctx, out_dir, src.topology.devices, tgt.devices)
-        result = _convert(cfg, ctx, out, plan, src, tgt, source_paths, crc_info, fmt, max_memory, unmapped,
-                          ranks, store, run_id, checkpoints, strategy)
-        return result
-    except BaseException as e:
-        db_error = _lineage_error(e, cfg, ctx)
-        if store is not None and run_id is not None:
-            try:
-                store.fail_run(run_id, _error_text(db_error or e))
-            except Exception as le:  # the original error matters more
-                log.error("could not record the failure in the lineage database: %s",
-                          _lineage_error(le, cfg, ctx) or le)
-        if db_error is not None:
-            raise db_error from e
-        raise
-    finally:
-        out.unlock()
-        if store is not None:
-            store.close()
+    return ConversionJob(cfg, ctx).run()
 
 
-def _check_extra_ranks(files: dict[int, str], extra: list[int], index, devices: int, strategy: str | None) -> None:
-    """Ignoring rank directories beyond the strategy's devices is safe only when they hold nothing the
-    others lack; otherwise (a pipeline strategy directory missing its last stage, the strategy of
-    another run) their parameters would silently be missing from the outputs."""
-    from ..errors import PlanError
-    from ..execute import open_reader
+class ConversionJob:
+    def __init__(self, cfg: dict, ctx: JobContext):
+        self.cfg = cfg
+        self.ctx = ctx
+        self.job_cfg = cfg["job"]
+        self.target_cfg = dict(cfg["target"])
+        self.sources: SourceFiles | None = None
+        self._plan_json: dict | None = None
 
-    known = set().union(*index.values()) if index else set()
-    for r in extra:
+    # =============================================================================== settings
+    def _settings(self) -> None:
+        job, target = self.job_cfg, self.target_cfg
+        self.mode = job.get("mode", "convert")
+        if self.mode not in ("convert", "plan"):
+            raise ConfigError(f"job.mode must be 'convert' or 'plan', got {self.mode!r}")
+        self.fmt = target.get("format", FORMAT_CKPT)
+        if self.fmt not in (FORMAT_CKPT, FORMAT_SAFETENSORS):
+            raise ConfigError(f"target.format must be 'ckpt' or 'safetensors', got {self.fmt!r}")
+        self.prefix = target.get("prefix", "checkpoint_")
+        if (not isinstance(self.prefix, str) or "/" in self.prefix or (os.altsep and os.altsep in self.prefix)
+                or self.prefix in (".", "..")):
+            raise ConfigError(f"target.prefix must be the start of a file name (no '/'), got {self.prefix!r}")
+        self.unmapped = target.get("unmapped", UNMAPPED_OMIT)
+        if self.unmapped not in (UNMAPPED_OMIT, UNMAPPED_FULL):
+            raise ConfigError(f"target.unmapped must be 'omit' or 'full', got {self.unmapped!r}")
         try:
-            with open_reader(files[r], verify_crc=False) as reader:
-                unknown = [n for n in reader.names() if n not in known]
-        except ReshardError as e:
-            log.warning("rank_%d is ignored and cannot be read either: %s", r, e)
-            continue
-        if unknown:
-            if strategy is None:
+            self.max_memory = parse_bytes(job.get("max_memory") or DEFAULT_MAX_MEMORY)
+        except ValueError as e:
+            raise ConfigError(f"job.max_memory: {e}") from None
+        if self.max_memory < 1024:
+            raise ConfigError(f"job.max_memory={self.max_memory} bytes is too small (at least 1 KiB)")
+        self.crc = bool(target.get("crc", False))
+        self.target_cfg["strategy"] = _abs(target.get("strategy"), self.ctx.launch_dir)
+
+    # =============================================================================== run
+    def run(self) -> JobResult:
+        self._settings()
+        self._find_sources()
+        self.sources = SourceFiles(self.source_paths, verify_crc=False)
+        try:
+            self._index_sources()
+            self._settle_target()
+            self._make_plan()
+            if self.mode == "plan":
+                return self._plan_only()
+            if self.missing:
+                raise MissingRankError(self.missing, self.checkpoints)
+            return self._convert_locked()
+        finally:
+            self.sources.close()
+
+    # =============================================================================== sources
+    def _find_sources(self) -> None:
+        source_cfg = self.cfg["source"]
+        self.checkpoints = _abs(source_cfg.get("checkpoints"), self.ctx.launch_dir)
+        self.strategy = _abs(source_cfg.get("strategy"), self.ctx.launch_dir)
+        if self.checkpoints is None:
+            if self.strategy is not None:
+                raise ConfigError("source.strategy is set but source.checkpoints is not")
+            self.checkpoints, self.strategy = ensure_demo(os.path.join(self.ctx.launch_dir, "runs", "demo"))
+            log.info("no source.checkpoints given: using the built-in demo (MLP 784-512-512-10 on 8 ranks) at %s",
+                     self.checkpoints)
+        self.found = discover(self.checkpoints, source_cfg.get("select", "last"))
+        self.src = load_strategy(self.strategy)
+        devices = self.src.topology.devices
+        self.extra = sorted(r for r in self.found.files if r >= devices)
+        if self.extra:
+            which = "ies" if len(self.extra) > 1 else "y"
+            names = ", ".join(f"rank_{r}" for r in self.extra)
+            if self.strategy is None:
+                log.warning("ignoring rank director%s %s: without source.strategy the source is one unsharded rank "
+                            "(rank_0); if the rank directories hold shards of one model, set source.strategy",
+                            which, names)
+            else:
+                log.warning("ignoring rank director%s %s: the source strategy describes only %d rank(s)",
+                            which, names, devices)
+        for rank, others in sorted(self.found.ignored.items()):
+            if rank < devices:
+                log.info("rank_%d: using %s, ignoring %s", rank, os.path.basename(self.found.files[rank]),
+                         ", ".join(others))
+        self.source_paths = {r: p for r, p in self.found.files.items() if r < devices}
+
+    def _index_sources(self) -> None:
+        self.index = self.sources.index()
+        self.crc_info = {}
+        for r in self.source_paths:
+            reader = self.sources.reader(r)
+            if isinstance(reader, CheckpointReader) and reader.has_crc:
+                self.crc_info[r] = reader.crc_stored
+        if self.extra:
+            self._check_extra_ranks()
+        absent = [n for n in self.src.topology.layouts if not any(n in names for names in self.index.values())]
+        if absent:
+            log.warning("%d parameter(s) of the source strategy are in no source checkpoint and will not be in "
+                        "the outputs: %s%s", len(absent), ", ".join(repr(n) for n in absent[:5]),
+                        ", ..." if len(absent) > 5 else "")
+
+    def _check_extra_ranks(self) -> None:
+        """Ignoring rank directories beyond the strategy's devices is safe only when they hold nothing
+        the others lack; otherwise (a pipeline strategy directory missing its last stage, the strategy
+        of another run) their parameters would silently be missing from the outputs."""
+        known = set().union(*self.index.values()) if self.index else set()
+        files = self.found.files
+        for r in self.extra:
+            try:
+                with open_reader(files[r], verify_crc=False) as reader:
+                    unknown = [n for n in reader.names() if n not in known]
+            except ReshardError as e:
+                log.warning("rank_%d is ignored and cannot be read either: %s", r, e)
+                continue
+            if not unknown:
+                continue
+            if self.strategy is None:
                 hint = "set source.strategy to the strategy these checkpoints were saved with"
-            elif os.path.isdir(strategy):
-                hint = f"is a pipeline stage's strategy file missing from {strategy}?"
+            elif os.path.isdir(self.strategy):
+                hint = f"is a pipeline stage's strategy file missing from {self.strategy}?"
             else:
                 hint = "was source.strategy saved with these checkpoints?"
-            scope = ("the one unsharded rank read without source.strategy" if strategy is None
-                     else f"the {devices} rank(s) the source strategy describes")
+            scope = ("the one unsharded rank read without source.strategy" if self.strategy is None
+                     else f"the {self.src.topology.devices} rank(s) the source strategy describes")
             raise PlanError(
                 f"{files[r]}: rank {r} lies beyond {scope}, but holds {len(unknown)} parameter(s) that no rank "
                 f"within it holds (e.g. {unknown[0]!r}); {hint}"
             )
 
+    # =============================================================================== target, plan
+    def _settle_target(self) -> None:
+        t = self.target_cfg
+        devices = t.get("devices")
+        if devices is not None and (not isinstance(devices, int) or devices < 1):
+            raise ConfigError(f"target.devices must be a positive integer, got {devices!r}")
+        layout = t.get("layout")
+        has_layout = bool(layout) and bool(layout.get("mesh"))
+        if t.get("strategy") is not None:
+            if has_layout:
+                raise ConfigError("give target.strategy or target.layout, not both (set target.layout=null)")
+            if os.path.isdir(t["strategy"]):
+                raise ConfigError("target.strategy must be a single strategy file (merge per-stage files first)")
+            loaded = load_strategy(t["strategy"])
+            derived = loaded.topology.devices
+            if devices is not None and devices != derived:
+                raise ConfigError(f"target.devices={devices} but target.strategy {t['strategy']} describes "
+                                  f"{derived} devices")
+            self.tgt = _Target(loaded.topology, t["strategy"], None, derived)
+        elif has_layout:
+            if devices is None:
+                raise ConfigError("target.layout needs target.devices")
+            compiled = compile_layout(layout, devices, self._global_shapes())
+            compiled.strategy.path = "target.layout"
+            self.tgt = _Target(Topology.from_strategy(compiled.strategy), None, compiled, devices)
+        elif devices not in (None, 1):
+            raise ConfigError(f"target.devices={devices} needs target.strategy or target.layout to say how to shard")
+        else:
+            self.tgt = _Target(None, None, None, 1)
 
-def _lineage_error(e: BaseException, cfg, ctx: JobContext):
-    """A database failure (disk full, locked, unreachable server) as a one-line LineageError, else None."""
-    try:
-        from sqlalchemy.exc import SQLAlchemyError
-    except ImportError:
-        return None
-    if not isinstance(e, SQLAlchemyError):
-        return None
-    from ..lineage import LineageError
+    def _global_shapes(self) -> dict[str, tuple[int, ...]]:
+        planner = Planner(self.src.topology, None, self.index)
+        return {ps.name: ps.global_shape for ps in planner.params
+                if ps.meta is not None and ps.meta.kind == "tensor" and dtypes.BY_NAME[ps.meta.dtype].sliceable}
 
-    cause = getattr(e, "orig", None) or e
-    detail = next((ln.strip() for ln in str(cause).splitlines() if ln.strip()), type(cause).__name__)
-    url = _lineage_url(cfg, ctx)
-    if "://" in url and "@" in url:  # keep passwords out of messages
-        scheme, rest = url.split("://", 1)
-        url = f"{scheme}://***@{rest.rsplit('@', 1)[1]}"
-    return LineageError(f"lineage database {url}: {detail} (lineage.enabled=false runs without recording)")
+    def _make_plan(self) -> None:
+        planner = Planner(self.src.topology, self.tgt.topology, self.index, unmapped=self.unmapped)
+        if self.tgt.compiled is not None:
+            planner.notes.extend(self.tgt.compiled.notes)
+        ranks = self.job_cfg.get("ranks")
+        if ranks is not None:
+            bad = [r for r in ranks if not isinstance(r, int) or not 0 <= r < self.tgt.devices]
+            if bad:
+                raise ConfigError(f"job.ranks {bad} are not target ranks (0..{self.tgt.devices - 1})")
+            ranks = sorted(set(ranks))
+        self.ranks = ranks
+        self.missing: dict[int, list[int]] = {}
+        self.plan: Plan = planner.plan(ranks, missing=self.missing)
+        self.predicted_peak = min(self.max_memory, 2 * max((rp.largest_slice for rp in self.plan.ranks), default=0))
 
+    @property
+    def plan_json(self) -> dict:
+        if self._plan_json is None:  # large for big models: build it once
+            self._plan_json = self.plan.to_json()
+        return self._plan_json
 
-def _lineage_url(cfg, ctx: JobContext) -> str:
-    lin = cfg.get("lineage") or {}
-    url = lin.get("url") or "sqlite:///" + os.path.join(ctx.launch_dir, "runs", "lineage.db")
-    if url.startswith("sqlite:///") and not url.startswith("sqlite:////"):
-        rel = url[len("sqlite:///"):]
-        if rel and rel != ":memory:":
-            url = "sqlite:///" + _abs(rel, ctx.launch_dir)
-    return url
+    def _plan_only(self) -> JobResult:
+        os.makedirs(self.ctx.run_dir, exist_ok=True)
+        plan_path = os.path.join(self.ctx.run_dir, "plan.json")
+        doc = dict(self.plan_json)
+        doc["predicted_peak_memory"] = self.predicted_peak
+        doc["missing"] = {str(k): v for k, v in sorted(self.missing.items())}
+        tmp = plan_path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(doc, f, indent=1)
+        os.replace(tmp, plan_path)
+        print(plan_report(self.plan, predicted_peak=self.predicted_peak, missing=self.missing))
+        print(f"\nplan written to {plan_path} (nothing else was written)")
+        if self.missing:
+            raise MissingRankError(self.missing, self.checkpoints)
+        return JobResult(STATUS_PLANNED, None, None, None, self.tgt.devices, plan_path)
+
+    # =============================================================================== output dir
+    def _prepare_output(self) -> OutputDir:
+        out_dir = _abs(self.cfg["output"].get("dir"), self.ctx.launch_dir) or os.path.join(self.ctx.run_dir, "output")
+        out = OutputDir(out_dir, overwrite=bool(self.cfg["output"].get("overwrite", False)))
+        source_dirs = [self.checkpoints] + ([self.strategy] if self.strategy and os.path.isdir(self.strategy) else [])
+        source_files = list(self.source_paths.values()) + list(self.src.files)
+        out.check_not_source(source_dirs, source_files)
+        self.out_paths = {rp.target_rank: os.path.join(out.path, f"rank_{rp.target_rank}",
+                                                       f"{self.prefix}{rp.target_rank}.{self.fmt}")
+                          for rp in self.plan.ranks}
+        planned = list(self.out_paths.values()) + [out.manifest_path]
+        planned += [os.path.join(out.path, n) for n in ("strategy.ckpt", "strategy.json")]
+        out.check_not_overwriting(planned, source_files, source_dirs)
+        out.check_writable()
+        out.check_not_foreign()
+        return out
+
+    def _convert_locked(self) -> JobResult:
+        out = self._prepare_output()
+        out.lock()
+        store = run_id = None
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lineage")
+        lineage = pool.submit(self._open_lineage, out.path)
+        try:
+            try:
+                digests = self._hash_sources()  # hashing threads release the GIL: overlaps the DB work
+            finally:
+                store, run_id = lineage.result()
+            return self._convert(out, store, run_id, digests)
+        except BaseException as e:
+            db_error = self._lineage_error(e)
+            if store is not None and run_id is not None:
+                try:
+                    store.fail_run(run_id, _error_text(db_error or e))
+                except Exception as le:  # the original error matters more
+                    log.error("could not record the failure in the lineage database: %s",
+                              self._lineage_error(le) or le)
+            if db_error is not None:
+                raise db_error from e
+            raise
+        finally:
+            pool.shutdown(wait=True)
+            out.unlock()
+            if store is not None:
+                store.close()
+
+    # =============================================================================== lineage
+    def _lineage_url(self) -> str:
+        lin = self.cfg.get("lineage") or {}
+        url = lin.get("url") or "sqlite:///" + os.path.join(self.ctx.launch_dir, "runs", "lineage.db")
+        if url.startswith("sqlite:///") and not url.startswith("sqlite:////"):
+            rel = url[len("sqlite:///"):]
+            if rel and rel != ":memory:":
+                url = "sqlite:///" + _abs(rel, self.ctx.launch_dir)
+        return url
+
+    def _open_lineage(self, out_dir: str):
+        lin = self.cfg.get("lineage") or {}
+        if not lin.get("enabled", True):
+            return None, None
+        from ..lineage import LineageError, LineageStore
+
+        logging.getLogger("alembic").setLevel(logging.WARNING)  # migration chatter is not the job's news
+        url = self._lineage_url()
+        if url.startswith("sqlite:///"):
+            db_dir = os.path.dirname(url[len("sqlite:///"):]) or "."
+            try:
+                os.makedirs(db_dir, exist_ok=True)
+            except OSError as e:
+                raise LineageError(f"lineage database {url}: cannot create {db_dir} ({e.strerror}); "
+                                   "lineage.enabled=false runs without recording") from None
+        store = LineageStore(url)
+        try:
+            store.ensure_schema()
+            abandoned = store.mark_abandoned_runs()
+            if abandoned:
+                log.warning("lineage: marked %d run(s) left 'started' by killed processes as abandoned: %s",
+                            len(abandoned), ", ".join(a[:8] for a in abandoned))
+            run_id = store.start_run(config=self.cfg, overrides=list(self.ctx.overrides), tool_version=__version__,
+                                     output_dir=out_dir, source_devices=self.src.topology.devices,
+                                     target_devices=self.tgt.devices, sweep_id=self.ctx.sweep_id,
+                                     job_num=self.ctx.job_num)
+        except BaseException:
+            store.close()
+            raise
+        return store, run_id
+
+    def _lineage_error(self, e: BaseException):
+        """A database failure (disk full, locked, unreachable server) as a one-line LineageError, else None."""
+        try:
+            from sqlalchemy.exc import SQLAlchemyError
+        except ImportError:
+            return None
+        if not isinstance(e, SQLAlchemyError):
+            return None
+        from ..lineage import LineageError
+
+        cause = getattr(e, "orig", None) or e
+        detail = next((ln.strip() for ln in str(cause).splitlines() if ln.strip()), type(cause).__name__)
+        url = self._lineage_url()
+        if "://" in url and "@" in url:  # keep passwords out of messages
+            scheme, rest = url.split("://", 1)
+            url = f"{scheme}://***@{rest.rsplit('@', 1)[1]}"
+        return LineageError(f"lineage database {url}: {detail} (lineage.enabled=false runs without recording)")
+
+    # =============================================================================== hashing
+    def _hash_sources(self):
+        """sha256 of every source file read (and of the strategy files), verifying CRC trailers."""
+        needed = sorted(self.plan.source_ranks)
+        paths = [self.source_paths[r] for r in needed]
+        cache = HashCache(os.path.join(self.ctx.launch_dir, "runs", HASH_CACHE_FILE)) \
+            if self.job_cfg.get("hash_cache", True) else None
+        requests = [(p, (os.path.getsize(p) - CRC_TRAILER_LEN) if r in self.crc_info else None)
+                    for r, p in zip(needed, paths)]
+        todo = sum(os.path.getsize(p) for p, c in requests if cache is None or cache.get(p, c) is None)
+        prog = Progress(todo, len(needed), enabled=self.job_cfg.get("progress"), desc="hashing sources")
+        try:
+            digests = digest_files(requests, threads=2, progress=prog.add_bytes, cache=cache)
+        finally:
+            prog.close()
+        if cache is not None:
+            cache.save()
+        for r, d in zip(needed, digests):
+            if r in self.crc_info and d.crc32 != self.crc_info[r]:
+                raise CheckpointFormatError(self.source_paths[r], f"CRC32 mismatch: trailer says {self.crc_info[r]}, "
+                                                                  f"records give {d.crc32} (file corrupted)")
+        source_files = [{"rank": r, "path": d.path, "size": d.size, "sha256": d.sha256} for r, d in zip(needed, digests)]
+        strategy_files = [digest_file(p) for p in self.src.files]
+        return source_files, strategy_files
+
+    # =============================================================================== convert
+    def _convert(self, out: OutputDir, store, run_id, digests) -> JobResult:
+        from ..lineage import FileRecord
+
+        source_files, strategy_files = digests
+        source_strategy = None
+        if self.strategy is not None:
+            source_strategy = {"path": self.strategy,
+                               "files": [{"path": d.path, "size": d.size, "sha256": d.sha256} for d in strategy_files]}
+            if len(strategy_files) == 1 and not os.path.isdir(self.strategy):
+                source_strategy.update(size=strategy_files[0].size, sha256=strategy_files[0].sha256)
+        target_strategy = self.tgt.strategy_bytes()
+        fingerprint = job_fingerprint(
+            source_files=source_files, source_strategy=source_strategy,
+            target_strategy_sha256=hashlib.sha256(target_strategy[1]).hexdigest() if target_strategy else None,
+            target={"devices": self.tgt.devices, "format": self.fmt, "prefix": self.prefix,
+                    "unmapped": self.unmapped, "crc": self.crc, "ranks": self.ranks},
+        )
+        if store is not None:
+            inputs = [FileRecord(f["path"], f["sha256"], f["size"], "source_checkpoint", f["rank"]) for f in source_files]
+            inputs += [FileRecord(d.path, d.sha256, d.size, "strategy") for d in strategy_files]
+            store.record_inputs(run_id, inputs)
+
+        # -- resume / idempotence -------------------------------------------------------------
+        state = out.state(fingerprint)
+        resume = bool(self.job_cfg.get("resume", True))
+        if state == COMPLETE:
+            listed = _listed_outputs(out)
+            damaged = [e for e in listed if _size_or_none(os.path.join(out.path, e.path)) != e.size]
+            if resume and not damaged:
+                return self._reuse_complete(out, store, run_id, listed)
+            if resume:
+                log.warning("%s: %d file(s) listed in its manifest are missing or changed (%s); redoing them",
+                            out.path, len(damaged), ", ".join(e.path for e in damaged))
+            else:
+                log.info("job.resume=false: redoing the conversion already complete in %s", out.path)
+            out.uncommit(fingerprint, [e for e in listed if e not in damaged] if resume else [])
+            state = PARTIAL
+        resume = resume and state == PARTIAL
+        out.start_journal(fingerprint, keep=resume)
+        removed = out.remove_temp_files()
+        if removed:
+            log.info("removed %d temporary file(s) left by an interrupted run", removed)
+
+        strategy_out = None
+        if target_strategy is not None:
+            name, data = target_strategy
+            path = os.path.join(out.path, name)
+            size, sha = write_bytes_atomic(path, data, mode=0o444)
+            strategy_out = {"path": path, "size": size, "sha256": sha,
+                            "from": self.tgt.strategy_path or "target.layout"}
+
+        kept = out.reusable(self.out_paths) if resume else {}
+        if kept:
+            log.info("resuming: keeping %d target file(s) that verify: ranks %s", len(kept), sorted(kept))
+        written: dict[int, dict] = {r: {"path": self.out_paths[r], "size": e.size, "sha256": e.sha256,
+                                        "tensors": e.tensors} for r, e in kept.items()}
+        self._run_ranks(out, kept, written)
+
+        # -- manifest (last) ------------------------------------------------------------------
+        target_files = [{"rank": r, "path": written[r]["path"], "size": written[r]["size"],
+                         "sha256": written[r]["sha256"]} for r in sorted(written)]
+        manifest = build_manifest(
+            run_id=run_id or "", tool_version=__version__, fingerprint=fingerprint, config=self.cfg,
+            source={"checkpoints": self.checkpoints, "select": self.cfg["source"].get("select", "last"),
+                    "devices": self.src.topology.devices, "stage_devices": self.src.topology.stage_devices,
+                    "stages": self.src.topology.num_stages, "strategy": source_strategy, "files": source_files},
+            target={"devices": self.tgt.devices, "format": self.fmt, "prefix": self.prefix, "ranks": self.ranks,
+                    "strategy": strategy_out, "files": target_files},
+            tensors={str(r): written[r]["tensors"] for r in sorted(written)},
+            plan_summary={"totals": self.plan_json["totals"], "omitted": self.plan.omitted, "notes": self.plan.notes,
+                          "source_ranks": {str(rp.target_rank): rp.source_ranks for rp in self.plan.ranks}},
+        )
+        m_size, m_sha = out.write_manifest(manifest)
+        if store is not None:
+            outputs = [FileRecord(f["path"], f["sha256"], f["size"], "target_checkpoint", f["rank"])
+                       for f in target_files]
+            if strategy_out is not None:
+                outputs.append(FileRecord(strategy_out["path"], strategy_out["sha256"], strategy_out["size"],
+                                          "strategy"))
+            outputs.append(FileRecord(out.manifest_path, m_sha, m_size, "manifest"))
+            store.complete_run(run_id, outputs=outputs, plan=self.plan_json)
+        return JobResult(STATUS_COMPLETED, out.path, run_id, manifest["manifest_sha256"], self.tgt.devices)
+
+    def _run_ranks(self, out: OutputDir, kept: dict, written: dict) -> None:
+        tasks = [RankTask(rp, self.out_paths[rp.target_rank]) for rp in self.plan.ranks if rp.target_rank not in kept]
+        workers = self.job_cfg.get("workers") or default_workers(len(tasks))
+        if not isinstance(workers, int) or workers < 1:
+            raise ConfigError(f"job.workers must be a positive integer, got {workers!r}")
+        workers = min(workers, max(1, len(tasks)))
+        total_out = sum(rp.bytes_written for rp in self.plan.ranks if rp.target_rank not in kept)
+        prog = Progress(total_out, len(tasks), enabled=self.job_cfg.get("progress"), desc="converting")
+        log.info("converting %d target rank(s) with %d worker(s): %s to write", len(tasks), workers,
+                 human_bytes(total_out))
+
+        def on_done(rank: int, wf) -> None:
+            written[rank] = {"path": wf.path, "size": wf.size, "sha256": wf.sha256, "tensors": wf.tensors}
+            out.append_journal(JournalEntry(rank, out.relative(wf.path), wf.size, wf.sha256, wf.tensors))
+            prog.rank_done(rank, wf.size)
+
+        try:
+            run_tasks(tasks, self.source_paths, WriteOptions(self.fmt, self.max_memory, self.crc),
+                      workers=workers, on_bytes=prog.add_bytes, on_done=on_done, sources=self.sources)
+        finally:
+            prog.close()
+
+    def _reuse_complete(self, out: OutputDir, store, run_id, listed: list[JournalEntry]) -> JobResult:
+        """The same job already completed here and its files are in place: do nothing else."""
+        from ..lineage import FileRecord
+
+        manifest = out.read_manifest()
+        log.info("nothing to do: %s already holds this conversion (run %s)", out.path, manifest.get("run_id"))
+        if store is not None:
+            m = digest_file(out.manifest_path)
+            outputs = [FileRecord(os.path.join(out.path, e.path), e.sha256, e.size, "target_checkpoint", e.rank)
+                       for e in listed]
+            strat = manifest["target"].get("strategy")
+            if strat:
+                path = os.path.join(out.path, os.path.basename(strat["path"]))
+                outputs.append(FileRecord(path, strat["sha256"], strat["size"], "strategy"))
+            outputs.append(FileRecord(out.manifest_path, m.sha256, m.size, "manifest"))
+            store.complete_run(run_id, outputs=outputs, plan=self.plan_json)
+        return JobResult(STATUS_REUSED, out.path, run_id, manifest.get("manifest_sha256"),
+                         manifest["target"]["devices"])
 
 
 def _error_text(e: BaseException) -> str:
     if isinstance(e, KeyboardInterrupt):
         return "interrupted"
     return str(e) or type(e).__name__
-
-
-def _plan_only(plan, predicted, missing, ctx: JobContext, tgt: _Target) -> JobResult:
-    import json
-
-    os.makedirs(ctx.run_dir, exist_ok=True)
-    plan_path = os.path.join(ctx.run_dir, "plan.json")
-    doc = plan.to_json()
-    doc["predicted_peak_memory"] = predicted
-    doc["missing"] = {str(k): v for k, v in sorted(missing.items())}
-    tmp = plan_path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(doc, f, indent=1)
-    os.replace(tmp, plan_path)
-    print(plan_report(plan, predicted_peak=predicted, missing=missing))
-    print(f"\nplan written to {plan_path} (nothing else was written)")
-    if missing:
-        from ..errors import MissingRankError
-
-        raise MissingRankError(missing)
-    return JobResult(STATUS_PLANNED, None, None, None, tgt.devices, plan_path)
-
-
-def _open_lineage(cfg, ctx: JobContext, out_dir, src_devices, dst_devices):
-    lin = cfg.get("lineage") or {}
-    if not lin.get("enabled", True):
-        return None, None
-    from ..lineage import LineageStore
-
-    logging.getLogger("alembic").setLevel(logging.WARNING)  # migration chatter is not the job's news
-    url = _lineage_url(cfg, ctx)
-    if url.startswith("sqlite:///"):
-        db_dir = os.path.dirname(url[len("sqlite:///"):]) or "."
-        try:
-            os.makedirs(db_dir, exist_ok=True)
-        except OSError as e:
-            from ..lineage import LineageError
-
-            raise LineageError(f"lineage database {url}: cannot create {db_dir} ({e.strerror}); "
-                               "lineage.enabled=false runs without recording") from None
-    store = LineageStore(url)
-    try:
-        store.ensure_schema()
-        abandoned = store.mark_abandoned_runs()
-        if abandoned:
-            log.warning("lineage: marked %d run(s) left 'started' by killed processes as abandoned: %s",
-                        len(abandoned), ", ".join(a[:8] for a in abandoned))
-        run_id = store.start_run(config=cfg, overrides=list(ctx.overrides), tool_version=__version__,
-                                 output_dir=out_dir, source_devices=src_devices, target_devices=dst_devices,
-                                 sweep_id=ctx.sweep_id, job_num=ctx.job_num)
-    except BaseException:
-        store.close()
-        raise
-    return store, run_id
-
-
-def _convert(cfg, ctx, out: OutputDir, plan, src, tgt: _Target, source_paths, crc_info, fmt, max_memory,
-             unmapped, ranks, store, run_id, checkpoints, strategy) -> JobResult:
-    from ..lineage import FileRecord
-
-    # -- hash sources (and verify CRC trailers) ------------------------------------------------
-    needed = sorted(plan.source_ranks)
-    total = sum(os.path.getsize(source_paths[r]) for r in needed)
-    prog = Progress(total, len(needed), enabled=cfg["job"].get("progress"), desc="hashing sources")
-    requests = [(source_paths[r], (os.path.getsize(source_paths[r]) - CRC_TRAILER_LEN) if r in crc_info else None)
-                for r in needed]
-    digests = digest_files(requests, threads=2, progress=prog.add_bytes)
-    prog.close()
-    for r, d in zip(needed, digests):
-        if r in crc_info and d.crc32 != crc_info[r]:
-            from ..errors import CheckpointFormatError
-
-            raise CheckpointFormatError(source_paths[r], f"CRC32 mismatch: trailer says {crc_info[r]}, "
-                                                         f"records give {d.crc32} (file corrupted)")
-    source_files = [{"rank": r, "path": d.path, "size": d.size, "sha256": d.sha256} for r, d in zip(needed, digests)]
-    strategy_files = [digest_file(p) for p in src.files]
-    source_strategy = None
-    if strategy is not None:
-        source_strategy = {"path": strategy,
-                           "files": [{"path": d.path, "size": d.size, "sha256": d.sha256} for d in strategy_files]}
-        if len(strategy_files) == 1 and not os.path.isdir(strategy):
-            source_strategy.update(size=strategy_files[0].size, sha256=strategy_files[0].sha256)
-
-    # -- target strategy bytes -----------------------------------------------------------------
-    target_strategy_name = None
-    target_strategy_bytes = None
-    if tgt.topology is not None:
-        if tgt.strategy_bytes_path is not None:
-            with open(tgt.strategy_bytes_path, "rb") as f:
-                target_strategy_bytes = f.read()
-            target_strategy_name = "strategy.json" if format_for(tgt.strategy_bytes_path) == "json" else "strategy.ckpt"
-        else:
-            from ..formats.strategy import to_protobuf_bytes
-
-            target_strategy_bytes = to_protobuf_bytes(tgt.compiled.strategy)
-            target_strategy_name = "strategy.ckpt"
-    import hashlib
-
-    target_strategy_sha = hashlib.sha256(target_strategy_bytes).hexdigest() if target_strategy_bytes else None
-    prefix = cfg["target"].get("prefix", "checkpoint_")
-    fingerprint = job_fingerprint(
-        source_files=source_files, source_strategy=source_strategy, target_strategy_sha256=target_strategy_sha,
-        target={"devices": tgt.devices, "format": fmt, "prefix": prefix, "unmapped": unmapped,
-                "crc": bool(cfg["target"].get("crc", False)), "ranks": ranks},
-    )
-    inputs = [FileRecord(f["path"], f["sha256"], f["size"], "source_checkpoint", f["rank"]) for f in source_files]
-    inputs += [FileRecord(d.path, d.sha256, d.size, "strategy") for d in strategy_files]
-    if store is not None:
-        store.record_inputs(run_id, inputs)
-
-    # -- resume / idempotence -----------------------------------------------------------------
-    state = out.state(fingerprint)
-    resume = bool(cfg["job"].get("resume", True))
-    if state == COMPLETE:
-        listed = _listed_outputs(out)
-        damaged = [e for e in listed if _size_or_none(os.path.join(out.path, e.path)) != e.size]
-        if resume and not damaged:
-            return _reuse_complete(out, store, run_id, plan, listed)
-        if resume:
-            log.warning("%s: %d file(s) listed in its manifest are missing or changed (%s); redoing them",
-                        out.path, len(damaged), ", ".join(e.path for e in damaged))
-        else:
-            log.info("job.resume=false: redoing the conversion already complete in %s", out.path)
-        out.uncommit(fingerprint, [e for e in listed if e not in damaged] if resume else [])
-        state = PARTIAL
-    resume = resume and state == PARTIAL
-    out.start_journal(fingerprint, keep=resume)
-    removed = out.remove_temp_files()
-    if removed:
-        log.info("removed %d temporary file(s) left by an interrupted run", removed)
-
-    strategy_out = None
-    if target_strategy_bytes is not None:
-        from ..formats.atomic import write_bytes_atomic
-
-        path = os.path.join(out.path, target_strategy_name)
-        size, sha = write_bytes_atomic(path, target_strategy_bytes, mode=0o444)
-        strategy_out = {"path": path, "size": size, "sha256": sha,
-                        "from": tgt.strategy_bytes_path or "target.layout"}
-
-    out_paths = {rp.target_rank: os.path.join(out.path, f"rank_{rp.target_rank}", f"{prefix}{rp.target_rank}.{fmt}")
-                 for rp in plan.ranks}
-    kept = out.reusable(out_paths) if resume else {}
-    if kept:
-        log.info("resuming: keeping %d target file(s) that verify: ranks %s", len(kept), sorted(kept))
-    written: dict[int, dict] = {r: {"path": out_paths[r], "size": e.size, "sha256": e.sha256, "tensors": e.tensors}
-                                for r, e in kept.items()}
-    tasks = [RankTask(rp, out_paths[rp.target_rank]) for rp in plan.ranks if rp.target_rank not in kept]
-    workers = cfg["job"].get("workers") or default_workers(len(tasks))
-    if not isinstance(workers, int) or workers < 1:
-        raise ConfigError(f"job.workers must be a positive integer, got {workers!r}")
-    workers = min(workers, max(1, len(tasks)))
-    total_out = sum(rp.bytes_written for rp in plan.ranks if rp.target_rank not in kept)
-    prog = Progress(total_out, len(tasks), enabled=cfg["job"].get("progress"), desc="converting")
-    log.info("converting %d target rank(s) with %d worker(s): %s to write", len(tasks), workers, human_bytes(total_out))
-
-    def on_done(rank: int, wf) -> None:
-        written[rank] = {"path": wf.path, "size": wf.size, "sha256": wf.sha256, "tensors": wf.tensors}
-        out.append_journal(JournalEntry(rank, out.relative(wf.path), wf.size, wf.sha256, wf.tensors))
-        prog.rank_done(rank, wf.size)
-
-    try:
-        run_tasks(tasks, source_paths, WriteOptions(fmt, max_memory, bool(cfg["target"].get("crc", False))),
-                  workers=workers, on_bytes=prog.add_bytes, on_done=on_done)
-    finally:
-        prog.close()
-
-    # -- manifest (last) ---------------------------------------------------------------------
-    target_files = [{"rank": r, "path": written[r]["path"], "size": written[r]["size"], "sha256": written[r]["sha256"]}
-                    for r in sorted(written)]
-    manifest = build_manifest(
-        run_id=run_id or "", tool_version=__version__, fingerprint=fingerprint, config=cfg,
-        source={"checkpoints": checkpoints, "select": cfg["source"].get("select", "last"),
-                "devices": src.topology.devices, "stage_devices": src.topology.stage_devices,
-                "stages": src.topology.num_stages, "strategy": source_strategy, "files": source_files},
-        target={"devices": tgt.devices, "format": fmt, "prefix": prefix, "ranks": ranks,
-                "strategy": strategy_out, "files": target_files},
-        tensors={str(r): written[r]["tensors"] for r in sorted(written)},
-        plan_summary={"totals": plan.to_json()["totals"], "omitted": plan.omitted, "notes": plan.notes,
-                      "source_ranks": {str(rp.target_rank): rp.source_ranks for rp in plan.ranks}},
-    )
-    m_size, m_sha = out.write_manifest(manifest)
-    if store is not None:
-        outputs = [FileRecord(f["path"], f["sha256"], f["size"], "target_checkpoint", f["rank"]) for f in target_files]
-        if strategy_out is not None:
-            outputs.append(FileRecord(strategy_out["path"], strategy_out["sha256"], strategy_out["size"], "strategy"))
-        outputs.append(FileRecord(out.manifest_path, m_sha, m_size, "manifest"))
-        store.complete_run(run_id, outputs=outputs, plan=plan.to_json())
-    return JobResult(STATUS_COMPLETED, out.path, run_id, manifest["manifest_sha256"], tgt.devices)
 
 
 def _size_or_none(path: str) -> int | None:
@@ -522,22 +589,3 @@ def _listed_outputs(out: OutputDir) -> list[JournalEntry]:
         rel = os.path.join(os.path.basename(os.path.dirname(f["path"])), os.path.basename(f["path"]))
         entries.append(JournalEntry(f["rank"], rel, f["size"], f["sha256"], tensors.get(str(f["rank"]), {})))
     return entries
-
-
-def _reuse_complete(out: OutputDir, store, run_id, plan, listed: list[JournalEntry]) -> JobResult:
-    """The same job already completed here and its files are in place: do nothing else."""
-    from ..lineage import FileRecord
-
-    manifest = out.read_manifest()
-    log.info("nothing to do: %s already holds this conversion (run %s)", out.path, manifest.get("run_id"))
-    if store is not None:
-        m = digest_file(out.manifest_path)
-        outputs = [FileRecord(os.path.join(out.path, e.path), e.sha256, e.size, "target_checkpoint", e.rank)
-                   for e in listed]
-        strat = manifest["target"].get("strategy")
-        if strat:
-            path = os.path.join(out.path, os.path.basename(strat["path"]))
-            outputs.append(FileRecord(path, strat["sha256"], strat["size"], "strategy"))
-        outputs.append(FileRecord(out.manifest_path, m.sha256, m.size, "manifest"))
-        store.complete_run(run_id, outputs=outputs, plan=plan.to_json())
-    return JobResult(STATUS_REUSED, out.path, run_id, manifest.get("manifest_sha256"), manifest["target"]["devices"])

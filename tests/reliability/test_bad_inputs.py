@@ -107,8 +107,7 @@ def ranks_missing(d: Path) -> Setup:
 
 def ranks_missing_plan_mode(d: Path) -> Setup:
     s = ranks_missing(d)
-    s.args.append("job.mode=plan")
-    s.expect = ["missing source checkpoints: rank 2 (needed by target ranks 0, 2); rank 3 (needed by target ranks 1, 3)"]
+    s.args.append("job.mode=plan")  # the same message as a conversion, naming the checkpoint directory
     return s
 
 
