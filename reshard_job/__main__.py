@@ -43,7 +43,13 @@ def _write_result(ctx: JobContext, result: JobResult) -> None:
         json.dump(doc, f, indent=1)
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+# The presets live in the repository's top-level conf/ (the package is installed editable). An
+# absolute path makes them found however the app starts: `python -m reshard_job`, the
+# `reshard-job` console script, or main() called from other code.
+CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+
+
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def app(cfg: DictConfig) -> None:
     ctx, multirun = _context()
     resolved = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)

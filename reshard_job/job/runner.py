@@ -143,10 +143,30 @@ class ConversionJob:
             raise ConfigError(f"job.max_memory={self.max_memory} bytes is too small (at least 1 KiB)")
         self.crc = bool(target.get("crc", False))
         self.target_cfg["strategy"] = _abs(target.get("strategy"), self.ctx.launch_dir)
+        self.out_dir = (_abs(self.cfg["output"].get("dir"), self.ctx.launch_dir)
+                        or os.path.join(self.ctx.run_dir, "output"))
 
     # =============================================================================== run
     def run(self) -> JobResult:
         self._settings()
+        # A conversion's lineage run is opened (schema check, abandoned runs, new run) in a thread
+        # while the sources are read and planned, and before any output is written, so a killed
+        # job leaves a run to mark abandoned. Plan mode records nothing.
+        pool = self._lineage_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lineage")
+        self._lineage = pool.submit(self._open_lineage if self.mode == "convert" else lambda: (None, None))
+        try:
+            return self._run_phases()
+        except BaseException as e:
+            self._record_failure(e)
+            raise
+        finally:
+            pool.shutdown(wait=True)
+            if self._lineage.exception() is None:
+                store, _ = self._lineage.result()
+                if store is not None:
+                    store.close()
+
+    def _run_phases(self) -> JobResult:
         self._find_sources()
         self.sources = SourceFiles(self.source_paths, verify_crc=False)
         try:
@@ -155,11 +175,34 @@ class ConversionJob:
             self._make_plan()
             if self.mode == "plan":
                 return self._plan_only()
+            self._lineage_pool.submit(self._note_devices)  # queued behind the run's creation
             if self.missing:
                 raise MissingRankError(self.missing, self.checkpoints)
-            return self._convert_locked()
+            out = self._prepare_output()
+            out.lock()
+            try:
+                return self._convert(out, self._hash_sources())
+            finally:
+                out.unlock()
         finally:
             self.sources.close()
+
+    def _record_failure(self, e: BaseException) -> None:
+        """Mark the lineage run failed with the error; a database failure becomes a one-line error."""
+        store = run_id = None
+        try:
+            store, run_id = self._lineage.result()
+        except BaseException as le:
+            if le is not e:  # both failed: the job's own error is the one to report
+                log.error("could not record the run in the lineage database: %s", self._lineage_error(le) or le)
+        db_error = self._lineage_error(e)
+        if store is not None and run_id is not None:
+            try:
+                store.fail_run(run_id, _error_text(db_error or e))
+            except Exception as le:  # the original error matters more
+                log.error("could not record the failure in the lineage database: %s", self._lineage_error(le) or le)
+        if db_error is not None:
+            raise db_error from e
 
     # =============================================================================== sources
     def _find_sources(self) -> None:
@@ -309,8 +352,7 @@ class ConversionJob:
 
     # =============================================================================== output dir
     def _prepare_output(self) -> OutputDir:
-        out_dir = _abs(self.cfg["output"].get("dir"), self.ctx.launch_dir) or os.path.join(self.ctx.run_dir, "output")
-        out = OutputDir(out_dir, overwrite=bool(self.cfg["output"].get("overwrite", False)))
+        out = OutputDir(self.out_dir, overwrite=bool(self.cfg["output"].get("overwrite", False)))
         source_dirs = [self.checkpoints] + ([self.strategy] if self.strategy and os.path.isdir(self.strategy) else [])
         source_files = list(self.source_paths.values()) + list(self.src.files)
         out.check_not_source(source_dirs, source_files)
@@ -324,35 +366,6 @@ class ConversionJob:
         out.check_not_foreign()
         return out
 
-    def _convert_locked(self) -> JobResult:
-        out = self._prepare_output()
-        out.lock()
-        store = run_id = None
-        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lineage")
-        lineage = pool.submit(self._open_lineage, out.path)
-        try:
-            try:
-                digests = self._hash_sources()  # hashing threads release the GIL: overlaps the DB work
-            finally:
-                store, run_id = lineage.result()
-            return self._convert(out, store, run_id, digests)
-        except BaseException as e:
-            db_error = self._lineage_error(e)
-            if store is not None and run_id is not None:
-                try:
-                    store.fail_run(run_id, _error_text(db_error or e))
-                except Exception as le:  # the original error matters more
-                    log.error("could not record the failure in the lineage database: %s",
-                              self._lineage_error(le) or le)
-            if db_error is not None:
-                raise db_error from e
-            raise
-        finally:
-            pool.shutdown(wait=True)
-            out.unlock()
-            if store is not None:
-                store.close()
-
     # =============================================================================== lineage
     def _lineage_url(self) -> str:
         lin = self.cfg.get("lineage") or {}
@@ -363,7 +376,7 @@ class ConversionJob:
                 url = "sqlite:///" + _abs(rel, self.ctx.launch_dir)
         return url
 
-    def _open_lineage(self, out_dir: str):
+    def _open_lineage(self):
         lin = self.cfg.get("lineage") or {}
         if not lin.get("enabled", True):
             return None, None
@@ -386,13 +399,17 @@ class ConversionJob:
                 log.warning("lineage: marked %d run(s) left 'started' by killed processes as abandoned: %s",
                             len(abandoned), ", ".join(a[:8] for a in abandoned))
             run_id = store.start_run(config=self.cfg, overrides=list(self.ctx.overrides), tool_version=__version__,
-                                     output_dir=out_dir, source_devices=self.src.topology.devices,
-                                     target_devices=self.tgt.devices, sweep_id=self.ctx.sweep_id,
-                                     job_num=self.ctx.job_num)
+                                     output_dir=self.out_dir, source_devices=None, target_devices=None,
+                                     sweep_id=self.ctx.sweep_id, job_num=self.ctx.job_num)
         except BaseException:
             store.close()
             raise
         return store, run_id
+
+    def _note_devices(self) -> None:
+        store, run_id = self._lineage.result()
+        if store is not None:
+            store.set_devices(run_id, source_devices=self.src.topology.devices, target_devices=self.tgt.devices)
 
     def _lineage_error(self, e: BaseException):
         """A database failure (disk full, locked, unreachable server) as a one-line LineageError, else None."""
@@ -438,7 +455,11 @@ class ConversionJob:
         return source_files, strategy_files
 
     # =============================================================================== convert
-    def _convert(self, out: OutputDir, store, run_id, digests) -> JobResult:
+    def _lineage_run(self):
+        """(store, run id) once the lineage thread is done (re-raises its error); (None, None) if off."""
+        return self._lineage.result()
+
+    def _convert(self, out: OutputDir, digests) -> JobResult:
         from ..lineage import FileRecord
 
         source_files, strategy_files = digests
@@ -455,9 +476,10 @@ class ConversionJob:
             target={"devices": self.tgt.devices, "format": self.fmt, "prefix": self.prefix,
                     "unmapped": self.unmapped, "crc": self.crc, "ranks": self.ranks},
         )
+        inputs = [FileRecord(f["path"], f["sha256"], f["size"], "source_checkpoint", f["rank"]) for f in source_files]
+        inputs += [FileRecord(d.path, d.sha256, d.size, "strategy") for d in strategy_files]
+        store, run_id = self._lineage_run()  # the run exists before any output is written
         if store is not None:
-            inputs = [FileRecord(f["path"], f["sha256"], f["size"], "source_checkpoint", f["rank"]) for f in source_files]
-            inputs += [FileRecord(d.path, d.sha256, d.size, "strategy") for d in strategy_files]
             store.record_inputs(run_id, inputs)
 
         # -- resume / idempotence -------------------------------------------------------------

@@ -172,6 +172,18 @@ class LineageStore:
 
         self._write(complete)
 
+    def set_devices(self, run_id: str, *, source_devices: int | None, target_devices: int | None) -> None:
+        """Record the device counts of a run once known (a job opens its run before it has planned)."""
+
+        def update(session: Session) -> None:
+            run = session.get(Run, run_id)
+            if run is None:
+                raise UnknownRunError(run_id)
+            run.source_devices = source_devices
+            run.target_devices = target_devices
+
+        self._write(update)
+
     def fail_run(self, run_id: str, error: str) -> None:
         """Mark a run failed with its error. Its files, complete or not, are not recorded."""
 

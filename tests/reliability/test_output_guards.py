@@ -43,6 +43,14 @@ def _db(cwd: Path) -> Path:
 # ================================================================================== refusals
 
 
+
+def assert_refusal_recorded(db: Path, error: str) -> None:
+    """A refused conversion is in the lineage database as a failed run with the refusal, and no outputs."""
+    runs = lineage_runs(db)
+    assert [r["status"] for r in runs] == ["failed"], runs
+    assert runs[0]["error"] == error and runs[0]["outputs"] == []
+
+
 @pytest.mark.parametrize("where", ["source_dir", "inside_source_dir", "source_file", "strategy_file"])
 def test_refuses_to_write_among_the_sources(tmp_path, s1, app, where):
     ckpts, src, dst = s1
@@ -56,7 +64,7 @@ def test_refuses_to_write_among_the_sources(tmp_path, s1, app, where):
     else:
         assert error == f"output.dir {out} is a source file; choose a new directory"
     assert snapshot(tmp_path / "src") == before
-    assert not _db(tmp_path).exists()
+    assert_refusal_recorded(_db(tmp_path), error)
 
 
 def test_never_replaces_a_source_file_even_with_overwrite(tmp_path, s1, app):
@@ -115,7 +123,7 @@ def test_foreign_non_empty_dir_is_refused_unless_overwrite(tmp_path, s1, app):
     assert error == (f"output.dir {out} holds files this tool did not produce (.draft.tmp, notes.txt, rank_0); choose "
                      "another output.dir or set output.overwrite=true")
     assert snapshot(out) == foreign
-    assert lineage_runs(_db(tmp_path)) == []
+    assert_refusal_recorded(_db(tmp_path), error)
 
     res = app(tmp_path, *s1_args(ckpts, src, dst, out), "output.overwrite=true")
     assert res.returncode == 0, res.stderr
@@ -164,8 +172,11 @@ def test_second_writer_is_refused_while_the_first_runs(tmp_path, big_source, app
             first.wait()
     assert first.returncode == 0, stderr
     assert (out / "manifest.json").exists()
-    # the refused job recorded nothing; the first one completed
-    assert [r["status"] for r in lineage_runs(_db(tmp_path))] == ["completed"]
+    # the first job completed; the refused one is recorded as failed with the refusal, and no outputs
+    runs = lineage_runs(_db(tmp_path))
+    assert sorted(r["status"] for r in runs) == ["completed", "failed"]
+    refused = next(r for r in runs if r["status"] == "failed")
+    assert refused["error"] == error and refused["outputs"] == []
 
 
 # ================================================================================== not writable
@@ -185,7 +196,7 @@ def test_output_dir_not_writable(tmp_path, s1, existing):
         assert the_error(res) == f"output.dir {out} is not writable (no write permission on {locked})"
         assert snapshot(tmp_path / "src") == before
         assert os.listdir(locked) == []
-        assert lineage_runs(_db(tmp_path)) == []
+        assert_refusal_recorded(_db(tmp_path), the_error(res))
     finally:
         locked.chmod(0o755)
 
@@ -194,7 +205,7 @@ def test_output_dir_where_even_root_cannot_write(tmp_path, s1, app):
     ckpts, src, dst = s1
     error = the_error(app(tmp_path, *s1_args(ckpts, src, dst, Path("/proc/1/reshard_out"))))
     assert error == "output.dir /proc/1/reshard_out is not writable (no write permission on /proc/1)"
-    assert lineage_runs(_db(tmp_path)) == []
+    assert_refusal_recorded(_db(tmp_path), error)
 
 
 # ================================================================================== disk full
