@@ -175,7 +175,7 @@ class ConversionJob:
             self._make_plan()
             if self.mode == "plan":
                 return self._plan_only()
-            self._lineage_pool.submit(self._note_devices)  # queued behind the run's creation
+            self._planned = self._lineage_pool.submit(self._record_plan)  # queued behind the run's creation
             if self.missing:
                 raise MissingRankError(self.missing, self.checkpoints)
             out = self._prepare_output()
@@ -406,10 +406,12 @@ class ConversionJob:
             raise
         return store, run_id
 
-    def _note_devices(self) -> None:
+    def _record_plan(self) -> None:
+        """Record the plan (and so the devices and rank map) once known; runs in the lineage
+        thread, while the parent process mostly waits for its workers."""
         store, run_id = self._lineage.result()
         if store is not None:
-            store.set_devices(run_id, source_devices=self.src.topology.devices, target_devices=self.tgt.devices)
+            store.record_plan(run_id, self.plan_json)
 
     def _lineage_error(self, e: BaseException):
         """A database failure (disk full, locked, unreachable server) as a one-line LineageError, else None."""
@@ -518,6 +520,7 @@ class ConversionJob:
                                         "tensors": e.tensors} for r, e in kept.items()}
         self._run_ranks(out, kept, written)
 
+        self._planned.result()  # the plan is recorded (and its JSON built) by the lineage thread
         # -- manifest (last) ------------------------------------------------------------------
         target_files = [{"rank": r, "path": written[r]["path"], "size": written[r]["size"],
                          "sha256": written[r]["sha256"]} for r in sorted(written)]
@@ -540,7 +543,7 @@ class ConversionJob:
                 outputs.append(FileRecord(strategy_out["path"], strategy_out["sha256"], strategy_out["size"],
                                           "strategy"))
             outputs.append(FileRecord(out.manifest_path, m_sha, m_size, "manifest"))
-            store.complete_run(run_id, outputs=outputs, plan=self.plan_json)
+            store.complete_run(run_id, outputs=outputs)
         return JobResult(STATUS_COMPLETED, out.path, run_id, manifest["manifest_sha256"], self.tgt.devices)
 
     def _run_ranks(self, out: OutputDir, kept: dict, written: dict) -> None:
@@ -580,7 +583,8 @@ class ConversionJob:
                 path = os.path.join(out.path, os.path.basename(strat["path"]))
                 outputs.append(FileRecord(path, strat["sha256"], strat["size"], "strategy"))
             outputs.append(FileRecord(out.manifest_path, m.sha256, m.size, "manifest"))
-            store.complete_run(run_id, outputs=outputs, plan=self.plan_json)
+            self._planned.result()
+            store.complete_run(run_id, outputs=outputs)
         return JobResult(STATUS_REUSED, out.path, run_id, manifest.get("manifest_sha256"),
                          manifest["target"]["devices"])
 

@@ -147,25 +147,44 @@ class LineageStore:
 
         self._write(record)
 
-    def complete_run(self, run_id: str, *, outputs: list[FileRecord], plan: dict) -> None:
-        """Record a run's outputs, its plan and rank map, and mark it completed — all at once."""
+    def record_plan(self, run_id: str, plan: dict) -> None:
+        """Record the plan a run executes and its rank map (before or while it converts)."""
         plan = _as_json(plan, "plan")
         rank_rows = _rank_map(plan)
+
+        def record(session: Session) -> None:
+            run = self._reportable_run(session, run_id, "record the plan of")
+            self._store_plan(session, run, plan, rank_rows)
+
+        self._write(record)
+
+    @staticmethod
+    def _store_plan(session: Session, run: Run, plan: dict, rank_rows: list[dict]) -> None:
+        existing_plan = session.get(RunPlan, run.id)
+        if existing_plan is None:
+            session.add(RunPlan(run_id=run.id, plan=plan))
+        else:
+            existing_plan.plan = plan
+        for row in session.scalars(select(RunRank).where(RunRank.run_id == run.id)):
+            session.delete(row)
+        session.flush()
+        session.add_all(RunRank(run_id=run.id, **row) for row in rank_rows)
+        run.source_devices = run.source_devices or _devices(plan, "source")
+        run.target_devices = run.target_devices or _devices(plan, "target")
+
+    def complete_run(self, run_id: str, *, outputs: list[FileRecord], plan: dict | None = None) -> None:
+        """Record a run's outputs (and its plan and rank map, unless recorded already with
+        ``record_plan``) and mark it completed — all at once."""
+        plan = None if plan is None else _as_json(plan, "plan")
+        rank_rows = None if plan is None else _rank_map(plan)
 
         def complete(session: Session) -> None:
             run = self._reportable_run(session, run_id, "complete")
             self._record_files(session, run_id, "output", outputs)
-            existing_plan = session.get(RunPlan, run_id)
-            if existing_plan is None:
-                session.add(RunPlan(run_id=run_id, plan=plan))
-            else:
-                existing_plan.plan = plan
-            for row in session.scalars(select(RunRank).where(RunRank.run_id == run_id)):
-                session.delete(row)
-            session.flush()
-            session.add_all(RunRank(run_id=run_id, **row) for row in rank_rows)
-            run.source_devices = run.source_devices or _devices(plan, "source")
-            run.target_devices = run.target_devices or _devices(plan, "target")
+            if plan is not None:
+                self._store_plan(session, run, plan, rank_rows)
+            elif session.get(RunPlan, run_id) is None:
+                raise LineageError(f"run {run_id} has no plan: pass plan= or call record_plan first")
             run.status = "completed"
             run.error = None
             run.ended_at = utc_now()
