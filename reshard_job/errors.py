@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 
+from .text import rank_ranges
+
 
 class ReshardError(Exception):
     """Base class of every error this package raises on purpose."""
@@ -64,7 +66,7 @@ class MissingRankError(PlanError):
     def __init__(self, missing: dict[int, list[int]], where: str = ""):
         self.missing = dict(sorted(missing.items()))
         parts = [
-            f"rank {src} (needed by target rank{'s' if len(dst) > 1 else ''} {_ranges(dst)})"
+            f"rank {src} (needed by target rank{'s' if len(dst) > 1 else ''} {rank_ranges(dst, ', ')})"
             for src, dst in self.missing.items()
         ]
         loc = f" in {where}" if where else ""
@@ -77,17 +79,3 @@ class ConfigError(ReshardError):
 
 class OutputError(ReshardError):
     """The output location cannot be used (not writable, holds foreign files, locked by another job)."""
-
-
-def _ranges(values: list[int]) -> str:
-    """Render sorted ints compactly: [0,1,2,5] -> '0-2, 5'."""
-    out: list[str] = []
-    vals = sorted(set(values))
-    i = 0
-    while i < len(vals):
-        j = i
-        while j + 1 < len(vals) and vals[j + 1] == vals[j] + 1:
-            j += 1
-        out.append(str(vals[i]) if i == j else f"{vals[i]}-{vals[j]}")
-        i = j + 1
-    return ", ".join(out)

@@ -24,7 +24,7 @@ from .formats.ckpt import KIND_MAP, KIND_STR, CheckpointReader, CheckpointWriter
 from .formats.tensorfile import PositionedReader, Scratch
 from .plan import ACTION_COPY, ParamPlan, RankPlan, TensorMeta
 
-DEFAULT_MAX_MEMORY = 256 * 1024 * 1024
+DEFAULT_MAX_MEMORY = 32 * 1024 * 1024
 COPY_BLOCK = 16 * 1024 * 1024
 
 FORMAT_CKPT = "ckpt"

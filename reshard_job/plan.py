@@ -166,13 +166,16 @@ class Plan:
             "ranks": [rp.to_json() for rp in self.ranks],
             "omitted": self.omitted,
             "notes": self.notes,
-            "totals": {
-                "target_ranks": len(self.ranks),
-                "source_ranks_read": len(self.source_ranks),
-                "bytes_read": sum(rp.bytes_read for rp in self.ranks),
-                "bytes_written": sum(rp.bytes_written for rp in self.ranks),
-                "largest_slice": max((rp.largest_slice for rp in self.ranks), default=0),
-            },
+            "totals": self.totals(),
+        }
+
+    def totals(self) -> dict:
+        return {
+            "target_ranks": len(self.ranks),
+            "source_ranks_read": len(self.source_ranks),
+            "bytes_read": sum(rp.bytes_read for rp in self.ranks),
+            "bytes_written": sum(rp.bytes_written for rp in self.ranks),
+            "largest_slice": max((rp.largest_slice for rp in self.ranks), default=0),
         }
 
     @staticmethod

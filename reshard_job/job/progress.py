@@ -6,6 +6,8 @@ import logging
 import sys
 import time
 
+from ..text import human_size
+
 log = logging.getLogger("reshard_job")
 
 
@@ -38,7 +40,7 @@ class Progress:
             self._bar.set_postfix_str(f"ranks {self.done_ranks}/{self.total_ranks}")
         else:
             elapsed = time.monotonic() - self.started
-            size = f", {human_bytes(nbytes)}" if nbytes is not None else ""
+            size = f", {human_size(nbytes)}" if nbytes is not None else ""
             log.info("%s: target rank %d done%s%s (%d/%d ranks, %.1f s)", self.desc, rank, size,
                      f", {note}" if note else "", self.done_ranks, self.total_ranks, elapsed)
 
@@ -46,16 +48,6 @@ class Progress:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
-
-
-def human_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
 
 
 def parse_bytes(value) -> int:

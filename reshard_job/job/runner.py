@@ -41,7 +41,8 @@ from .declarative import compile_layout
 from .manifest import build_manifest, job_fingerprint
 from .outputs import COMPLETE, PARTIAL, JournalEntry, OutputDir
 from .parallel import RankTask, WriteOptions, default_workers, run_tasks
-from .progress import Progress, human_bytes, parse_bytes
+from ..text import human_size
+from .progress import Progress, parse_bytes
 from .report import plan_report
 
 log = logging.getLogger("reshard_job")
@@ -555,7 +556,7 @@ class ConversionJob:
         total_out = sum(rp.bytes_written for rp in self.plan.ranks if rp.target_rank not in kept)
         prog = Progress(total_out, len(tasks), enabled=self.job_cfg.get("progress"), desc="converting")
         log.info("converting %d target rank(s) with %d worker(s): %s to write", len(tasks), workers,
-                 human_bytes(total_out))
+                 human_size(total_out))
 
         def on_done(rank: int, wf) -> None:
             written[rank] = {"path": wf.path, "size": wf.size, "sha256": wf.sha256, "tensors": wf.tensors}

@@ -76,7 +76,7 @@ class JobConfig:
     mode: str = "convert"  # convert | plan
     workers: Optional[int] = None  # parallel processes; null = CPU count, capped by target ranks
     ranks: Optional[List[int]] = None  # a subset of target ranks; null = all
-    max_memory: Any = "256MiB"  # bound on in-flight tensor buffers per worker (bytes or "512MiB")
+    max_memory: Any = "32MiB"  # bound on in-flight tensor buffers per worker (bytes or "512MiB")
     resume: bool = True  # keep target files of an interrupted identical run that still verify
     hash_cache: bool = True  # reuse source digests of files unchanged since hashed (inode, size, mtime, ctime)
     progress: Optional[bool] = None  # progress bar; null = when stderr is a terminal

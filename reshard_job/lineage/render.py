@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from typing import Any, Iterable, Sequence
 
+from ..text import human_size, rank_ranges, table
+
 SHORT_DIGEST = 12
 
 
@@ -23,43 +25,8 @@ def when(iso: str | None) -> str:
     return iso.replace("T", " ")[:19]
 
 
-def human_size(size: int | None) -> str:
-    if size is None:
-        return "-"
-    value = float(size)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{int(value)} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
-
-
 def devices(source: int | None, target: int | None) -> str:
     return f"{'?' if source is None else source}→{'?' if target is None else target}"
-
-
-def rank_ranges(ranks: Iterable[int | None]) -> str:
-    """[0, 1, 2, 5] -> '0-2,5'."""
-    values = sorted({r for r in ranks if r is not None})
-    parts, i = [], 0
-    while i < len(values):
-        j = i
-        while j + 1 < len(values) and values[j + 1] == values[j] + 1:
-            j += 1
-        parts.append(str(values[i]) if i == j else f"{values[i]}-{values[j]}")
-        i = j + 1
-    return ",".join(parts) or "-"
-
-
-def table(headers: Sequence[str], rows: Iterable[Sequence[Any]], indent: str = "") -> str:
-    """Left-aligned columns; the last column is not padded (it usually holds a path)."""
-    cells = [[str(h) for h in headers]] + [["-" if c is None else str(c) for c in row] for row in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-    lines = []
-    for row in cells:
-        padded = [cell.ljust(widths[i]) if i < len(row) - 1 else cell for i, cell in enumerate(row)]
-        lines.append((indent + "  ".join(padded)).rstrip())
-    return "\n".join(lines)
 
 
 # -- runs ----------------------------------------------------------------------------------------

@@ -359,11 +359,16 @@ def _dialect_insert(dialect: str):
 
 
 def _as_json(value: Any, what: str) -> Any:
-    """A deep copy of `value` as plain JSON data; a clear error if it is not JSON-serialisable."""
+    """`value` itself, once checked to be plain JSON data; a clear error if it is not.
+
+    No copy is made: a plan can be tens of megabytes of Python objects, and the caller does not
+    change it after handing it over.
+    """
     try:
-        return json.loads(json.dumps(value, allow_nan=False))
+        json.dumps(value, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise LineageError(f"the run's {what} is not plain JSON data: {exc}") from None
+    return value
 
 
 def _config_as_json(config: Any) -> Any:

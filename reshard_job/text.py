@@ -1,0 +1,45 @@
+"""Small text helpers shared by the job's reports, the audit CLI and error messages."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Sequence
+
+
+def rank_ranges(ranks: Iterable[int | None], sep: str = ",") -> str:
+    """[0, 1, 2, 5] -> '0-2,5' ('-' when empty)."""
+    values = sorted({r for r in ranks if r is not None})
+    parts, i = [], 0
+    while i < len(values):
+        j = i
+        while j + 1 < len(values) and values[j + 1] == values[j] + 1:
+            j += 1
+        parts.append(str(values[i]) if i == j else f"{values[i]}-{values[j]}")
+        i = j + 1
+    return sep.join(parts) or "-"
+
+
+def human_size(size: float | None) -> str:
+    """Bytes in binary units: 1536 -> '1.5 KiB'."""
+    if size is None:
+        return "-"
+    value = float(size)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{int(value)} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def table(headers: Sequence[str], rows: Iterable[Sequence[Any]], *, indent: str = "",
+          align_right: Iterable[int] = ()) -> str:
+    """Columns padded to their widest cell (right-aligned where asked, e.g. for sizes); the last
+    column is not padded, since it usually holds a path."""
+    right = set(align_right)
+    cells = [[str(h) for h in headers]] + [["-" if c is None else str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = []
+    for row in cells:
+        padded = [cell.rjust(widths[i]) if i in right else cell.ljust(widths[i]) if i < len(row) - 1 else cell
+                  for i, cell in enumerate(row)]
+        lines.append((indent + "  ".join(padded)).rstrip())
+    return "\n".join(lines)
