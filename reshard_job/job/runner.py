@@ -463,7 +463,7 @@ class ConversionJob:
         return self._lineage.result()
 
     def _convert(self, out: OutputDir, digests) -> JobResult:
-        from ..lineage import FileRecord
+        from ..lineage.records import FileRecord
 
         source_files, strategy_files = digests
         source_strategy = None
@@ -482,8 +482,8 @@ class ConversionJob:
         inputs = [FileRecord(f["path"], f["sha256"], f["size"], "source_checkpoint", f["rank"]) for f in source_files]
         inputs += [FileRecord(d.path, d.sha256, d.size, "strategy") for d in strategy_files]
         store, run_id = self._lineage_run()  # the run exists before any output is written
-        if store is not None:
-            store.record_inputs(run_id, inputs)
+        if store is not None:  # recorded by the lineage thread, after the plan, while ranks convert
+            self._inputs_recorded = self._lineage_pool.submit(store.record_inputs, run_id, inputs)
 
         # -- resume / idempotence -------------------------------------------------------------
         state = out.state(fingerprint)
@@ -522,6 +522,8 @@ class ConversionJob:
         self._run_ranks(out, kept, written)
 
         self._planned.result()  # the plan is recorded (and its JSON built) by the lineage thread
+        if store is not None:
+            self._inputs_recorded.result()
         # -- manifest (last) ------------------------------------------------------------------
         target_files = [{"rank": r, "path": written[r]["path"], "size": written[r]["size"],
                          "sha256": written[r]["sha256"]} for r in sorted(written)]
@@ -571,7 +573,7 @@ class ConversionJob:
 
     def _reuse_complete(self, out: OutputDir, store, run_id, listed: list[JournalEntry]) -> JobResult:
         """The same job already completed here and its files are in place: do nothing else."""
-        from ..lineage import FileRecord
+        from ..lineage.records import FileRecord
 
         manifest = out.read_manifest()
         log.info("nothing to do: %s already holds this conversion (run %s)", out.path, manifest.get("run_id"))
@@ -585,6 +587,7 @@ class ConversionJob:
                 outputs.append(FileRecord(path, strat["sha256"], strat["size"], "strategy"))
             outputs.append(FileRecord(out.manifest_path, m.sha256, m.size, "manifest"))
             self._planned.result()
+            self._inputs_recorded.result()
             store.complete_run(run_id, outputs=outputs)
         return JobResult(STATUS_REUSED, out.path, run_id, manifest.get("manifest_sha256"),
                          manifest["target"]["devices"])

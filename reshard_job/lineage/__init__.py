@@ -10,10 +10,28 @@ answers questions about the records (``runs``, ``show``, ``trace``, ``verify``).
 * ``queries``  — read-only answers as plain data; ``render`` turns them into text
 """
 
-from .database import URL_ENV_VAR, create_lineage_engine, default_url
 from .errors import AmbiguousRunError, LineageError, RunStateError, SchemaError, UnknownRunError
 from .hashing import hash_file
-from .store import FileRecord, LineageStore
+from .records import FileRecord
+
+# The database layer (SQLAlchemy, Alembic) is imported on first use: describing files and
+# raising lineage errors must not wait for it.
+_LAZY = {
+    "LineageStore": ("store", "LineageStore"),
+    "URL_ENV_VAR": ("database", "URL_ENV_VAR"),
+    "create_lineage_engine": ("database", "create_lineage_engine"),
+    "default_url": ("database", "default_url"),
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(f".{module}", __name__), attr)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "AmbiguousRunError",

@@ -47,8 +47,9 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
+from .records import ARTIFACT_KINDS  # one list for the schema and the file records
+
 RUN_STATUSES = ("started", "completed", "failed", "abandoned")
-ARTIFACT_KINDS = ("source_checkpoint", "target_checkpoint", "strategy", "merged_strategy", "manifest")
 DIRECTIONS = ("input", "output")
 DEFAULT_HASH_ALGO = "sha256"
 

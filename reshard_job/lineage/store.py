@@ -39,7 +39,8 @@ from .database import create_lineage_engine, default_url, normalize_url, retry_t
 from .errors import LineageError, RunStateError, SchemaError, UnknownRunError
 from .hashing import HASH_ALGO, hash_file, looks_like_sha256
 from .migrate import upgrade_to_head
-from .models import ARTIFACT_KINDS, Artifact, ArtifactLocation, Event, Run, RunPlan, RunRank
+from .models import Artifact, ArtifactLocation, Event, Run, RunPlan, RunRank
+from .records import FileRecord
 from .runtime import current_host, current_pid, current_user, pid_is_alive
 
 _T = TypeVar("_T")
@@ -51,33 +52,6 @@ _REPORTABLE_STATUSES = ("started", "abandoned")
 
 def utc_now() -> dt.datetime:
     return dt.datetime.now(dt.timezone.utc)
-
-
-@dataclass(frozen=True)
-class FileRecord:
-    """One file on disk, as the job read or wrote it."""
-
-    path: str  # absolute path
-    sha256: str  # hex
-    size: int
-    kind: str  # source_checkpoint | target_checkpoint | strategy | merged_strategy | manifest
-    rank: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.kind not in ARTIFACT_KINDS:
-            raise ValueError(f"{self.path}: unknown artifact kind {self.kind!r} "
-                             f"(expected one of {', '.join(ARTIFACT_KINDS)})")
-        if not looks_like_sha256(self.sha256):
-            raise ValueError(f"{self.path}: sha256 must be 64 hex characters, got {self.sha256!r}")
-        if self.size < 0:
-            raise ValueError(f"{self.path}: negative size {self.size}")
-
-    @classmethod
-    def from_file(cls, path: str, kind: str, rank: int | None = None) -> FileRecord:
-        """Hash the file at `path` (made absolute) and describe it."""
-        absolute = os.path.abspath(path)
-        sha256, size = hash_file(absolute)
-        return cls(path=absolute, sha256=sha256, size=size, kind=kind, rank=rank)
 
 
 class LineageStore:
