@@ -181,3 +181,25 @@ def test_safetensors_output_and_safetensors_source_round_trip(tmp_path):
     merged = tensors_of(tmp_path / "back" / "rank_0" / "checkpoint_0.ckpt")
     for name, want in global_tensors().items():
         assert merged[name] == want.tobytes(), name
+
+
+def test_source_select_latest_step_beats_mindspores_lexicographic_rule(tmp_path):
+    d = GOLDEN / "S1_mlp_tutorial_8to4"
+    src = tmp_path / "ckpts"
+    for rank_dir in sorted((d / "src_checkpoints").iterdir()):
+        r = rank_dir.name.split("_")[1]
+        (src / rank_dir.name).mkdir(parents=True)
+        (src / rank_dir.name / f"net-10_{r}.ckpt").write_bytes((rank_dir / f"checkpoint_{r}.ckpt").read_bytes())
+        (src / rank_dir.name / f"net-9_{r}.ckpt").write_bytes(b"an older step, unreadable\n")  # sorts last
+    common = [f"source.checkpoints={src}", f"source.strategy={d / 'src_strategy.ckpt'}", "target=strategy",
+              f"target.strategy={d / 'dst_strategy.ckpt'}"]
+    res = run_app(tmp_path, *common, "output.dir=last")
+    assert res.returncode != 0 and "net-9_" in res.stderr  # MindSpore's rule takes the -9_ file
+    res = run_app(tmp_path, *common, "source.select=latest_step", "output.dir=latest")
+    assert res.returncode == 0, res.stderr
+    manifest = json.loads((d / "manifest.json").read_text())
+    got = tensors_of(tmp_path / "latest" / "rank_0" / "checkpoint_0.ckpt")
+    for name, info in manifest["expected"]["0"].items():
+        assert hashlib.sha256(got[name]).hexdigest() == info["sha256"], name
+    res = run_app(tmp_path, *common, "source.select=net-10_*.ckpt", "output.dir=glob")
+    assert res.returncode == 0, res.stderr
