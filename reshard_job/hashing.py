@@ -83,6 +83,17 @@ def digest_files(requests: Iterable[tuple[str, int | None]], *, threads: int = 2
     return out  # type: ignore[return-value]
 
 
+CACHE_DIR_ENV = "RESHARD_JOB_CACHE_DIR"
+
+
+def default_cache_path() -> str:
+    """The user's digest cache: $RESHARD_JOB_CACHE_DIR, else $XDG_CACHE_HOME/reshard_job, else
+    ~/.cache/reshard_job (shared by all of a user's jobs, wherever they are launched)."""
+    base = os.environ.get(CACHE_DIR_ENV) or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "reshard_job")
+    return os.path.join(base, "source-digests.json")
+
+
 def _identity(st: os.stat_result) -> list[int]:
     return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
 

@@ -33,7 +33,7 @@ from ..formats import dtypes
 from ..formats.atomic import write_bytes_atomic
 from ..formats.ckpt import CRC_TRAILER_LEN, CheckpointReader
 from ..formats.strategy import format_for, to_protobuf_bytes
-from ..hashing import HashCache, digest_file, digest_files
+from ..hashing import HashCache, default_cache_path, digest_file, digest_files
 from ..plan import UNMAPPED_FULL, UNMAPPED_OMIT, Plan, Planner
 from ..sources import discover, load_strategy
 from ..topology import Topology
@@ -52,7 +52,6 @@ STATUS_REUSED = "completed (already done)"
 STATUS_PLANNED = "planned"
 STATUS_FAILED = "failed"
 
-HASH_CACHE_FILE = ".source-hash-cache.json"
 
 
 @dataclass
@@ -437,7 +436,7 @@ class ConversionJob:
         """sha256 of every source file read (and of the strategy files), verifying CRC trailers."""
         needed = sorted(self.plan.source_ranks)
         paths = [self.source_paths[r] for r in needed]
-        cache = HashCache(os.path.join(self.ctx.launch_dir, "runs", HASH_CACHE_FILE)) \
+        cache = HashCache(default_cache_path()) \
             if self.job_cfg.get("hash_cache", True) else None
         requests = [(p, (os.path.getsize(p) - CRC_TRAILER_LEN) if r in self.crc_info else None)
                     for r, p in zip(needed, paths)]

@@ -78,7 +78,9 @@ class JobConfig:
     ranks: Optional[List[int]] = None  # a subset of target ranks; null = all
     max_memory: Any = "32MiB"  # bound on in-flight tensor buffers per worker (bytes or "512MiB")
     resume: bool = True  # keep target files of an interrupted identical run that still verify
-    hash_cache: bool = True  # reuse source digests of files unchanged since hashed (inode, size, mtime, ctime)
+    # reuse digests of source files unchanged since hashed (inode, size, mtime, ctime), kept in
+    # $RESHARD_JOB_CACHE_DIR or ~/.cache/reshard_job
+    hash_cache: bool = True
     progress: Optional[bool] = None  # progress bar; null = when stderr is a terminal
 
 
