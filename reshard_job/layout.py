@@ -25,7 +25,7 @@ copy pattern serve every parameter with the same pair of layouts.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 from math import prod
 
 from .errors import LayoutError
@@ -75,7 +75,16 @@ class Layout:
 
         If the parameter's device matrix covers fewer devices than the stage (`stage_devices`), it is
         extended on the left by a replication factor, as MindSpore does when equalising layouts.
+        Most parameters share a few layouts, so valid ones are built once and shared (which also
+        shares their cached rank tables); an invalid one is rebuilt to name the parameter.
         """
+        try:
+            return _shared_layout(pl, ndim, stage_devices)
+        except LayoutError:
+            return Layout._build(pl, ndim, stage_devices, name)
+
+    @staticmethod
+    def _build(pl: ParamLayout, ndim: int, stage_devices: int | None, name: str) -> "Layout":
         dev = tuple(int(d) for d in pl.dev_matrix)
         where = f"parameter {name!r}"
         if not dev or any(d < 1 for d in dev):
@@ -219,6 +228,11 @@ class Layout:
         axes = [("*" if not a else "(" + ",".join(str(len(self.dev_matrix) - 1 - p) for p in a) + ")") for a in self.dim_axes]
         opt = f", optimizer shards {self.opt_shard}" if self.opt_shard > 1 else ""
         return f"dev {list(self.dev_matrix)} map [{', '.join(axes)}]{opt}"
+
+
+@lru_cache(maxsize=4096)
+def _shared_layout(pl: ParamLayout, ndim: int, stage_devices: int | None) -> Layout:
+    return Layout._build(pl, ndim, stage_devices, "?")
 
 
 def _show_map(tensor_map) -> str:

@@ -33,6 +33,10 @@ def encode_varint(value: int) -> bytes:
 
 def decode_varint(buf, pos: int, end: int) -> tuple[int, int]:
     """Return (value, new_pos). Raises WireError when the varint runs past `end` or 10 bytes."""
+    if pos < end:
+        byte = buf[pos]
+        if byte < 0x80:  # most keys and small lengths: one byte
+            return byte, pos + 1
     result = 0
     shift = 0
     while True:
