@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import zlib
 from pathlib import Path
 from typing import Iterator
@@ -69,6 +70,30 @@ def head_revision() -> str | None:
     from alembic.script import ScriptDirectory
 
     return ScriptDirectory.from_config(alembic_config()).get_current_head()
+
+
+_REVISION_LINE = re.compile(r"^(down_revision|revision)\b[^=]*=\s*(.+?)\s*$", re.M)
+
+
+def quick_head_revision() -> str | None:
+    """The head revision read straight from the migration files, without importing Alembic.
+
+    A job only needs to know whether the database is already at head, which it nearly always is;
+    Alembic (and its script directory) is loaded only when there is something to migrate. Valid for
+    a linear history (tests check it agrees with Alembic); anything unusual falls back to Alembic.
+    """
+    revisions, parents = set(), set()
+    for path in sorted((migrations_dir() / "versions").glob("*.py")):
+        found = dict(_REVISION_LINE.findall(path.read_text(encoding="utf-8")))
+        rev = found.get("revision", "").strip("'\"")
+        down = found.get("down_revision", "None")
+        if not rev or not re.fullmatch(r"None|'[^']*'|\"[^\"]*\"", down):
+            return head_revision()  # branches, merges or unusual syntax: ask Alembic
+        revisions.add(rev)
+        if down != "None":
+            parents.add(down.strip("'\""))
+    heads = revisions - parents
+    return heads.pop() if len(heads) == 1 else head_revision()
 
 
 def known_revisions() -> set[str]:
@@ -130,15 +155,15 @@ def _file_lock(path: str) -> Iterator[None]:
 
 def upgrade_to_head(engine: Engine) -> None:
     """Migrate the database behind `engine` to the newest schema, concurrency-safe."""
-    from alembic import command
-
     database_file = sqlite_file(engine.url)
     if database_file is not None:
         os.makedirs(os.path.dirname(database_file) or ".", exist_ok=True)
-    head = head_revision()
     with engine.connect() as connection:
-        if current_revision(connection) == head:
+        if current_revision(connection) == quick_head_revision():
             return
+    from alembic import command
+
+    head = head_revision()
     with writer(engine).connect() as connection, schema_lock(connection):
         # Another job may have migrated while this one waited for the lock.
         current = current_revision(connection)

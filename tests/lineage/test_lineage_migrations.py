@@ -73,3 +73,9 @@ def test_a_schema_newer_than_the_tool_is_refused_in_one_line(store):
     assert "\n" not in str(refused.value)
     with store.engine.connect() as connection, pytest.raises(SchemaError, match="newer than this tool"):
         check_at_head(connection)
+
+
+def test_quick_head_revision_agrees_with_alembic():
+    from reshard_job.lineage.migrate import quick_head_revision
+
+    assert quick_head_revision() == head_revision() is not None
