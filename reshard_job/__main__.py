@@ -31,6 +31,7 @@ def _context() -> tuple[JobContext, bool]:
         overrides=overrides,
         sweep_id=os.path.abspath(os.path.join(hc.runtime.cwd, hc.sweep.dir)) if multirun else None,
         job_num=hc.job.num if multirun else None,
+        from_presets=True,
     )
     return ctx, multirun
 

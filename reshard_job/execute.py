@@ -25,7 +25,7 @@ from .formats.tensorfile import PositionedReader, Scratch
 from .plan import ACTION_COPY, ParamPlan, RankPlan, TensorMeta
 
 DEFAULT_MAX_MEMORY = 32 * 1024 * 1024
-COPY_BLOCK = 16 * 1024 * 1024
+COPY_BLOCK = 4 * 1024 * 1024
 
 FORMAT_CKPT = "ckpt"
 FORMAT_SAFETENSORS = "safetensors"

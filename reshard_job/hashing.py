@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-BLOCK = 8 * 1024 * 1024
+BLOCK = 4 * 1024 * 1024
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ ACTION_FULL = "full"
 UNMAPPED_OMIT = "omit"
 UNMAPPED_FULL = "full"
 
-PLAN_VERSION = 1
+PLAN_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -69,12 +69,20 @@ class Copy:
     source_box: Box  # within the source rank's stored tensor
     target_box: Box  # within the target rank's tensor
 
-    def to_json(self) -> dict:
-        return {
-            "source_rank": self.source_rank,
-            "source_box": [list(r) for r in self.source_box],
-            "target_box": [list(r) for r in self.target_box],
-        }
+    def to_json(self) -> list:
+        """``[source_rank, source_box, target_box]``, each box flat: ``[start0, stop0, start1, stop1, ...]``.
+
+        Compact on purpose: a plan holds one copy per (target rank, parameter, source box), which
+        for a large model on many ranks is hundreds of thousands of them.
+        """
+        return [self.source_rank, [i for r in self.source_box for i in r], [i for r in self.target_box for i in r]]
+
+    @staticmethod
+    def from_json(item: list) -> "Copy":
+        def box(flat):
+            return tuple((int(flat[i]), int(flat[i + 1])) for i in range(0, len(flat), 2))
+
+        return Copy(int(item[0]), box(item[1]), box(item[2]))
 
 
 @dataclass
@@ -161,6 +169,9 @@ class Plan:
     def to_json(self) -> dict:
         return {
             "version": PLAN_VERSION,
+            "copy_format": "[source_rank, source_box, target_box]; boxes are flat half-open ranges "
+                           "[start0, stop0, start1, stop1, ...] within the source rank's and the target "
+                           "rank's own tensors",
             "source": self.source,
             "target": self.target,
             "ranks": [rp.to_json() for rp in self.ranks],
@@ -180,9 +191,6 @@ class Plan:
 
     @staticmethod
     def from_json(obj: dict) -> "Plan":
-        def box(b):
-            return tuple((int(x), int(y)) for x, y in b)
-
         ranks = []
         for r in obj["ranks"]:
             params = []
@@ -193,7 +201,7 @@ class Plan:
                     ParamPlan(
                         p["name"], p["dtype"], p["kind"], p["action"], tuple(p["global_shape"]),
                         tuple(p["target_shape"]),
-                        [Copy(c["source_rank"], box(c["source_box"]), box(c["target_box"])) for c in p["copies"]],
+                        [Copy.from_json(c) for c in p["copies"]],
                         itemsize, p["nbytes"],
                     )
                 )

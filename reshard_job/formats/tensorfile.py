@@ -26,7 +26,7 @@ from .boxes import Box, box_shape, full_box
 # of a larger enclosing span and cut out in memory (fewer system calls, some bytes read twice).
 MIN_DIRECT_RUN = 8 * 1024
 # Bound on the enclosing-span buffer used for short runs.
-SPAN_BUFFER = 16 * 1024 * 1024
+SPAN_BUFFER = 4 * 1024 * 1024
 
 
 class Scratch:

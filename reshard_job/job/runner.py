@@ -39,6 +39,7 @@ from ..sources import discover, load_strategy
 from ..topology import Topology
 from .declarative import compile_layout
 from .manifest import build_manifest, job_fingerprint
+from .memory import fix_mmap_threshold
 from .outputs import COMPLETE, PARTIAL, JournalEntry, OutputDir
 from .parallel import RankTask, WriteOptions, default_workers, run_tasks
 from ..text import human_size
@@ -63,6 +64,20 @@ class JobContext:
     overrides: list[str] = field(default_factory=list)
     sweep_id: str | None = None
     job_num: int | None = None
+    # True when the config was composed from presets plus `overrides` (the command line): then
+    # only keys named in `overrides` count as the user's own, the rest are preset defaults.
+    from_presets: bool = False
+
+    def user_set(self, key: str) -> bool:
+        """Whether the user gave `key` (or a key below it, or chose its config group) explicitly."""
+        if not self.from_presets:
+            return True
+        group = key.split(".")[0]
+        for o in self.overrides:
+            name = o.split("=", 1)[0].lstrip("+~")
+            if name == key or name.startswith(key + ".") or key.startswith(name + ".") or name == group:
+                return True
+        return False
 
 
 @dataclass
@@ -107,6 +122,7 @@ class _Target:
 
 def run_job(cfg: dict, ctx: JobContext) -> JobResult:
     """Run one conversion (or plan) described by a resolved config dict."""
+    fix_mmap_threshold()
     return ConversionJob(cfg, ctx).run()
 
 
@@ -287,8 +303,12 @@ class ConversionJob:
         layout = t.get("layout")
         has_layout = bool(layout) and bool(layout.get("mesh"))
         if t.get("strategy") is not None:
-            if has_layout:
+            # A strategy file given on the command line wins over the default preset's declarative
+            # layout and device count; given explicitly, they must agree with it.
+            if has_layout and self.ctx.user_set("target.layout"):
                 raise ConfigError("give target.strategy or target.layout, not both (set target.layout=null)")
+            if not self.ctx.user_set("target.devices"):
+                devices = None
             if os.path.isdir(t["strategy"]):
                 raise ConfigError("target.strategy must be a single strategy file (merge per-stage files first)")
             loaded = load_strategy(t["strategy"])

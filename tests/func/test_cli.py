@@ -203,3 +203,18 @@ def test_source_select_latest_step_beats_mindspores_lexicographic_rule(tmp_path)
         assert hashlib.sha256(got[name]).hexdigest() == info["sha256"], name
     res = run_app(tmp_path, *common, "source.select=net-10_*.ckpt", "output.dir=glob")
     assert res.returncode == 0, res.stderr
+
+
+def test_a_strategy_file_on_the_command_line_wins_over_the_default_presets_layout(tmp_path):
+    d = GOLDEN / "S2_block_mp4dp2opt_to_mp4"
+    res = run_app(tmp_path, f"source.checkpoints={d / 'src_checkpoints'}", f"source.strategy={d / 'src_strategy.ckpt'}",
+                  f"target.strategy={d / 'dst_strategy.ckpt'}", "output.dir=out")
+    assert res.returncode == 0, res.stderr
+    assert len(list((tmp_path / "out").glob("rank_*/checkpoint_*.ckpt"))) == 4
+    # given explicitly, a disagreeing device count or a layout is still an error
+    res = run_app(tmp_path, f"source.checkpoints={d / 'src_checkpoints'}", f"source.strategy={d / 'src_strategy.ckpt'}",
+                  f"target.strategy={d / 'dst_strategy.ckpt'}", "target.devices=8", "output.dir=out2")
+    assert res.returncode != 0 and "target.devices=8 but target.strategy" in res.stderr
+    res = run_app(tmp_path, f"source.checkpoints={d / 'src_checkpoints'}", f"source.strategy={d / 'src_strategy.ckpt'}",
+                  f"target.strategy={d / 'dst_strategy.ckpt'}", "target.layout.optimizer_shard=mp", "output.dir=out3")
+    assert res.returncode != 0 and "not both" in res.stderr

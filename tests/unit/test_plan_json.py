@@ -1,0 +1,23 @@
+"""A plan survives its JSON form (what plan.json and the lineage record hold)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from reshard_job.api import build_plan
+from reshard_job.plan import Plan
+
+S3 = Path(__file__).parents[1] / "golden" / "S3_pipeline2x4opt_to_4"
+
+
+def test_plan_round_trips_through_json():
+    plan, sources = build_plan(S3 / "src_checkpoints", S3 / "src_strategy_dir", S3 / "dst_strategy.ckpt")
+    sources.close()
+    doc = json.loads(json.dumps(plan.to_json()))
+    again = Plan.from_json(doc)
+    assert [(rp.target_rank, [(p.name, p.action, p.target_shape, p.copies) for p in rp.params]) for rp in again.ranks] == \
+           [(rp.target_rank, [(p.name, p.action, p.target_shape, p.copies) for p in rp.params]) for rp in plan.ranks]
+    assert doc["totals"] == plan.totals() and doc["omitted"] == plan.omitted
+    first = doc["ranks"][0]["params"][0]["copies"][0]
+    assert isinstance(first[0], int) and len(first[1]) == 2 * len(doc["ranks"][0]["params"][0]["target_shape"])
