@@ -692,7 +692,7 @@ def render_markdown(result: dict) -> str:
         lines.append(f"- note: {n}")
     lines += [
         "",
-        "| size GB | dtype | case | tool | workers | runs | median s | min–max s | CPU s | source GB/s | peak RSS MiB | × cp -r | × cp -r+fsync | output check |",
+        "| size GB | dtype | case | tool | workers | runs | median s | min–max s | CPU s | source GB/s | peak RSS MiB median (max) | × cp -r | × cp -r+fsync | output check |",
         "|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     order = {c: i for i, c in enumerate(["copy:src", "copy:src_pp", *CASES])}
@@ -707,7 +707,7 @@ def render_markdown(result: dict) -> str:
             f"| {m['size_gb']:g} | {m['dtype']} | {case} | {m['tool']} | {m['workers']} | {len(m['runs'])} | "
             f"{_fmt(m['median_wall_s'])} | {_fmt(m['min_wall_s'])}–{_fmt(m['max_wall_s'])} | {_fmt(m.get('median_cpu_s'))} | "
             f"{_fmt(m['gb_per_s'])} | "
-            f"{_fmt(m['max_peak_rss_mib'], '.0f')} | {_fmt(m.get('ratio_to_cp'))} | {_fmt(m.get('ratio_to_cp_fsync'))} | {check} |"
+            f"{_fmt(m['median_peak_rss_mib'], '.0f')} ({_fmt(m['max_peak_rss_mib'], '.0f')}) | {_fmt(m.get('ratio_to_cp'))} | {_fmt(m.get('ratio_to_cp_fsync'))} | {check} |"
         )
     lines += ["", "## Against the targets", ""]
     lines += target_lines(ms)
@@ -715,7 +715,7 @@ def render_markdown(result: dict) -> str:
     lines += ["| case | dtype | size GB | wall s | peak RSS MiB | ours (this run, closest size, workers 1) |", "|---|---|---:|---:|---:|---|"]
     for case, dtype, size, wall, rss in MINDSPORE_REFERENCE:
         ours = _closest(ms, case, dtype, size, 1)
-        txt = "–" if not ours else (f"{ours['median_wall_s']:.2f} s, {ours['max_peak_rss_mib']:.0f} MiB at {ours['size_gb']:g} GB"
+        txt = "–" if not ours else (f"{ours['median_wall_s']:.2f} s, {ours['median_peak_rss_mib']:.0f} MiB (max {ours['max_peak_rss_mib']:.0f}) at {ours['size_gb']:g} GB"
                                     f" ({wall / ours['median_wall_s'] * ours['size_gb'] / size:.1f}× faster per byte)")
         lines.append(f"| {case} | {dtype} | {size} | {wall} | {rss:.0f} | {txt} |")
     return "\n".join(lines) + "\n"
@@ -746,13 +746,17 @@ def target_lines(ms) -> list[str]:
     for case in CASES:
         for dtype in ("float16", "bfloat16", "float32"):
             for w in sorted({m["workers"] for m in ours}):
-                pts = sorted((m["size_gb"], m["max_peak_rss_mib"]) for m in ours
+                # Judged on the medians over runs, like the times; the growth of the per-run
+                # maxima is printed too, so a one-off high first run stays visible.
+                pts = sorted((m["size_gb"], m["median_peak_rss_mib"], m["max_peak_rss_mib"]) for m in ours
                              if m["case"] == case and m["dtype"] == dtype and m["workers"] == w and m["size_gb"] >= 1)
                 if len(pts) >= 2 and pts[-1][0] > pts[0][0]:
                     growth = pts[-1][1] - pts[0][1]
                     ok = "met" if growth < 64 else "NOT met"
                     out.append(f"- peak RSS growth {pts[0][0]:g} → {pts[-1][0]:g} GB ({case}, {dtype}, workers {w}): "
-                               f"{growth:+.0f} MiB — **{ok}** (target < 64 MiB from 1 to 4 GB)")
+                               f"{growth:+.0f} MiB between medians ({pts[0][1]:.0f} → {pts[-1][1]:.0f}; maxima "
+                               f"{pts[0][2]:.0f} → {pts[-1][2]:.0f}, {pts[-1][2] - pts[0][2]:+.0f}) — **{ok}** "
+                               f"(target < 64 MiB from 1 to 4 GB)")
     for case in CASES:
         for dtype in ("float16", "bfloat16", "float32"):
             for size in sorted({m["size_gb"] for m in ours}):
@@ -792,7 +796,7 @@ def plot_scaling(result: dict, path: str) -> str | None:
         if m["dtype"] != dtype or m["workers"] != min(mm["workers"] for mm in ms) or not m["median_wall_s"]:
             continue
         label = f"{m['case'].replace('copy:', 'copy ')} ({m['tool']})" if m["case"].startswith("copy:") else f"{m['case']} ({m['tool']})"
-        series.setdefault(label, []).append((m["size_gb"], m["median_wall_s"], m["max_peak_rss_mib"], m["case"].startswith("copy:")))
+        series.setdefault(label, []).append((m["size_gb"], m["median_wall_s"], m["median_peak_rss_mib"], m["case"].startswith("copy:")))
     for label, pts in sorted(series.items()):
         pts.sort()
         xs = [p[0] for p in pts]
@@ -807,7 +811,7 @@ def plot_scaling(result: dict, path: str) -> str | None:
     ax_t.legend(fontsize=7)
     ax_r.axhline(512, color="red", lw=0.8, ls=":", label="512 MiB target")
     ax_r.set_xlabel("model size (GB)")
-    ax_r.set_ylabel("peak RSS (MiB)")
+    ax_r.set_ylabel("median peak RSS (MiB)")
     ax_r.set_title("Peak RSS vs model size")
     ax_r.set_ylim(bottom=0)
     ax_r.grid(alpha=0.3)
