@@ -25,6 +25,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
+from reshard_job.errors import FormatError, ReshardError
 from reshard_job.formats import wire
 
 TESTS = Path(__file__).parents[1]
@@ -75,6 +76,22 @@ def bounded_memory(n: int):
 
 
 # ================================================================================== mutations
+
+
+def read_expecting_clean_errors(target: str, path: Path, data: bytes, read) -> None:
+    """Write `data` to `path` and `read` it: within bounded memory, and failing only with the
+    package's error naming that file. Counts the input under `target`."""
+    TRIED[target] += 1
+    path.write_bytes(data)
+    try:
+        with bounded_memory(len(data)):
+            read(path)
+    except FormatError as e:
+        assert e.path == str(path), e
+    except ReshardError as e:
+        assert str(path) in str(e), e
+    finally:
+        path.unlink()
 
 
 def replace_varint(data: bytes, pos: int, value: int | None) -> bytes:
