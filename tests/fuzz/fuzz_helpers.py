@@ -75,9 +75,6 @@ def bounded_memory(n: int):
     assert peak <= memory_bound(n), f"peak allocation {peak} bytes for a {n}-byte input"
 
 
-# ================================================================================== mutations
-
-
 def read_expecting_clean_errors(target: str, path: Path, data: bytes, read) -> None:
     """Write `data` to `path` and `read` it: within bounded memory, and failing only with the
     package's error naming that file. Counts the input under `target`."""
@@ -92,6 +89,9 @@ def read_expecting_clean_errors(target: str, path: Path, data: bytes, read) -> N
         assert str(path) in str(e), e
     finally:
         path.unlink()
+
+
+# ================================================================================== mutations
 
 
 def replace_varint(data: bytes, pos: int, value: int | None) -> bytes:

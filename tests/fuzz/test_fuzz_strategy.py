@@ -13,9 +13,8 @@ from pathlib import Path
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from fuzz_helpers import TRIED, bounded_memory, fuzz, mutations, strategy_seed_files
+from fuzz_helpers import fuzz, mutations, read_expecting_clean_errors, strategy_seed_files
 
-from reshard_job.errors import ReshardError
 from reshard_job.formats.strategy import read_strategy, to_json_bytes
 from reshard_job.topology import Topology
 
@@ -33,16 +32,7 @@ def interpret(path: Path) -> None:
 
 
 def check(target: str, data: bytes, suffix: str) -> None:
-    TRIED[target] += 1
-    path = SCRATCH / f"{os.getpid()}_strategy{suffix}"
-    path.write_bytes(data)
-    try:
-        with bounded_memory(len(data)):
-            interpret(path)
-    except ReshardError as e:
-        assert str(path) in str(e), e
-    finally:
-        path.unlink()
+    read_expecting_clean_errors(target, SCRATCH / f"{os.getpid()}_strategy{suffix}", data, interpret)
 
 
 @fuzz(150)
