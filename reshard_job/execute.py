@@ -194,3 +194,24 @@ def _fill_tensor(sink, p: ParamPlan, sources: SourceFiles, max_memory: int, prog
         sink.write(buf.reshape(-1).view(np.uint8))
         if progress:
             progress(buf.nbytes)
+
+
+def run_rank_task(task: "RankTask", *, sources: SourceFiles | None = None,
+                  progress: Progress | None = None) -> "RankResult":
+    """Produce one target file from a ``RankTask``; `sources` may hold already-open readers."""
+    import socket
+    import time
+
+    from .tasks import RankResult
+
+    started = time.monotonic()
+    own = sources is None
+    readers = SourceFiles(dict(task.sources), verify_crc=False) if own else sources
+    try:
+        written = execute_rank(task.plan, readers, task.out_path, fmt=task.options.format,
+                               max_memory=task.options.max_memory, crc=task.options.crc, progress=progress)
+    finally:
+        if own:
+            readers.close()
+    return RankResult(task.target_rank, written.path, written.size, written.sha256, dict(written.tensors),
+                      task.plan.bytes_read, time.monotonic() - started, socket.gethostname())

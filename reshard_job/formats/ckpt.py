@@ -24,7 +24,7 @@ import numpy as np
 
 from ..errors import CheckpointFormatError, LayoutError
 from . import dtypes, wire
-from .atomic import AtomicFile
+from ..storage.atomic import AtomicFile
 from .tensorfile import PositionedReader, TensorEntry
 
 SLICE_BYTES = 512 * 1024 * 1024  # MindSpore's SLICE_SIZE (512 * 1024 KiB)

@@ -68,7 +68,7 @@ import numpy as np
 
 from ..errors import LayoutError, SafetensorsFormatError
 from . import dtypes
-from .atomic import AtomicFile
+from ..storage.atomic import AtomicFile
 from .ckpt import WrittenFile
 from .tensorfile import PositionedReader, TensorEntry
 

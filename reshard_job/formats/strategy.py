@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from ..errors import StrategyFormatError
 from . import schema
-from .atomic import write_bytes_atomic
+from ..storage.atomic import write_bytes_atomic
 
 JSON_SUFFIX = ".json"
 FORMAT_PROTOBUF = "protobuf"

@@ -21,7 +21,7 @@ import socket
 from dataclasses import dataclass
 
 from ..errors import OutputError
-from ..formats.atomic import TMP_SUFFIX, fsync_dir, write_bytes_atomic
+from ..storage.atomic import TMP_SUFFIX, fsync_dir, write_bytes_atomic
 from ..hashing import digest_file
 
 STATE_DIR = ".reshard_job"

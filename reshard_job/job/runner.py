@@ -30,7 +30,7 @@ from ..demo import ensure_demo
 from ..errors import CheckpointFormatError, ConfigError, MissingRankError, PlanError, ReshardError
 from ..execute import DEFAULT_MAX_MEMORY, FORMAT_CKPT, FORMAT_SAFETENSORS, SourceFiles, open_reader
 from ..formats import dtypes
-from ..formats.atomic import write_bytes_atomic
+from ..storage.atomic import write_bytes_atomic
 from ..formats.ckpt import CRC_TRAILER_LEN, CheckpointReader
 from ..formats.strategy import format_for, to_protobuf_bytes
 from ..hashing import HashCache, default_cache_path, digest_file, digest_files

@@ -573,7 +573,7 @@ def test_written_file_reports_sizes_and_hashes(tmp_path):
 def test_tensor_hashes_across_staging_buffers(tmp_path):
     """Tensors that start, end and straddle the direct writer's 8 MiB staging buffers, written in
     odd pieces, hash exactly their own bytes, and the file hash covers the whole file."""
-    from reshard_job.formats.atomic import DIRECT_CHUNK
+    from reshard_job.storage.atomic import DIRECT_CHUNK
 
     rng = np.random.default_rng(7)
     sizes = [DIRECT_CHUNK - 37, 3, DIRECT_CHUNK * 2 + 5, 1, 4096, DIRECT_CHUNK // 3]

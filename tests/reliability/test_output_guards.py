@@ -24,7 +24,7 @@ from reliability_helpers import (app_command, app_env, assert_nothing_recorded, 
                                  temp_files, the_error, without_dac_override)
 
 from reshard_job.errors import OutputError
-from reshard_job.formats import atomic
+from reshard_job.storage import atomic
 
 
 @pytest.fixture

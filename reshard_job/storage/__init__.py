@@ -1,0 +1,53 @@
+"""Where checkpoints live: the storage interface and the back end for a path.
+
+``storage_for(path)`` returns the back end that serves `path`: the local file system for plain
+paths, an fsspec-based one for URLs such as ``s3://bucket/prefix`` (installed with the ``[s3]``
+extra). Everything above this package (formats, execution, the job) reads and writes through
+the returned ``Storage`` only.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from .base import (KIND_DIR, KIND_FILE, KIND_OTHER, AtomicWriter, FileInfo, LockedError, OutputLock, RandomAccess,
+                   SourceChangedError, Storage, StorageError)
+from .local import LocalStorage
+
+__all__ = [
+    "AtomicWriter", "FileInfo", "KIND_DIR", "KIND_FILE", "KIND_OTHER", "LocalStorage", "LockedError", "OutputLock",
+    "RandomAccess", "SourceChangedError", "Storage", "StorageError", "StorageOptions", "is_url", "storage_for",
+    "LOCAL",
+]
+
+LOCAL = LocalStorage()
+
+
+@dataclass(frozen=True)
+class StorageOptions:
+    """How to reach remote stores (``storage.*`` in the job's config).
+
+    Credentials normally come from the standard chain (environment, ``~/.aws``); whatever is
+    given here is used to connect and is never written down (see ``job.secrets``).
+    """
+
+    endpoint_url: str | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+def is_url(path: str | os.PathLike) -> bool:
+    """Whether `path` names a remote location (``scheme://...``) rather than a local path."""
+    text = os.fspath(path)
+    head, sep, _ = text.partition("://")
+    return bool(sep) and head.isascii() and head.replace("+", "").replace("-", "").isalnum() and head != "file"
+
+
+def storage_for(path: str | os.PathLike, options: StorageOptions | None = None) -> Storage:
+    """The back end that serves `path` (a local path, ``file://...`` or a URL)."""
+    if not is_url(path):
+        return LOCAL
+    from .remote import remote_storage  # fsspec is imported only when a URL is used
+
+    return remote_storage(os.fspath(path), options or StorageOptions())

@@ -1,0 +1,52 @@
+"""The unit of work: one target file, as plain data that can be pickled and shipped anywhere.
+
+A ``RankTask`` carries everything needed to produce one target rank's file: its slice of the
+plan, where each source file it reads lives (paths or URLs) and what those files looked like
+when the job hashed them, where to write, and how. Running it (``execute.run_rank_task``) needs
+no configuration, database or job state, so the same object is run by the local process pool,
+by the Python API, and by a Ray worker on another machine. It returns a ``RankResult``: plain
+paths, sizes and digests that the driver journals and records.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .plan import RankPlan
+from .storage import StorageOptions
+
+FORMAT_CKPT = "ckpt"
+FORMAT_SAFETENSORS = "safetensors"
+OUTPUT_FORMATS = (FORMAT_CKPT, FORMAT_SAFETENSORS)
+
+
+@dataclass(frozen=True)
+class WriteOptions:
+    format: str = FORMAT_CKPT  # "ckpt" | "safetensors"
+    max_memory: int = 32 * 1024 * 1024  # bound on in-flight tensor buffers
+    crc: bool = False  # MindSpore's CRC (ckpt trailer / safetensors crc_num)
+
+
+@dataclass(frozen=True)
+class RankTask:
+    target_rank: int
+    plan: RankPlan
+    sources: dict[int, str]  # source rank -> file path or URL (only the ranks this task reads)
+    out_path: str
+    options: WriteOptions = field(default_factory=WriteOptions)
+    # source rank -> FileInfo.identity seen when the job hashed it; a source whose identity
+    # differs when the task reads it has changed under the job, and the task fails
+    source_identities: dict[int, tuple] = field(default_factory=dict)
+    storage: StorageOptions = field(default_factory=StorageOptions)
+
+
+@dataclass(frozen=True)
+class RankResult:
+    target_rank: int
+    path: str
+    size: int
+    sha256: str
+    tensors: dict[str, str]  # parameter name -> sha256 of its bytes
+    bytes_read: int = 0
+    seconds: float = 0.0
+    host: str = ""  # the machine that wrote the file
