@@ -13,8 +13,9 @@ import os
 from typing import Mapping
 
 from .errors import ConfigError, PlanError
-from .execute import (DEFAULT_MAX_MEMORY, FORMAT_CKPT, FORMAT_SAFETENSORS, SourceFiles, WrittenFile,
-                      execute_rank)
+from .execute import DEFAULT_MAX_MEMORY, SourceFiles, execute_rank
+from .formats.base import WrittenFile
+from .tasks import FORMAT_CKPT, FORMAT_SAFETENSORS
 from .formats.strategy import merge_pipeline_strategies, merge_pipeline_strategys  # noqa: F401 (re-export)
 from .plan import UNMAPPED_OMIT, Plan, Planner, source_ranks_for
 from .sources import discover, load_strategy

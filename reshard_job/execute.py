@@ -11,65 +11,76 @@ Nothing here knows about configuration, databases or progress bars; a callback r
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
+import socket
+import time
 from typing import Callable
 
 import numpy as np
 
 from .errors import FormatError, PlanError
 from .formats import dtypes
+from .formats.base import TensorDecl, TensorReader, WrittenFile
 from .formats.boxes import Box, box_shape, intersect, split_rows
-from .formats.ckpt import KIND_MAP, KIND_STR, CheckpointReader, CheckpointWriter, WrittenFile
-from .formats.tensorfile import PositionedReader, Scratch
+from .formats.registry import open_reader, open_writer
+from .formats.tensorfile import KIND_MAP, KIND_STR, Scratch
 from .plan import ACTION_COPY, ParamPlan, RankPlan, TensorMeta
+from .storage import SourceChangedError, StorageOptions, storage_for
+from .tasks import FORMAT_CKPT, RankResult, RankTask
 
 DEFAULT_MAX_MEMORY = 32 * 1024 * 1024
 COPY_BLOCK = 4 * 1024 * 1024
 
-FORMAT_CKPT = "ckpt"
-FORMAT_SAFETENSORS = "safetensors"
-
 Progress = Callable[[int], None]
 
 
-def detect_format(path: str) -> str:
-    return FORMAT_SAFETENSORS if path.endswith(".safetensors") else FORMAT_CKPT
-
-
-def open_reader(path: str, *, verify_crc: bool = True) -> PositionedReader:
-    if detect_format(path) == FORMAT_SAFETENSORS:
-        from .formats.safetensors import SafetensorsReader
-
-        return SafetensorsReader(path, verify_crc=verify_crc)
-    return CheckpointReader(path, verify_crc=verify_crc)
-
-
-def reader_index(reader: PositionedReader) -> dict[str, TensorMeta]:
+def reader_index(reader: TensorReader) -> dict[str, TensorMeta]:
     """What a reader holds, as the planner sees it."""
-    out = {}
-    for name, e in reader.entries.items():
-        kind = e.extra.get("kind", "tensor") if e.extra else "tensor"
-        out[name] = TensorMeta(e.dtype, tuple(e.shape), kind, e.nbytes)
-    return out
+    return {name: TensorMeta(e.dtype, tuple(e.shape), e.kind, e.nbytes) for name, e in reader.entries.items()}
 
 
 class SourceFiles:
-    """The source checkpoint files by global rank, opened lazily and read-only."""
+    """The source checkpoint files by global rank, opened lazily, read-only, through their storage.
 
-    def __init__(self, paths: dict[int, str], *, verify_crc: bool = True):
+    `identities` (rank -> ``FileInfo.identity``) are what the job saw when it hashed the files: a
+    file that no longer matches is refused when opened and when ``check_unchanged`` is called
+    after the last read, so bytes that changed under the job never reach a recorded output.
+    """
+
+    def __init__(self, paths: dict[int, str], *, verify_crc: bool = True, identities: dict[int, tuple] | None = None,
+                 storage: StorageOptions | None = None):
         self.paths = dict(paths)
         self.verify_crc = verify_crc
-        self._readers: dict[int, PositionedReader] = {}
+        self.identities = dict(identities or {})
+        self.storage = storage
+        self._readers: dict[int, TensorReader] = {}
 
-    def reader(self, rank: int) -> PositionedReader:
+    def reader(self, rank: int) -> TensorReader:
         r = self._readers.get(rank)
         if r is None:
             if rank not in self.paths:
                 raise PlanError(f"source rank {rank} has no checkpoint file")
-            r = open_reader(self.paths[rank], verify_crc=self.verify_crc)
+            path = self.paths[rank]
+            try:
+                raw = storage_for(path, self.storage).open_read(path)
+            except FileNotFoundError:
+                raise FormatError(path, "file not found (it was there when the job started)") from None
+            self._check_identity(rank, raw.identity)
+            r = open_reader(raw, verify_crc=self.verify_crc)
             self._readers[rank] = r
         return r
+
+    def _check_identity(self, rank: int, identity: tuple) -> None:
+        want = self.identities.get(rank)
+        if want is not None and tuple(identity) != tuple(want):
+            raise SourceChangedError(f"{self.paths[rank]}: source file of rank {rank} changed while the job was "
+                                     "running (size, time or inode differ); rerun once it is stable")
+
+    def check_unchanged(self) -> None:
+        """Raise SourceChangedError if a file read so far changed since it was hashed."""
+        for rank in self._readers:
+            path = self.paths[rank]
+            info = storage_for(path, self.storage).info(path)
+            self._check_identity(rank, info.identity if info is not None else ())
 
     def index(self) -> dict[int, dict[str, TensorMeta]]:
         return {rank: reader_index(self.reader(rank)) for rank in sorted(self.paths)}
@@ -86,20 +97,6 @@ class SourceFiles:
         self.close()
 
 
-def open_writer(path: str, fmt: str, *, crc: bool = False):
-    if fmt == FORMAT_SAFETENSORS:
-        from .formats.safetensors import SafetensorsWriter
-
-        return SafetensorsWriter(path, crc=crc)
-    return CheckpointWriter(path, crc=crc)
-
-
-@dataclass
-class RankResult:
-    target_rank: int
-    file: WrittenFile
-
-
 def execute_rank(
     rank_plan: RankPlan,
     sources: SourceFiles,
@@ -109,37 +106,54 @@ def execute_rank(
     max_memory: int = DEFAULT_MAX_MEMORY,
     crc: bool = False,
     progress: Progress | None = None,
+    metadata: dict | None = None,
 ) -> WrittenFile:
-    """Write one target rank's file from its plan; atomic (temp name, then rename)."""
-    writer = open_writer(out_path, fmt, crc=crc)
+    """Write one target rank's file from its plan; atomic (published only when complete)."""
+    writer = open_writer(out_path, fmt, crc=crc, metadata=metadata)
     try:
-        params = rank_plan.params
-        if fmt == FORMAT_SAFETENSORS:
-            for p in params:
-                if p.kind != "tensor":
-                    raise PlanError(f"parameter {p.name!r}: {p.kind} entries cannot be stored in safetensors; use ckpt")
-                writer.declare(p.name, p.dtype, p.target_shape)
-            by_name = {p.name: p for p in params}
-            params = [by_name[n] for n in writer.data_order()]
-        for p in params:
-            _write_param(writer, p, sources, max_memory, progress)
+        by_name = {p.name: p for p in rank_plan.params}
+        order = writer.arrange([TensorDecl(p.name, p.dtype, p.target_shape, p.kind) for p in rank_plan.params])
+        for name in order:
+            _write_param(writer, by_name[name], sources, max_memory, progress)
         return writer.commit()
     except BaseException:
         writer.abort()
         raise
 
 
+def run_rank_task(task: RankTask, *, sources: SourceFiles | None = None,
+                  progress: Progress | None = None) -> RankResult:
+    """Produce one target file from a ``RankTask``; `sources` may hold already-open readers.
+
+    The sources are checked against the identities the job hashed, before the first read and
+    after the last, so a file changed under the job fails the task instead of feeding it.
+    """
+    started = time.monotonic()
+    own = sources is None
+    readers = sources if sources is not None else SourceFiles(
+        dict(task.sources), verify_crc=False, identities=task.source_identities, storage=task.storage)
+    try:
+        opts = task.options
+        written = execute_rank(task.plan, readers, task.out_path, fmt=opts.format, max_memory=opts.max_memory,
+                               crc=opts.crc, progress=progress)
+        readers.check_unchanged()
+    except BaseException:
+        if not own:
+            raise
+        readers.close()
+        raise
+    if own:
+        readers.close()
+    return RankResult(task.target_rank, written.path, written.size, written.sha256, dict(written.tensors),
+                      task.plan.bytes_read, time.monotonic() - started, socket.gethostname())
+
+
 def _write_param(writer, p: ParamPlan, sources: SourceFiles, max_memory: int, progress: Progress | None) -> None:
     if p.kind == KIND_STR:
-        reader = sources.reader(p.copies[0].source_rank)
-        writer.add_str(p.name, reader.read_str(p.name))
+        writer.add_str(p.name, sources.reader(p.copies[0].source_rank).read_str(p.name))
         return
     if p.kind == KIND_MAP:
-        reader = sources.reader(p.copies[0].source_rank)
-        entry = reader[p.name]
-        records = [[(part.dims, part.dtype, reader.pread(part.content_offset, part.content_len)) for part in rec]
-                   for rec in entry.extra["map_records"]]
-        writer.add_map(p.name, records)
+        writer.add_map(p.name, sources.reader(p.copies[0].source_rank).map_records(p.name))
         return
     sink = writer.begin(p.name, p.dtype, p.target_shape)
     if p.action == ACTION_COPY or not dtypes.BY_NAME[p.dtype].sliceable:
@@ -154,7 +168,7 @@ def _write_param(writer, p: ParamPlan, sources: SourceFiles, max_memory: int, pr
     sink.close()
 
 
-def _check_source(reader: PositionedReader, p: ParamPlan, box: Box) -> None:
+def _check_source(reader: TensorReader, p: ParamPlan, box: Box) -> None:
     """The plan was made from this file's index; re-check in case the file changed since."""
     if p.name not in reader:
         raise FormatError(reader.path, f"parameter {p.name!r} disappeared from the file since it was planned")
@@ -195,23 +209,3 @@ def _fill_tensor(sink, p: ParamPlan, sources: SourceFiles, max_memory: int, prog
         if progress:
             progress(buf.nbytes)
 
-
-def run_rank_task(task: "RankTask", *, sources: SourceFiles | None = None,
-                  progress: Progress | None = None) -> "RankResult":
-    """Produce one target file from a ``RankTask``; `sources` may hold already-open readers."""
-    import socket
-    import time
-
-    from .tasks import RankResult
-
-    started = time.monotonic()
-    own = sources is None
-    readers = SourceFiles(dict(task.sources), verify_crc=False) if own else sources
-    try:
-        written = execute_rank(task.plan, readers, task.out_path, fmt=task.options.format,
-                               max_memory=task.options.max_memory, crc=task.options.crc, progress=progress)
-    finally:
-        if own:
-            readers.close()
-    return RankResult(task.target_rank, written.path, written.size, written.sha256, dict(written.tensors),
-                      task.plan.bytes_read, time.monotonic() - started, socket.gethostname())

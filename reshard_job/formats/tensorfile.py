@@ -12,15 +12,18 @@ from __future__ import annotations
 import bisect
 import itertools
 import os
-import stat
 from dataclasses import dataclass, field
 from math import prod
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..errors import FormatError, LayoutError
 from . import dtypes
 from .boxes import Box, box_shape, full_box
+
+if TYPE_CHECKING:
+    from ..storage import RandomAccess
 
 # A run of at least this many contiguous bytes is read on its own; shorter runs are read as part
 # of a larger enclosing span and cut out in memory (fewer system calls, some bytes read twice).
@@ -55,9 +58,18 @@ _SPANS = Scratch()
 _BLOCKS = Scratch()
 
 
-@dataclass
+KIND_TENSOR = "tensor"
+KIND_STR = "str"
+KIND_MAP = "map"
+
+
+@dataclass(slots=True)
 class TensorEntry:
-    """Where one tensor's bytes lie in a file: contiguous pieces in logical (C) order."""
+    """Where one tensor's bytes lie in a file: contiguous pieces in logical (C) order.
+
+    Slotted and without per-entry dictionaries unless a format needs them: a mixture-of-experts
+    checkpoint holds hundreds of thousands of entries per file.
+    """
 
     name: str
     dtype: str  # MindSpore tensor_type name ("Float16", "BFloat16", "str", ...)
@@ -65,16 +77,18 @@ class TensorEntry:
     nbytes: int
     # (file offset, length) of each piece, in order; their concatenation is the tensor's bytes
     pieces: list[tuple[int, int]] = field(default_factory=list)
+    kind: str = KIND_TENSOR  # tensor | str | map
     # logical start of each piece, for bisecting; filled by finish()
-    starts: list[int] = field(default_factory=list, repr=False)
-    extra: dict = field(default_factory=dict, repr=False)  # format-specific details
+    starts: list[int] | None = field(default=None, repr=False)
+    extra: object = field(default=None, repr=False)  # format-specific details
 
     def finish(self) -> "TensorEntry":
         pos = 0
-        self.starts = []
+        starts = []
         for _, length in self.pieces:
-            self.starts.append(pos)
+            starts.append(pos)
             pos += length
+        self.starts = starts
         return self
 
     @property
@@ -83,35 +97,42 @@ class TensorEntry:
 
 
 class PositionedReader:
-    """Base for readers that index a file once and then serve tensors and boxes by offset."""
+    """Base for readers that index a file once and then serve tensors and boxes by offset.
+
+    `source` is a path (opened read-only through ``reshard_job.storage``) or an already open
+    ``storage.RandomAccess``, which the reader then closes with itself.
+    """
 
     path: str
 
-    def __init__(self, path: str | os.PathLike):
-        self.path = os.fspath(path)
-        self._fd: int | None = None
+    def __init__(self, source: "str | os.PathLike | RandomAccess"):
         self.entries: dict[str, TensorEntry] = {}
+        self._file: RandomAccess | None = None
+        if isinstance(source, (str, os.PathLike)):
+            self.path = os.fspath(source)
+            self._file = self._open(self.path)
+        else:
+            self.path = source.path
+            self._file = source
+        self.size = self._file.size
+        self.identity = self._file.identity
 
     # --- file handle -------------------------------------------------------------------------
-    def _open(self) -> int:
+    def _open(self, path: str) -> "RandomAccess":
+        from ..storage import StorageError, storage_for
+
         try:
-            # O_RDONLY: sources are never opened for writing.
-            self._fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            return storage_for(path).open_read(path)
         except FileNotFoundError:
             raise self._error("file not found") from None
-        except IsADirectoryError:
-            raise self._error("is a directory, expected a file") from None
-        except PermissionError:
-            raise self._error("permission denied") from None
-        if stat.S_ISDIR(os.fstat(self._fd).st_mode):  # Linux opens directories read-only without complaint
-            self.close()
-            raise self._error("is a directory, expected a file")
-        return self._fd
+        except StorageError as e:  # the format's own error type, naming the file once
+            text = str(e)
+            raise self._error(text[len(path) + 2:] if text.startswith(path + ": ") else text) from None
 
     def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
     def __enter__(self):
         return self
@@ -147,15 +168,11 @@ class PositionedReader:
     # --- raw reads ----------------------------------------------------------------------------
     def pread_into(self, offset: int, view: memoryview) -> None:
         """Fill `view` from the file at `offset`; a short file is a format error."""
-        if self._fd is None:
-            self._open()
-        done = 0
-        total = len(view)
-        while done < total:
-            n = os.preadv(self._fd, [view[done:]], offset + done)
-            if n <= 0:
-                raise self._error(f"unexpected end of file at byte {offset + done} (file truncated?)")
-            done += n
+        if self._file is None:
+            raise self._error("read after close")
+        n = self._file.pread_into(offset, view)
+        if n < len(view):
+            raise self._error(f"unexpected end of file at byte {offset + n} (file truncated?)")
 
     def pread(self, offset: int, nbytes: int) -> bytes:
         buf = bytearray(nbytes)
@@ -199,6 +216,13 @@ class PositionedReader:
         buf = bytearray(entry.stored_bytes)
         self.read_logical(entry, 0, memoryview(buf))
         return bytes(buf)
+
+    # --- entries that are not arrays -----------------------------------------------------------
+    def read_str(self, name: str) -> str:
+        raise self._error(f"parameter {name!r} is not a str entry")
+
+    def map_records(self, name: str) -> list:
+        raise self._error(f"parameter {name!r} is not a map tensor")
 
     # --- typed reads --------------------------------------------------------------------------
     def _storage(self, entry: TensorEntry) -> np.dtype:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..execute import SourceFiles, execute_rank
-from ..formats.ckpt import WrittenFile
+from ..formats.base import WrittenFile
 from ..plan import RankPlan
 
 

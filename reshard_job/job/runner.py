@@ -28,7 +28,9 @@ from typing import Any
 from .. import __version__
 from ..demo import ensure_demo
 from ..errors import CheckpointFormatError, ConfigError, MissingRankError, PlanError, ReshardError
-from ..execute import DEFAULT_MAX_MEMORY, FORMAT_CKPT, FORMAT_SAFETENSORS, SourceFiles, open_reader
+from ..execute import DEFAULT_MAX_MEMORY, SourceFiles
+from ..formats.registry import open_reader
+from ..tasks import FORMAT_CKPT, FORMAT_SAFETENSORS
 from ..formats import dtypes
 from ..storage.atomic import write_bytes_atomic
 from ..formats.ckpt import CRC_TRAILER_LEN, CheckpointReader

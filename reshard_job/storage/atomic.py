@@ -36,10 +36,6 @@ def temp_name_for(path: str) -> str:
     return os.path.join(head, f".{tail}.{uuid.uuid4().hex[:12]}{TMP_SUFFIX}")
 
 
-def is_temp_name(filename: str) -> bool:
-    return filename.startswith(".") and filename.endswith(TMP_SUFFIX)
-
-
 def fsync_dir(path: str) -> None:
     try:
         fd = os.open(path or ".", os.O_RDONLY)
@@ -213,6 +209,7 @@ class AtomicFile:
         except OSError as e:
             raise OutputError(f"{parent}: cannot write here ({e.strerror})") from None
         self._done = False
+        self._rewritten = False
 
     def write(self, data) -> None:
         try:
@@ -224,9 +221,13 @@ class AtomicFile:
             self._hash.update(data)
         self.size += memoryview(data).nbytes
 
+    @property
+    def can_rewrite(self) -> bool:
+        return not self.direct
+
     def rewrite_at(self, offset: int, data: bytes) -> None:
         """Overwrite bytes already written (buffered files only), e.g. a header whose content is
-        known only at the end. The running hash does not cover the change: re-hash if needed."""
+        known only at the end. ``commit`` then re-reads the file once for its sha256."""
         if self.direct:
             raise RuntimeError(f"{self.path}: rewrite_at needs a buffered AtomicFile (direct=False)")
         try:
@@ -235,6 +236,14 @@ class AtomicFile:
         except OSError as e:
             self.abort()
             raise _write_error(self.path, e) from None
+        self._rewritten = True
+
+    def _rehash(self) -> None:
+        h = hashlib.new(self._hash.name)
+        with open(self.tmp_path, "rb") as r:
+            while block := r.read(8 * 1024 * 1024):
+                h.update(block)
+        self._hash = h
 
     def commit(self) -> tuple[int, str]:
         """Flush, fsync, rename into place; return (size, hex digest)."""
@@ -245,6 +254,8 @@ class AtomicFile:
             if self.fsync:
                 os.fsync(self._f.fileno())
             self._f.close()
+            if self._rewritten:
+                self._rehash()
             os.chmod(self.tmp_path, self.mode)
             if os.path.isdir(self.path):
                 raise IsADirectoryError(errno.EISDIR, "a directory is in the way", self.path)

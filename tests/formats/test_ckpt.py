@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 
 from reshard_job.errors import CheckpointFormatError, ReshardError
 from reshard_job.formats import dtypes, schema, tensorfile
-from reshard_job.formats.ckpt import (CRC_MAGIC, CRC_TRAILER_LEN, CheckpointReader, CheckpointWriter,
-                                      copy_checkpoint, record_header)
+from reshard_job.formats.ckpt import CRC_MAGIC, CRC_TRAILER_LEN, CheckpointReader, CheckpointWriter, record_header
+from reshard_job.formats.rewrite import copy_checkpoint
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 GOLDEN_CKPTS = sorted(GOLDEN.glob("*/*/rank_*/*.ckpt"))
@@ -90,7 +90,7 @@ def test_golden_checkpoint_reads_and_rewrites_byte_identical(path, tmp_path):
             entry = r.entries[name]
             assert entry.dtype == e["dtype"]
             assert list(entry.shape) == e["shape"]
-            assert len(entry.extra["records"]) == e["records"]
+            assert len(r.records_of(entry)) == e["records"]
             assert hashlib.sha256(r.read_raw(name)).hexdigest() == e["sha256"], name
         written = copy_checkpoint(r, tmp_path / "copy.ckpt")
     original = path.read_bytes()
@@ -187,7 +187,7 @@ def test_raw_byte_chunking_round_trip(tmp_path_factory, arr, chunk):
                         for o, n in zip(np.cumsum([0] + want[:-1]), want))
     assert path.read_bytes() == expected
     with CheckpointReader(path) as r:
-        recs = r.entries["p"].extra["records"]
+        recs = r.records_of(r.entries["p"])
         assert [x.content_len for x in recs] == want
         assert all(x.dims == tuple(a.shape) for x in recs)
         assert r.read("p").tobytes() == a.tobytes()
@@ -199,7 +199,7 @@ def test_spec_chunking_example(tmp_path):
     with CheckpointWriter(tmp_path / "c.ckpt", chunk_bytes=1024) as w:
         w.add("a", a)
     with CheckpointReader(tmp_path / "c.ckpt") as r:
-        assert [x.content_len for x in r.entries["a"].extra["records"]] == [1024] * 8 + [208]
+        assert [x.content_len for x in r.records_of(r.entries["a"])] == [1024] * 8 + [208]
         assert np.array_equal(r.read("a"), a)
 
 
@@ -221,7 +221,7 @@ def test_array_split_chunking_is_read(tmp_path_factory, arr, count):
         sink.close()
     assert (d / "ours.ckpt").read_bytes() == Path(by_hand).read_bytes()
     with CheckpointReader(by_hand) as r:
-        assert len(r.entries["p"].extra["records"]) == count
+        assert len(r.records_of(r.entries["p"])) == count
         assert r.read("p").tobytes() == a.tobytes()
         copy_checkpoint(r, d / "copy.ckpt")
     assert (d / "copy.ckpt").read_bytes() == Path(by_hand).read_bytes()
@@ -319,7 +319,7 @@ def test_str_entries(tmp_path_factory, text, name):
         assert r.entries[name].dtype == "str"
         assert r.read_str(name) == text
         assert r.value(name) == text
-        assert r.entries[name].extra["dims"] == (0,)
+        assert r.records_of(r.entries[name])[-1].dims == (0,)
         copy_checkpoint(r, path.with_name("copy.ckpt"))
     assert path.with_name("copy.ckpt").read_bytes() == path.read_bytes()
 

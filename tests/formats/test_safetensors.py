@@ -18,15 +18,10 @@ import safetensors
 import safetensors.numpy as stnp
 from reshard_job.errors import LayoutError, SafetensorsFormatError
 from reshard_job.formats import dtypes
-from reshard_job.formats.ckpt import WrittenFile
-from reshard_job.formats.safetensors import (
-    SafetensorsReader,
-    SafetensorsWriter,
-    chain_crc,
-    copy_safetensors,
-    crc32_combine,
-    save_file,
-)
+from reshard_job.formats.base import WrittenFile
+from reshard_job.formats.crc32 import chain_crc, crc32_combine
+from reshard_job.formats.rewrite import copy_safetensors
+from reshard_job.formats.safetensors import SafetensorsReader, SafetensorsWriter, save_file
 
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 

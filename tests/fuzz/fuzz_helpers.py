@@ -211,11 +211,11 @@ def ckpt_hot_ranges(path: Path) -> list[tuple[int, int]]:
     ranges = []
     with CheckpointReader(path) as r:
         for entry in r.groups:
-            if "map_records" in entry.extra:
+            if entry.kind == "map":
                 recs = [(parts[0].offset, parts[0].length, [(p.content_offset, p.content_len) for p in parts])
-                        for parts in entry.extra["map_records"]]
+                        for parts in r.map_parts_of(entry)]
             else:
-                recs = [(p.offset, p.length, [(p.content_offset, p.content_len)]) for p in entry.extra["records"]]
+                recs = [(p.offset, p.length, [(p.content_offset, p.content_len)]) for p in r.records_of(entry)]
             for offset, length, contents in recs:
                 pos = offset
                 for c_off, c_len in sorted(contents):

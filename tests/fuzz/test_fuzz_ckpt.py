@@ -19,7 +19,8 @@ from fuzz_helpers import (ckpt_hot_ranges, ckpt_seed_files, fuzz, mutations, rea
                           replace_varint)
 
 from reshard_job.formats import dtypes
-from reshard_job.formats.ckpt import KIND_TENSOR, CheckpointReader, copy_checkpoint
+from reshard_job.formats.ckpt import KIND_TENSOR, CheckpointReader
+from reshard_job.formats.rewrite import copy_checkpoint
 
 SCRATCH = Path(tempfile.mkdtemp(prefix="fuzz_ckpt_"))
 SEED_FILES = ckpt_seed_files(SCRATCH / "seeds")
@@ -46,7 +47,7 @@ def read_everything(path: Path) -> None:
             for _ in r.iter_content(name, 64):
                 pass
             dt = dtypes.BY_NAME.get(entry.dtype)
-            if entry.extra["kind"] == KIND_TENSOR and dt is not None and dt.storage is not None:
+            if entry.kind == KIND_TENSOR and dt is not None and dt.storage is not None:
                 for box in boxes(entry.shape):
                     r.read_box(name, box)
         copy = SCRATCH / f"{os.getpid()}_copy.ckpt"

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from reshard_job.formats import wire
-from reshard_job.formats.ckpt import _tensor_header, record_header
+from reshard_job.formats.ckpt.records import record_header, tensor_header as _tensor_header
 
 TP = 2**62
 

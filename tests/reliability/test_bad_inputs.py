@@ -25,7 +25,8 @@ from reliability_helpers import (S1, S3, Launcher, assert_nothing_recorded, copy
                                  run_app, s1_args, snapshot, the_error)
 
 from reshard_job.errors import MissingRankError
-from reshard_job.formats.ckpt import CheckpointReader, copy_checkpoint, record_header
+from reshard_job.formats.ckpt import CheckpointReader, record_header
+from reshard_job.formats.rewrite import copy_checkpoint
 from reshard_job.formats.strategy import read_strategy, to_json_bytes, write_strategy
 
 

@@ -1,57 +1,5 @@
-"""Safetensors files, plain and as MindSpore writes them: an indexing reader and a streaming writer.
-
-A safetensors file is an 8-byte little-endian header length ``n``, ``n`` bytes of JSON header
-(``{"__metadata__": {str: str}, name: {"dtype", "shape", "data_offsets"}, ...}``, padded with
-spaces), then the data section, every tensor's bytes in C order at ``8 + n + begin``.
-
-Reading. ``SafetensorsReader`` parses and validates the header only (one positioned read of at most
-100 MB, the limit the ``safetensors`` library and MindSpore's ``_fast_safe_open`` both enforce) and
-fills ``entries`` in data-offset order; tensors and boxes are then served by ``PositionedReader``
-with positioned reads, so a box of a large tensor costs about the box's bytes, never the file.
-Everything that can be wrong with the input (length prefix, UTF-8, JSON, dtypes, shapes, offsets,
-``crc_num``) is reported as ``SafetensorsFormatError`` naming the file and, where there is one, the
-tensor. Offsets must tile the data section exactly (no gap, no overlap, nothing after the last
-tensor) as both the library and MindSpore require; a file that breaks this would be refused by
-whatever consumes our output, so accepting it here would only move the failure.
-
-MindSpore flavour (spec: checkpoint-format §10): ``save_checkpoint(format="safetensors")`` goes
-through ``safetensors.numpy.save_file`` and adds ``__metadata__`` entries: ``"format": "ms"``,
-optionally ``"remove_redundancy"``, ``"crc_num"`` (zlib CRC32 chained over every tensor in sorted
-name order, first the UTF-8 name, then the raw bytes) and ``"<name>": "Int4"`` for each qint4x2
-tensor. The reader turns such a marker into dtype ``Int4`` (opaque bytes, copied whole, never
-sliced) and checks ``crc_num`` when asked to.
-
-Writing: why declare-then-stream. The header, which holds every tensor's offsets, precedes the
-data, so the complete list of tensors (names, dtypes, shapes) must be known before the first data
-byte is written, but the data itself need not be: ``declare`` every tensor, then stream each one's
-bytes through ``begin(name)`` in file order (``data_order()``), so memory stays at the caller's
-buffers no matter how large the file. ``add`` is the small-file convenience: it copies the array
-and writes it when its turn in file order comes (at the latest on ``commit``).
-
-The layout is the ``safetensors`` library's, so that for the same tensors our bytes equal
-``save_file``'s: tensors sorted by descending dtype alignment (the order of the library's ``Dtype``
-enum), then by name (byte-wise UTF-8, which is Python's ``str`` order); compact JSON with
-``__metadata__`` first, then tensors in file order, each as ``dtype``, ``shape``,
-``data_offsets``; non-ASCII characters written raw and control characters escaped as serde_json
-does; the header padded with spaces to a multiple of 8. One thing cannot be matched: the library
-keeps metadata in a hash map, so with two or more metadata keys its key order varies from run to
-run. We write metadata keys sorted, which makes our output deterministic; files with zero or one
-metadata key are byte-identical to the library's.
-
-The CRC and the header. ``crc_num`` depends on all the data but sits in the header, before it.
-* If every tensor was given with ``add`` (in memory), the CRC is computed before the header is
-  written: one pass, bytes exactly as MindSpore writes them.
-* ``crc=<int>``: the caller already knows the value (e.g. copying a file whose CRC was verified).
-  It is written straight away and checked against the streamed data on ``commit``.
-* ``crc=True`` while streaming: the header is written with room for the widest CRC (10 digits),
-  the data is streamed (the CRC of each tensor computed on the way and chained in sorted-name order
-  at the end with ``crc32_combine``), then the real header is written over the reserved one and
-  padded with spaces to the reserved length, which JSON ignores. The file's sha256 is then computed
-  by reading it back once, because the header bytes changed after they were hashed. The result is
-  read by MindSpore and the library alike; it is byte-identical to MindSpore's own file whenever
-  the real CRC's digits fit in the same multiple of 8 (most of the time: three quarters of all
-  CRC values have 10 digits), otherwise it differs only in the amount of header padding.
-"""
+"""Writing safetensors files: declare every tensor, then stream each one in file order (see the
+package docstring for the layout rules and how ``crc_num`` gets into a header that precedes the data)."""
 
 from __future__ import annotations
 
@@ -59,329 +7,19 @@ import hashlib
 import json
 import operator
 import os
-import stat
 import zlib
 from dataclasses import dataclass
 from math import prod
+from typing import Sequence
 
 import numpy as np
 
-from ..errors import LayoutError, SafetensorsFormatError
-from . import dtypes
-from ..storage.atomic import AtomicFile
-from .ckpt import WrittenFile
-from .tensorfile import PositionedReader, TensorEntry
-
-MAX_HEADER_BYTES = 100_000_000  # the safetensors library's MAX_HEADER_SIZE; MindSpore uses the same
-METADATA_KEY = "__metadata__"
-INT4_MARK = "Int4"
-CRC_KEY = "crc_num"
-FORMAT_KEY = "format"
-CRC_WIDTH = 10  # decimal digits of the largest CRC32 value, 4294967295
-
-# The safetensors library's Dtype enum in declaration (= increasing alignment) order, restricted to
-# the codes we read and write. The library lays tensors out by descending position here, then name.
-_LIBRARY_DTYPE_ORDER = [
-    "BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3",
-    "I16", "U16", "F16", "BF16",
-    "I32", "U32", "F32",
-    "C64", "F64", "I64", "U64",
-]
-_RANK = {code: i for i, code in enumerate(_LIBRARY_DTYPE_ORDER)}
-# Int4 has no safetensors code: MindSpore hands the packed bytes to numpy, which stores them as
-# one-byte integers, and marks the name in the metadata.
-INT4_STORAGE_CODE = "I8"
-
-
-# ========================================================================================== CRC
-
-
-def _gf2_times(mat: list[int], vec: int) -> int:
-    out = 0
-    i = 0
-    while vec:
-        if vec & 1:
-            out ^= mat[i]
-        vec >>= 1
-        i += 1
-    return out
-
-
-def _gf2_square(mat: list[int]) -> list[int]:
-    return [_gf2_times(mat, mat[n]) for n in range(32)]
-
-
-def _zero_byte_operators() -> list[list[int]]:
-    """Operators that advance a CRC32 state over 2**k zero bytes, for k = 0..63 (as in zlib)."""
-    one_bit = [0xEDB88320] + [1 << n for n in range(31)]
-    op = one_bit
-    for _ in range(3):  # 1 -> 2 -> 4 -> 8 zero bits
-        op = _gf2_square(op)
-    ops = [op]
-    for _ in range(63):
-        ops.append(_gf2_square(ops[-1]))
-    return ops
-
-
-_ZERO_OPS: list[list[int]] | None = None
-
-
-def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
-    """CRC32 of A+B from crc32(A), crc32(B) and len(B); zlib's crc32_combine, which Python lacks.
-
-    Lets the writer chain tensors' CRCs in sorted-name order while their bytes arrive in file order.
-    """
-    global _ZERO_OPS
-    if len2 <= 0:
-        return crc1
-    if _ZERO_OPS is None:
-        _ZERO_OPS = _zero_byte_operators()
-    k = 0
-    while len2:
-        if len2 & 1:
-            crc1 = _gf2_times(_ZERO_OPS[k], crc1)
-        len2 >>= 1
-        k += 1
-    return crc1 ^ crc2
-
-
-def chain_crc(parts: dict[str, tuple[int, int]]) -> int:
-    """MindSpore's crc_num from per-tensor (crc32 of the bytes, byte count): sorted names, name then bytes."""
-    crc = 0
-    for name in sorted(parts):
-        data_crc, nbytes = parts[name]
-        crc = zlib.crc32(name.encode("utf-8"), crc)
-        crc = crc32_combine(crc, data_crc, nbytes)
-    return crc
-
-
-# ======================================================================================= reader
-
-
-class SafetensorsReader(PositionedReader):
-    """Index of a safetensors file; serves tensors and boxes of tensors by positioned reads.
-
-    ``entries`` maps names to TensorEntry in data-offset order; dtypes are MindSpore names
-    ("BFloat16", "Float32", ..., "Int4" for names the metadata marks so). Each entry's ``extra``
-    holds ``safetensors_dtype`` (the code in the file) and ``data_offsets``.
-    """
-
-    def __init__(self, path: str | os.PathLike, *, verify_crc: bool = True):
-        super().__init__(path)
-        self.size = 0
-        self.header_len = 0
-        self._metadata: dict[str, str] | None = None
-        fd = self._open()
-        try:
-            st = os.fstat(fd)
-            # opening a directory read-only succeeds on Linux; only reading it fails
-            if stat.S_ISDIR(st.st_mode):
-                raise self._error("is a directory, expected a file")
-            self.size = st.st_size
-            self._index()
-        except BaseException:
-            self.close()
-            raise
-        if verify_crc and self.has_crc:
-            self.verify_crc()
-
-    def _error(self, problem: str) -> SafetensorsFormatError:
-        return SafetensorsFormatError(self.path, problem)
-
-    # --- header properties --------------------------------------------------------------------
-    @property
-    def metadata(self) -> dict[str, str]:
-        """The ``__metadata__`` dict ({} when the file has none)."""
-        return dict(self._metadata or {})
-
-    @property
-    def has_metadata(self) -> bool:
-        return self._metadata is not None
-
-    @property
-    def has_crc(self) -> bool:
-        return self._metadata is not None and CRC_KEY in self._metadata
-
-    @property
-    def is_mindspore(self) -> bool:
-        return (self._metadata or {}).get(FORMAT_KEY) == "ms"
-
-    @property
-    def data_start(self) -> int:
-        return 8 + self.header_len
-
-    # --- indexing -----------------------------------------------------------------------------
-    def _index(self) -> None:
-        size = self.size
-        if size == 0:
-            raise self._error("empty file (0 bytes), expected a safetensors header")
-        if size < 8:
-            raise self._error(f"only {size} bytes, too short for the 8-byte header length (file truncated?)")
-        n = int.from_bytes(self.pread(0, 8), "little")
-        if n > MAX_HEADER_BYTES:
-            raise self._error(
-                f"header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit (not a safetensors file, or corrupt)"
-            )
-        if n > size - 8:
-            raise self._error(f"header length {n} runs past the end of the {size}-byte file (file truncated?)")
-        if n < 2:
-            raise self._error(f"header length {n} is too short for a JSON object")
-        self.header_len = n
-        raw = self.pread(8, n)
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise self._error(f"header is not valid UTF-8 (byte {e.start})") from None
-        header = self._parse_json(text)
-        if not isinstance(header, dict):
-            raise self._error(f"header is JSON {type(header).__name__}, expected an object")
-        self._metadata = self._parse_metadata(header.pop(METADATA_KEY, None))
-        entries = [self._parse_tensor(name, info) for name, info in header.items()]
-        self._check_layout(entries, size - 8 - n)
-        marks = self._metadata or {}
-        for e in entries:
-            if marks.get(e.name) == INT4_MARK:
-                # packed qint4x2: the bytes were validated under their stored code; carried opaque
-                e.dtype = INT4_MARK
-                e.extra.pop("storage", None)
-            self.entries[e.name] = e
-
-    def _parse_json(self, text: str):
-        def unique(pairs):
-            obj = {}
-            for k, v in pairs:
-                if k in obj:
-                    raise self._error(f"header has key {k!r} twice")
-                obj[k] = v
-            return obj
-
-        try:
-            return json.loads(text, object_pairs_hook=unique)
-        except SafetensorsFormatError:
-            raise
-        except RecursionError:
-            raise self._error("header JSON is nested too deeply") from None
-        except ValueError as e:  # JSONDecodeError, and over-long integer literals
-            raise self._error(f"header is not valid JSON ({e})") from None
-
-    def _parse_metadata(self, meta) -> dict[str, str] | None:
-        if meta is None:
-            return None
-        if not isinstance(meta, dict):
-            raise self._error(f"{METADATA_KEY} is {type(meta).__name__}, expected an object of strings")
-        for k, v in meta.items():
-            if not isinstance(v, str):
-                raise self._error(f"{METADATA_KEY} value of {k!r} is {type(v).__name__}, expected a string")
-            self._check_text(k, "metadata key")
-            self._check_text(v, f"metadata value of {k!r}")
-        return meta
-
-    def _check_text(self, s: str, what: str) -> None:
-        try:
-            s.encode("utf-8")
-        except UnicodeEncodeError:  # a lone surrogate escape such as "\ud800"
-            raise self._error(f"{what} {s!r} is not valid Unicode") from None
-
-    def _parse_tensor(self, name: str, info) -> TensorEntry:
-        self._check_text(name, "tensor name")
-        where = f"tensor {name!r}"
-        if not isinstance(info, dict):
-            raise self._error(f"{where}: header entry is {type(info).__name__}, expected an object")
-        missing = [k for k in ("dtype", "shape", "data_offsets") if k not in info]
-        if missing:
-            raise self._error(f"{where}: header entry lacks {', '.join(missing)}")
-        code, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
-        if not isinstance(code, str):
-            raise self._error(f"{where}: dtype is {type(code).__name__}, expected a string")
-        try:
-            dt = dtypes.from_safetensors(code)
-        except KeyError:
-            raise self._error(f"{where}: unknown dtype {code!r}") from None
-        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-            raise self._error(f"{where}: shape {shape!r} is not a list of non-negative integers")
-        if (
-            not isinstance(offsets, list)
-            or len(offsets) != 2
-            or not all(type(o) is int and o >= 0 for o in offsets)
-        ):
-            raise self._error(f"{where}: data_offsets {offsets!r} is not a pair of non-negative integers")
-        begin, end = offsets
-        if end < begin:
-            raise self._error(f"{where}: data_offsets [{begin}, {end}] end before they begin")
-        want = prod(shape) * dt.itemsize
-        if end - begin != want:
-            raise self._error(
-                f"{where}: data_offsets [{begin}, {end}] hold {end - begin} bytes, "
-                f"but shape {shape} of {code} needs {want}"
-            )
-        extra = {"safetensors_dtype": code, "data_offsets": (begin, end)}
-        if dt.name not in dtypes.BY_NAME:  # codes MindSpore has no name for (F8_*): remember storage
-            extra["storage"] = dt.storage
-        return TensorEntry(name, dt.name, tuple(shape), want, [(begin, want)], extra=extra)
-
-    def _check_layout(self, entries: list[TensorEntry], data_size: int) -> None:
-        # sorted by offsets; stable, so equal offsets (empty tensors) keep header order
-        entries.sort(key=lambda e: e.extra["data_offsets"])
-        pos = 0
-        for e in entries:
-            begin, end = e.extra["data_offsets"]
-            if end > data_size:
-                raise self._error(
-                    f"tensor {e.name!r}: data_offsets [{begin}, {end}] run past the {data_size}-byte "
-                    f"data section (file truncated?)"
-                )
-            if begin < pos:
-                raise self._error(f"tensor {e.name!r}: data_offsets [{begin}, {end}] overlap the previous tensor")
-            if begin > pos:
-                raise self._error(
-                    f"tensor {e.name!r}: data_offsets [{begin}, {end}] leave a gap after byte {pos} "
-                    f"(offsets must be contiguous)"
-                )
-            pos = end
-            e.pieces = [(self.data_start + begin, end - begin)]
-            e.finish()
-        if pos != data_size:
-            raise self._error(f"{data_size - pos} bytes after the last tensor's data (offsets end at {pos})")
-
-    # --- CRC ----------------------------------------------------------------------------------
-    def stored_crc(self) -> int | None:
-        if not self.has_crc:
-            return None
-        text = self._metadata[CRC_KEY]
-        if not (text.isascii() and text.isdigit()) or int(text) > 0xFFFFFFFF:
-            raise self._error(f"metadata {CRC_KEY} {text!r} is not a CRC32 value")
-        return int(text)
-
-    def compute_crc(self) -> int:
-        """MindSpore's crc_num over the tensors as stored: sorted names, each name then its bytes."""
-        crc = 0
-        for name in sorted(self.entries):
-            crc = zlib.crc32(name.encode("utf-8"), crc)
-            for block in self.iter_content(name):
-                crc = zlib.crc32(block, crc)
-        return crc
-
-    def verify_crc(self) -> None:
-        """Check ``crc_num`` against the data; raise naming the file on mismatch."""
-        stored = self.stored_crc()
-        if stored is None:
-            return
-        computed = self.compute_crc()
-        if computed != stored:
-            raise self._error(
-                f"CRC32 mismatch: metadata {CRC_KEY} says {stored}, the tensors give {computed} "
-                f"(file corrupted, or metadata copied from another file)"
-            )
-
-    # --- typed reads --------------------------------------------------------------------------
-    def _storage(self, entry: TensorEntry) -> np.dtype:
-        storage = entry.extra.get("storage")
-        if storage is not None:
-            return storage
-        return super()._storage(entry)
-
-
-# ======================================================================================= writer
+from ...errors import LayoutError
+from .. import dtypes
+from ..base import TensorDecl, WrittenFile
+from ..crc32 import chain_crc
+from .header import (CRC_KEY, CRC_WIDTH, DTYPE_RANK, FORMAT_KEY, INT4_MARK, INT4_STORAGE_CODE, MAX_HEADER_BYTES,
+                     METADATA_KEY)
 
 
 @dataclass
@@ -407,7 +45,7 @@ def _resolve_dtype(name: str, dtype: str) -> tuple[str, str, int]:
             dt = dtypes.from_safetensors(dtype)
         except KeyError:
             raise LayoutError(f"parameter {name!r}: unknown dtype {dtype!r}") from None
-    if dt.safetensors not in _RANK:
+    if dt.safetensors not in DTYPE_RANK:
         raise LayoutError(
             f"parameter {name!r}: dtype {dt.name} has no code the safetensors format knows "
             f"({dt.safetensors or 'none'}), so it cannot be written as safetensors"
@@ -470,15 +108,13 @@ class SafetensorsWriter:
 
     def __init__(
         self,
-        path: str | os.PathLike,
+        target,
         *,
         metadata: dict[str, str] | None = None,
         mindspore: bool = True,
         crc: bool | int = False,
         mode: int = 0o444,
-        overwrite: bool = True,
     ):
-        self.path = os.fspath(path)
         if metadata is not None:
             if not isinstance(metadata, dict) or not all(
                 isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
@@ -507,10 +143,25 @@ class SafetensorsWriter:
         self._reserved: int | None = None  # header length reserved for a CRC not yet known
         self.tensors: dict[str, str] = {}
         self.header_len: int | None = None
-        # A CRC known only at the end is patched into the header afterwards, which needs a buffered file.
-        self._file = AtomicFile(self.path, mode=mode, overwrite=overwrite, direct=crc is not True)
+        if isinstance(target, (str, os.PathLike)):
+            from ...storage import storage_for
+
+            path = os.path.abspath(os.fspath(target))
+            # A CRC known only at the end is patched into the header afterwards, which needs a
+            # buffered local file (O_DIRECT writes and uploads cannot go back).
+            target = storage_for(path).create(path, mode=mode, large=crc is not True)
+        self._file = target
+        self.path = target.path
 
     # --- declaring ------------------------------------------------------------------------------
+    def arrange(self, tensors: Sequence[TensorDecl]) -> list[str]:
+        """Declare every tensor (the header comes first); return them in file order."""
+        for t in tensors:
+            if t.kind != "tensor":
+                raise LayoutError(f"parameter {t.name!r}: {t.kind} entries cannot be stored in safetensors; use ckpt")
+            self.declare(t.name, t.dtype, t.dims)
+        return self.data_order()
+
     def declare(self, name: str, dtype: str, shape) -> int:
         """Announce a tensor (any order); returns its byte count. All must come before the first ``begin``."""
         if self._order is not None:
@@ -545,7 +196,7 @@ class SafetensorsWriter:
         """Declared names in file order (descending dtype alignment, then name), as the library lays them out."""
         if self._order is not None:
             return list(self._order)
-        return sorted(self._decls, key=lambda n: (-_RANK[self._decls[n].code], n))
+        return sorted(self._decls, key=lambda n: (-DTYPE_RANK[self._decls[n].code], n))
 
     # --- header ---------------------------------------------------------------------------------
     def _metadata(self, crc_text: str | None) -> dict[str, str] | None:
@@ -610,6 +261,9 @@ class SafetensorsWriter:
             crc_mode = "exact"
         else:
             # the widest CRC; the real one is written over this header on commit
+            if not self._file.can_rewrite:
+                raise LayoutError(f"{self.path}: crc_num of streamed tensors needs an output that can be rewritten "
+                                  "(a local file): write without crc, or to a local directory")
             header = self._header(order, "9" * CRC_WIDTH)
             crc_mode = "deferred"
         header += b" " * (-len(header) % 8)
@@ -728,27 +382,21 @@ class SafetensorsWriter:
         if missing:
             more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
             raise RuntimeError(f"{self.path}: declared tensors not written: {', '.join(map(repr, missing[:5]))}{more}")
-        sha = None
         if self._crc_mode in ("given", "deferred"):
             crc = chain_crc(self._crcs)
             if self._crc_mode == "given" and crc != self.crc:
                 self.abort()
                 raise ValueError(f"{self.path}: crc={self.crc} was given, but the data written give {crc}")
             if self._crc_mode == "deferred":
-                sha = self._rewrite_header(crc)
-        size, digest = self._file.commit()
-        return WrittenFile(self.path, size, sha or digest, dict(self.tensors))
+                self._rewrite_header(crc)
+        size, digest = self._file.commit()  # re-hashes a file whose header was rewritten
+        return WrittenFile(self.path, size, digest, dict(self.tensors))
 
-    def _rewrite_header(self, crc: int) -> str:
-        """Put the real CRC into the reserved header; return the file's sha256, read back once."""
+    def _rewrite_header(self, crc: int) -> None:
+        """Put the real CRC into the reserved header."""
         header = self._header(self._order, str(crc))
         header += b" " * (self._reserved - len(header))  # same length: the data does not move
         self._file.rewrite_at(8, header)
-        h = hashlib.sha256()
-        with open(self._file.tmp_path, "rb") as r:
-            while block := r.read(8 * 1024 * 1024):
-                h.update(block)
-        return h.hexdigest()
 
     def abort(self) -> None:
         self._file.abort()
@@ -810,28 +458,4 @@ def save_file(
     with SafetensorsWriter(path, metadata=metadata, mindspore=mindspore, crc=crc, mode=mode) as w:
         for name, array in tensors.items():
             w.add(name, array, overrides.get(name))
-    return w.result
-
-
-def copy_safetensors(
-    reader: SafetensorsReader, path: str | os.PathLike, *, mode: int = 0o444
-) -> WrittenFile:
-    """Rewrite a file tensor by tensor through the streaming path (same tensors, metadata and CRC)."""
-    meta = reader.metadata
-    if reader.has_metadata:
-        meta.pop(CRC_KEY, None)
-        for name, e in reader.entries.items():
-            if e.dtype == INT4_MARK:
-                meta.pop(name, None)
-    else:
-        meta = None
-    crc = reader.stored_crc() if reader.has_crc else False
-    with SafetensorsWriter(path, metadata=meta, mindspore=False, crc=crc, mode=mode) as w:
-        for name, e in reader.entries.items():
-            w.declare(name, e.dtype, e.shape)
-        for name in w.data_order():
-            sink = w.begin(name)
-            for block in reader.iter_content(name):
-                sink.write(block)
-            sink.close()
     return w.result

@@ -1,0 +1,187 @@
+"""Writing a `.ckpt` file: records streamed into an atomic output, hashed on the way.
+
+The writer encodes the records byte for byte as MindSpore's ``save_checkpoint`` does, streaming
+tensor bytes from the caller's buffers, hashing the file and every tensor as it goes, and
+publishing the file (rename, or completing an upload) only when everything is written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import zlib
+from math import prod
+from typing import Sequence
+
+import numpy as np
+
+from ...errors import LayoutError
+from .. import dtypes
+from ..base import TensorDecl, WrittenFile
+from .records import CRC_MAGIC, SLICE_BYTES, default_chunks, map_record, record_header
+
+
+class RecordSink:
+    """Accepts one tensor's bytes in order, in pieces of any size, and frames them into records.
+
+    `records` lists (dims, dtype, content length) of each record the tensor is stored in: one
+    record per 512 MiB chunk with the same dims and dtype when writing anew, or the exact records
+    of a file being rewritten.
+    """
+
+    def __init__(self, writer: "CheckpointWriter", name: str, records: list[tuple[tuple[int, ...], str, int]]):
+        self._w = writer
+        self.name = name
+        self._records = list(records)
+        self._next = 0
+        self._left = 0
+        self._hash = hashlib.sha256()
+        self.total = sum(n for _, _, n in self._records)
+        self.written = 0
+        self._advance()
+
+    def _advance(self) -> None:
+        while self._left == 0 and self._next < len(self._records):
+            dims, dtype, size = self._records[self._next]
+            self._next += 1
+            self._w._emit(record_header(self.name, dims, dtype, size), record=True)
+            self._left = size
+
+    def write(self, data) -> None:
+        mv = memoryview(data).cast("B")
+        if self.written + len(mv) > self.total:
+            raise ValueError(f"parameter {self.name!r}: more bytes than its dims and dtype hold")
+        self._hash.update(mv)
+        while len(mv):
+            take = min(self._left, len(mv))
+            self._w._emit(mv[:take], record=True)
+            mv = mv[take:]
+            self._left -= take
+            self.written += take
+            self._advance()
+
+    def close(self) -> str:
+        self._advance()  # records of zero bytes after the last data
+        if self.written != self.total:
+            raise ValueError(f"parameter {self.name!r}: got {self.written} of {self.total} bytes")
+        digest = self._hash.hexdigest()
+        self._w._tensor_done(self.name, digest)
+        return digest
+
+
+class CheckpointWriter:
+    """Write a `.ckpt` file record by record; ``commit`` publishes it.
+
+    `target` is a path (written through ``reshard_job.storage``, atomically) or an open
+    ``storage.AtomicWriter``. Used as a context manager it commits on success and drops the
+    unfinished output on error, so a reader never sees a partial file under the final name.
+    """
+
+    def __init__(self, target, *, crc: bool = False, chunk_bytes: int = SLICE_BYTES, mode: int = 0o444):
+        if isinstance(target, (str, os.PathLike)):
+            from ...storage import storage_for
+
+            path = os.path.abspath(os.fspath(target))
+            target = storage_for(path).create(path, mode=mode, large=True)
+        self._file = target
+        self.path = target.path
+        self.crc = crc
+        self.chunk_bytes = chunk_bytes
+        self._crc = 0
+        self._open_sink: RecordSink | None = None
+        self.tensors: dict[str, str] = {}
+
+    # --- low level ------------------------------------------------------------------------------
+    def _emit(self, data, *, record: bool) -> None:
+        self._file.write(data)
+        if record and self.crc:
+            self._crc = zlib.crc32(data, self._crc)
+
+    def _tensor_done(self, name: str, digest: str) -> None:
+        self.tensors[name] = digest
+        self._open_sink = None
+
+    # --- tensors --------------------------------------------------------------------------------
+    def arrange(self, tensors: Sequence[TensorDecl]) -> list[str]:
+        """Records go in the order given."""
+        return [t.name for t in tensors]
+
+    def begin(self, name: str, dtype: str, dims, chunk_sizes: list[int] | None = None) -> RecordSink:
+        """Start a tensor whose bytes will be passed to the returned sink's ``write``."""
+        dims = tuple(int(d) for d in dims)
+        if dtype == dtypes.STR_TYPE:
+            raise ValueError("use add_str for str entries")
+        dt = dtypes.BY_NAME.get(dtype)
+        if dt is None:
+            raise LayoutError(f"parameter {name!r}: unknown dtype {dtype!r}")
+        if chunk_sizes is None:
+            chunk_sizes = default_chunks(prod(dims) * dt.itemsize, self.chunk_bytes)
+        return self.begin_records(name, [(dims, dtype, n) for n in chunk_sizes])
+
+    def begin_records(self, name: str, records: list[tuple[tuple[int, ...], str, int]]) -> RecordSink:
+        """Start a tensor stored in exactly these records (dims, dtype, content length each)."""
+        if self._open_sink is not None:
+            raise RuntimeError(f"parameter {self._open_sink.name!r} is still being written")
+        self._open_sink = RecordSink(self, name, records)
+        return self._open_sink
+
+    def add(self, name: str, array: np.ndarray, dtype: str | None = None, dims=None) -> str:
+        """Write a whole tensor from a numpy array (dtype defaults from the array; uint16 stays UInt16)."""
+        array = np.asarray(array)
+        if dtype is None:
+            dtype = dtypes.from_numpy(array.dtype).name
+        dt = dtypes.lookup(dtype)
+        if dt.storage is not None and array.dtype.itemsize != dt.itemsize:
+            raise ValueError(f"parameter {name!r}: array of {array.dtype} cannot hold {dtype}")
+        sink = self.begin(name, dtype, array.shape if dims is None else dims)
+        sink.write(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+        return sink.close()
+
+    def add_bytes(self, name: str, dtype: str, dims, data: bytes, chunk_sizes: list[int] | None = None) -> str:
+        sink = self.begin(name, dtype, dims, chunk_sizes)
+        sink.write(data)
+        return sink.close()
+
+    def add_str(self, name: str, text: str, dims=(0,)) -> str:
+        """A string entry as MindSpore writes append_dict strings: dims [0], UTF-32LE content."""
+        content = text.encode("utf-32-le")
+        self._emit(record_header(name, dims, dtypes.STR_TYPE, len(content)), record=True)
+        self._emit(content, record=True)
+        digest = hashlib.sha256(content).hexdigest()
+        self.tensors[name] = digest
+        return digest
+
+    def add_map(self, name: str, records: list[list[tuple[tuple[int, ...], str, bytes]]]) -> None:
+        """Map-tensor records (keys, values, status per record). Not covered by the CRC, as in MindSpore."""
+        h = hashlib.sha256()
+        for parts in records:
+            self._emit(map_record(name, parts), record=False)
+            for _, _, content in parts:
+                h.update(content)
+        self.tensors[name] = h.hexdigest()
+
+    # --- finishing ------------------------------------------------------------------------------
+    def commit(self) -> WrittenFile:
+        try:
+            if self._open_sink is not None:
+                raise RuntimeError(f"parameter {self._open_sink.name!r} was not finished")
+            if self.crc:
+                self._emit(CRC_MAGIC + self._crc.to_bytes(10, "big"), record=False)
+            size, digest = self._file.commit()
+        except BaseException:
+            self._file.abort()  # never leave the temporary file behind
+            raise
+        return WrittenFile(self.path, size, digest, dict(self.tensors))
+
+    def abort(self) -> None:
+        self._file.abort()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.result = self.commit()
+        else:
+            self.abort()
+        return False
