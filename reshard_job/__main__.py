@@ -1,4 +1,11 @@
-"""``python -m reshard_job [overrides]``: the Hydra batch job (thin entry point over job.runner)."""
+"""``python -m reshard_job [overrides]``: the Hydra batch job, a thin entry over the job's stages.
+
+Exit status: 0 done; 2 the job refused or failed (bad configuration, bad input, unusable output
+location, an I/O or database failure) with one line on stderr naming what is at fault; 1 an
+internal error (a bug: the traceback is printed); 130 / 143 interrupted by SIGINT / SIGTERM
+(rerunning the same command resumes); 141 stdout closed early (``| head``), as Unix tools do.
+``HYDRA_FULL_ERROR=1`` adds the traceback to one-line errors.
+"""
 
 from __future__ import annotations
 
@@ -7,103 +14,138 @@ import logging
 import os
 import sys
 
-import hydra
-from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf
-
-from .errors import ReshardError
-from .job import schema
-from .job.callbacks import FAILED, RESULT_FILE
-from .job.runner import STATUS_FAILED, JobContext, JobResult, run_job
-
-schema.register()
-log = logging.getLogger("reshard_job")
+EXIT_ERROR = 2
+EXIT_BUG = 1
+EXIT_PIPE = 141
+_USER_FULL_ERROR = "RESHARD_JOB_FULL_ERROR"
 
 
-def _context() -> tuple[JobContext, bool]:
+def _conf_dir() -> str:
+    # Inside the package, so an installed wheel finds it however the app starts (python -m, the
+    # reshard-job script, main() called from other code).
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf")
+
+
+def _import_hydra():
+    import hydra
+
+    from .job import schema
+
+    schema.register()
+    return hydra
+
+
+hydra = _import_hydra()
+
+
+@hydra.main(version_base="1.3", config_path=_conf_dir(), config_name="config")
+def app(cfg) -> None:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    from .job.report import run_summary
+    from .job.runner import STATUS_FAILED, JobResult, run_job
+    from .job.settle import settle
+    from .job.spec import JobContext
+
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
-    overrides = list(hc.overrides.task)
-    ctx = JobContext(
-        launch_dir=hc.runtime.cwd,
-        run_dir=hc.runtime.output_dir,
-        overrides=overrides,
-        sweep_id=os.path.abspath(os.path.join(hc.runtime.cwd, hc.sweep.dir)) if multirun else None,
-        job_num=hc.job.num if multirun else None,
-        from_presets=True,
-    )
-    return ctx, multirun
+    ctx = JobContext(launch_dir=hc.runtime.cwd, run_dir=hc.runtime.output_dir, overrides=tuple(hc.overrides.task),
+                     sweep_id=os.path.abspath(os.path.join(hc.runtime.cwd, hc.sweep.dir)) if multirun else None,
+                     job_num=hc.job.num if multirun else None, choices=dict(hc.runtime.choices), from_presets=True)
+    try:
+        result = run_job(settle(cfg, ctx), emit=_print)
+    except _user_errors() as e:
+        _scrub_saved_config(ctx.run_dir)
+        if os.environ.get(_USER_FULL_ERROR) == "1":
+            raise
+        line = _error_line(e)
+        print(line, file=sys.stderr)
+        _log_to_file(line)
+        _write_result(ctx, JobResult(getattr(e, "status", STATUS_FAILED), run_id=getattr(e, "run_id", None),
+                                     error=line))
+        if not multirun:
+            sys.exit(getattr(e, "exit_code", EXIT_ERROR))
+        from .job.callbacks import FAILED
+
+        FAILED.append(1)
+        return
+    _scrub_saved_config(ctx.run_dir)
+    _write_result(ctx, result)
+    _print(run_summary(result))
 
 
-def _write_result(ctx: JobContext, result: JobResult) -> None:
-    doc = result.to_json()
-    doc.update(job_num=ctx.job_num, overrides=ctx.overrides)
+def _user_errors():
+    from .errors import ReshardError
+    from .job.signals import Interrupted
+
+    return (ReshardError, Interrupted)
+
+
+def _error_line(e: BaseException) -> str:
+    from .job.signals import Interrupted
+
+    if isinstance(e, Interrupted):
+        e.status = "interrupted"
+        return f"reshard_job: {e}: rerun the same command to resume"
+    from .job.secrets import mask_url
+    from .text import shorten
+
+    return f"reshard_job: error: {shorten(mask_url(str(e)), 2000)}"
+
+
+def _log_to_file(line: str) -> None:
+    """The error line also goes into the run's log file (not again to the console)."""
+    record = logging.LogRecord("reshard_job", logging.ERROR, __file__, 0, line, None, None)
+    for h in logging.getLogger().handlers:
+        if isinstance(h, logging.FileHandler):
+            h.handle(record)
+
+
+def _write_result(ctx, result) -> None:
+    from .job.callbacks import RESULT_FILE
+    from .job.secrets import mask_config
+
+    doc = mask_config(result.to_json())
+    doc.update(job_num=ctx.job_num, overrides=mask_config(list(ctx.overrides)))
     os.makedirs(ctx.run_dir, exist_ok=True)
     with open(os.path.join(ctx.run_dir, RESULT_FILE), "w", encoding="utf-8") as f:
         json.dump(doc, f, indent=1)
 
 
-# The presets live in the repository's top-level conf/ (the package is installed editable). An
-# absolute path makes them found however the app starts: `python -m reshard_job`, the
-# `reshard-job` console script, or main() called from other code.
-CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+def _scrub_saved_config(run_dir: str) -> None:
+    """Hydra saves the composed config and the command line under .hydra/: mask credentials there."""
+    from .job.secrets import mask_text
+
+    folder = os.path.join(run_dir, ".hydra")
+    for name in ("config.yaml", "overrides.yaml", "hydra.yaml"):
+        path = os.path.join(folder, name)
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+            masked = mask_text(text)
+            if masked != text:
+                with open(path, "w", encoding="utf-8") as f:
+                    f.write(masked)
+        except OSError:
+            continue
 
 
-@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
-def app(cfg: DictConfig) -> None:
-    ctx, multirun = _context()
-    resolved = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+def _print(text: str) -> None:
+    """Print to stdout; a reader that went away (``| head -1``) ends the job quietly, as Unix tools do."""
     try:
-        result = run_job(resolved, ctx)
-    except ReshardError as e:
-        # A user-facing error: one line, no traceback (HYDRA_FULL_ERROR=1 shows it).
-        if os.environ.get(_USER_FULL_ERROR) == "1":
-            raise
-        print(f"reshard_job: error: {e}", file=sys.stderr)
-        if not multirun:
-            sys.exit(e.exit_code)
-        _write_result(ctx, JobResult(STATUS_FAILED, error=str(e)))
-        FAILED.append(1)
-        return
-    _write_result(ctx, result)
-    if result.output_dir:
-        print(f"{result.status}: outputs in {result.output_dir}")
-        print(f"  manifest: {os.path.join(result.output_dir, 'manifest.json')} (sha256 {result.manifest_sha256})")
-        if result.run_id:
-            print(f"  lineage run {result.run_id}: python -m reshard_job.audit show {result.run_id}")
+        print(text, flush=True)
+    except BrokenPipeError:
+        _quiet_exit()
 
 
-_USER_FULL_ERROR = "RESHARD_JOB_FULL_ERROR"
-
-
-def one_line(exc: BaseException) -> str:
-    """Condense Hydra's and OmegaConf's multi-line configuration errors into one line."""
-    from omegaconf.errors import OmegaConfBaseException
-
-    if isinstance(exc, OmegaConfBaseException) and getattr(exc, "msg", None):
-        key = getattr(exc, "full_key", None)
-        msg = str(exc.msg).strip().splitlines()[0]
-        return f"{key}: {msg}" if key and not msg.startswith(f"{key}:") else msg
-    lines = [ln.strip() for ln in str(exc).splitlines()]
-    head = next((ln for ln in lines if ln), type(exc).__name__)
-    options = []
-    if "Available options in" in str(exc):
-        start = next(i for i, ln in enumerate(lines) if ln.startswith("Available options in"))
-        for ln in lines[start + 1:]:
-            if not ln or ln.startswith("Config search path"):
-                break
-            if not ln.endswith("_schema"):  # the structured-config schemas are not presets
-                options.append(ln)
-    from hydra.errors import OverrideParseException
-
-    if isinstance(exc, OverrideParseException):
-        bad = getattr(exc, "override", None)
-        return (f"cannot parse override {bad!r}: {head}; quote values that contain characters such as "
-                "= ? & , [ ] { } or spaces, e.g. lineage.url='postgresql+psycopg://host/db?sslmode=require'")
-    cause = exc.__cause__
-    detail = f" ({one_line(cause)})" if cause is not None and cause is not exc and not options else ""
-    return head + (f" (available: {', '.join(options)})" if options else "") + detail
+def _quiet_exit() -> None:
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except OSError:
+        pass
+    os._exit(EXIT_PIPE)
 
 
 def main() -> None:
@@ -113,6 +155,12 @@ def main() -> None:
     re-raises them; we set it to catch them here, and keep the user's own setting, which still
     gives full tracebacks.
     """
+    if "--version" in sys.argv[1:] or "-V" in sys.argv[1:]:
+        from . import __version__
+
+        _print(f"reshard_job {__version__}")
+        return
+    logging.raiseExceptions = False  # a log line to a closed pipe must not print a traceback
     os.environ.setdefault(_USER_FULL_ERROR, os.environ.get("HYDRA_FULL_ERROR", "0"))
     user_full = os.environ[_USER_FULL_ERROR] == "1"
     os.environ["HYDRA_FULL_ERROR"] = "1"
@@ -120,16 +168,27 @@ def main() -> None:
         app()
     except (SystemExit, KeyboardInterrupt):
         raise
+    except BrokenPipeError:
+        _quiet_exit()
     except Exception as e:
         from hydra.errors import HydraException
         from omegaconf.errors import OmegaConfBaseException
 
         if user_full or not isinstance(e, (HydraException, OmegaConfBaseException)):
             raise
+        from .job.cli_errors import one_line
+
         print(f"reshard_job: error: {one_line(e)}", file=sys.stderr)
-        sys.exit(1)
+        sys.exit(EXIT_ERROR)
+    finally:
+        try:
+            sys.stdout.flush()
+        except BrokenPipeError:
+            _quiet_exit()
+    from .job.callbacks import FAILED
+
     if FAILED:
-        sys.exit(1)
+        sys.exit(EXIT_ERROR)
 
 
 if __name__ == "__main__":

@@ -1,29 +1,35 @@
-"""Whole-file digests of source files: sha256 for lineage, and the CRC32 check of `.ckpt` trailers,
+"""Whole-file digests: the sha256 that names a file in lineage, and the CRC32s its format carries,
 computed in one read.
 
-Source checkpoints are hashed once per job so the manifest and the lineage record can name them
-by content. That read is also the moment to verify a MindSpore CRC32 trailer, so a corrupt source
-is refused before any output is written. ``hashlib`` and ``zlib`` release the GIL on large
-buffers, so a few threads hash several files at disk speed.
+Source checkpoints are hashed once per job so the manifest and the lineage record can name them by
+content. That read is also the moment to check the CRCs a format carries (a `.ckpt` trailer,
+MindSpore safetensors' ``crc_num``), so a corrupt source is refused before any output is written:
+the caller passes the byte ranges (``segments``) whose CRC32 it needs, and gets one CRC per range.
+``hashlib`` and ``zlib`` release the GIL on large buffers, so a few threads hash several files at
+disk speed. Files are read through ``reshard_job.storage``, so objects in a bucket hash the same way.
 
 Re-hashing hundreds of gigabytes of unchanged sources for every conversion (every point of a
 sweep) would dominate the job, so digests are cached by file identity, as git and DVC do: the
-device, inode, size, modification and *change* times. Any write to a file changes its ctime,
-which no user can set back, so a cache hit means the bytes are the ones hashed. ``audit verify``
-never uses the cache.
+device, inode, size, modification and *change* times (an object's size, ETag and version). Any
+write to a file changes its ctime, which no user can set back, so a cache hit means the bytes are
+the ones hashed. ``audit verify`` never uses the cache.
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import os
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
+
+from .storage import SourceChangedError, StorageOptions, storage_for
 
 BLOCK = 4 * 1024 * 1024
+Segments = Sequence[tuple[int, int]]  # (offset, length) ranges, sorted by offset, not overlapping
 
 
 @dataclass(frozen=True)
@@ -31,55 +37,89 @@ class FileDigest:
     path: str
     size: int
     sha256: str
-    crc32: int | None = None  # CRC32 of the first `crc_length` bytes, when asked for
+    crcs: tuple[int, ...] | None = None  # CRC32 of each requested segment
+    identity: tuple = ()  # the file's storage identity while it was hashed
 
 
-def digest_file(path: str, *, crc_length: int | None = None,
-                progress: Callable[[int], None] | None = None) -> FileDigest:
-    """sha256 of the whole file and, if `crc_length` is given, CRC32 of its first `crc_length` bytes."""
+@dataclass(frozen=True)
+class HashRequest:
+    path: str
+    segments: tuple[tuple[int, int], ...] | None = None
+
+
+def digest_file(path: str, *, segments: Segments | None = None, progress: Callable[[int], None] | None = None,
+                storage_options: StorageOptions | None = None) -> FileDigest:
+    """sha256 of the whole file and the CRC32 of each of `segments`, in one sequential read.
+
+    The file's identity is taken before and after: a file that changes while it is read is a
+    SourceChangedError, never a digest of a mix of old and new bytes.
+    """
+    storage = storage_for(path, storage_options)
     h = hashlib.sha256()
-    crc = 0
-    pos = 0
+    crcs = [0] * len(segments or ())
     buf = bytearray(BLOCK)
     mv = memoryview(buf)
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    f = storage.open_read(path)
+    pos = 0
     try:
-        size = os.fstat(fd).st_size
-        while True:
-            n = os.readv(fd, [mv])
+        while pos < f.size:
+            n = f.pread_into(pos, mv[: min(BLOCK, f.size - pos)])
             if n <= 0:
                 break
             chunk = mv[:n]
             h.update(chunk)
-            if crc_length is not None and pos < crc_length:
-                crc = zlib.crc32(chunk[: max(0, min(n, crc_length - pos))], crc)
+            if segments:
+                _update_crcs(crcs, segments, pos, chunk)
             pos += n
             if progress:
                 progress(n)
     finally:
-        os.close(fd)
-    if pos != size:
-        size = pos  # the file changed while being read; report what was hashed
-    return FileDigest(os.path.abspath(path), size, h.hexdigest(), crc if crc_length is not None else None)
+        f.close()
+    identity = f.identity
+    after = storage.info(path)
+    if pos != f.size or after is None or tuple(after.identity) != tuple(identity):
+        raise SourceChangedError(f"{path}: changed while it was being hashed; rerun once it is stable")
+    return FileDigest(path, pos, h.hexdigest(), tuple(crcs) if segments is not None else None, tuple(identity))
 
 
-def digest_files(requests: Iterable[tuple[str, int | None]], *, threads: int = 2,
-                 progress: Callable[[int], None] | None = None, cache: "HashCache | None" = None) -> list[FileDigest]:
+def _update_crcs(crcs: list[int], segments: Segments, pos: int, chunk: memoryview) -> None:
+    """Feed the part of `chunk` (file bytes from `pos`) that falls in each segment to its CRC.
+
+    Segments are sorted by offset and do not overlap, so the ones a chunk meets are found by
+    bisection: a file of a hundred thousand tensors costs no more per chunk than one of ten."""
+    end = pos + len(chunk)
+    i = max(0, bisect.bisect_right(segments, (pos, float("inf"))) - 1)
+    while i < len(segments) and segments[i][0] < end:
+        off, length = segments[i]
+        lo, hi = max(off, pos), min(off + length, end)
+        if lo < hi:
+            crcs[i] = zlib.crc32(chunk[lo - pos : hi - pos], crcs[i])
+        i += 1
+
+
+def digest_files(requests: Iterable[HashRequest], *, threads: int = 2, progress: Callable[[int], None] | None = None,
+                 cache: "HashCache | None" = None,
+                 storage_options: StorageOptions | None = None) -> list[FileDigest]:
     """Digest several files concurrently; results in request order. `cache` answers unchanged files."""
     reqs = list(requests)
-    out: list[FileDigest | None] = [cache.get(p, c) if cache is not None else None for p, c in reqs]
+    out: list[FileDigest | None] = [cache.get(r) if cache is not None else None for r in reqs]
     todo = [i for i, d in enumerate(out) if d is None]
+
+    def one(i: int) -> FileDigest:
+        return digest_file(reqs[i].path, segments=reqs[i].segments, progress=progress,
+                           storage_options=storage_options)
+
     if threads <= 1 or len(todo) <= 1:
         for i in todo:
-            out[i] = digest_file(reqs[i][0], crc_length=reqs[i][1], progress=progress)
+            out[i] = one(i)
     else:
         with ThreadPoolExecutor(max_workers=threads) as pool:
-            futures = {i: pool.submit(digest_file, reqs[i][0], crc_length=reqs[i][1], progress=progress) for i in todo}
+            futures = {i: pool.submit(one, i) for i in todo}
             for i, f in futures.items():
                 out[i] = f.result()
     if cache is not None:
         for i in todo:
-            cache.put(out[i], reqs[i][1])
+            cache.put(out[i], reqs[i])
     return out  # type: ignore[return-value]
 
 
@@ -94,8 +134,10 @@ def default_cache_path() -> str:
     return os.path.join(base, "source-digests.json")
 
 
-def _identity(st: os.stat_result) -> list[int]:
-    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+def _segments_key(segments) -> str | None:
+    if segments is None:
+        return None
+    return hashlib.sha256(json.dumps([list(s) for s in segments]).encode()).hexdigest()[:32]
 
 
 class HashCache:
@@ -107,8 +149,9 @@ class HashCache:
 
     MAX_ENTRIES = 100_000
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, storage_options: StorageOptions | None = None):
         self.path = path
+        self.storage_options = storage_options
         self._entries: dict[str, dict] = self._load()
         self._new: dict[str, dict] = {}
 
@@ -120,30 +163,34 @@ class HashCache:
         except (OSError, ValueError):
             return {}
 
-    def get(self, path: str, crc_length: int | None) -> FileDigest | None:
-        path = os.path.abspath(path)
-        e = self._new.get(path) or self._entries.get(path)
-        if not isinstance(e, dict):
-            return None
+    def _identity(self, path: str) -> list | None:
         try:
-            st = os.stat(path)
-        except OSError:
+            info = storage_for(path, self.storage_options).info(path)
+        except Exception:  # a cache must never fail a job: no answer means "hash it"
             return None
-        if e.get("identity") != _identity(st) or not isinstance(e.get("sha256"), str):
-            return None
-        if crc_length is not None and e.get("crc_length") != crc_length:
-            return None
-        return FileDigest(path, st.st_size, e["sha256"], e.get("crc32") if crc_length is not None else None)
+        return list(info.identity) if info is not None and info.identity else None
 
-    def put(self, digest: FileDigest, crc_length: int | None) -> None:
-        try:
-            st = os.stat(digest.path)
-        except OSError:
+    def get(self, request: HashRequest) -> FileDigest | None:
+        e = self._new.get(request.path) or self._entries.get(request.path)
+        if not isinstance(e, dict) or not isinstance(e.get("sha256"), str):
+            return None
+        identity = self._identity(request.path)
+        if identity is None or e.get("identity") != identity:
+            return None
+        key = _segments_key(request.segments)
+        if key is not None and e.get("segments") != key:
+            return None
+        crcs = tuple(e["crcs"]) if key is not None and isinstance(e.get("crcs"), list) else None
+        if key is not None and crcs is None:
+            return None
+        return FileDigest(request.path, int(e.get("size", 0)), e["sha256"], crcs, tuple(identity))
+
+    def put(self, digest: FileDigest, request: HashRequest) -> None:
+        if not digest.identity:
             return
-        if st.st_size != digest.size:
-            return  # changed while being hashed
-        self._new[digest.path] = {"identity": _identity(st), "sha256": digest.sha256,
-                                  "crc_length": crc_length, "crc32": digest.crc32}
+        self._new[digest.path] = {"identity": list(digest.identity), "sha256": digest.sha256, "size": digest.size,
+                                  "segments": _segments_key(request.segments),
+                                  "crcs": list(digest.crcs) if digest.crcs is not None else None}
 
     def save(self) -> None:
         if not self._new:
@@ -153,7 +200,7 @@ class HashCache:
         if len(merged) > self.MAX_ENTRIES:
             merged = dict(list(merged.items())[-self.MAX_ENTRIES:])
         try:
-            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+            os.makedirs(os.path.dirname(self.path) or ".", mode=0o700, exist_ok=True)
             tmp = f"{self.path}.{os.getpid()}.tmp"
             with open(tmp, "w", encoding="utf-8") as f:
                 json.dump(merged, f)
@@ -161,7 +208,3 @@ class HashCache:
         except OSError:
             pass  # a cache that cannot be written only costs time
         self._entries, self._new = merged, {}
-
-
-def sha256_bytes(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()

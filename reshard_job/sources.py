@@ -1,43 +1,57 @@
-"""Finding source checkpoints: ``<dir>/rank_<r>/`` directories and the file to take from each.
+"""Finding the sources: ``<dir>/rank_<r>/`` folders, the file to take from each, and strategy files.
 
-MindSpore's converter takes, per ``rank_<digits>`` directory, the lexicographically last ``*.ckpt``
-(spec §8.1). That is the ``last`` rule here. It picks ``net-9_100.ckpt`` over ``net-10_100.ckpt``,
-which is rarely what a user wants after a long training run, so ``latest_step`` parses MindSpore's
-``<prefix>-<epoch>_<step>.ckpt`` names and takes the highest (epoch, step). Any other value is a
-glob pattern matched against file names (the last match, lexicographically, wins).
+Everything is looked at through ``reshard_job.storage``, so the same code serves local folders and
+object-store prefixes, and nothing that is not a regular file (a FIFO, a device) is ever opened.
+
+Which file of a rank folder: MindSpore's converter takes the lexicographically last ``*.ckpt``
+(spec §8.1), the ``last`` rule here. It picks ``net-9_100.ckpt`` over ``net-10_100.ckpt``, which is
+rarely what a user wants after a long training run, so the default, ``latest_step``, parses
+MindSpore's ``<prefix>-<epoch>_<step>`` names (MindFormers' ``<prefix>_rank_<r>-<epoch>_<step>``
+too) and takes the highest (epoch, step); ranks whose chosen saves are of different steps are
+refused, since their shards do not belong together. Any other value is a glob pattern matched
+against file names (the last match, lexicographically, wins).
 """
 
 from __future__ import annotations
 
 import fnmatch
-import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+from .errors import ConfigError, PlanError
+from .formats.registry import CHECKPOINT_SUFFIXES, kind_of
+from .storage import StorageOptions, absolute, storage_for
+from .text import shorten
 
 if TYPE_CHECKING:
     from .formats.strategy import StrategyFile
     from .topology import Topology
 
-from .errors import ConfigError
-
-RANK_DIR = re.compile(r"^rank_(\d+)$")
+RANK_DIR = re.compile(r"^rank_(\d{1,9})$")
 STEP_NAME = re.compile(r"-(\d+)_(\d+)(?:_\d+)?\.(?:ckpt|safetensors)$")
 SELECT_LAST = "last"
 SELECT_LATEST_STEP = "latest_step"
-EXTENSIONS = (".ckpt", ".safetensors")
+STRATEGY_MAX_BYTES = 1 << 30  # a strategy file for a huge model is tens of MB; more is not a strategy
 
 
 @dataclass(frozen=True)
 class RankFiles:
-    files: dict[int, str]  # global rank -> chosen file (absolute path)
+    root: str
+    files: dict[int, str]  # global rank -> chosen file (absolute path or URL)
     format: str  # "ckpt" | "safetensors"
-    ignored: dict[int, list[str]]  # rank -> other candidate files not chosen
+    ignored: dict[int, list[str]] = field(default_factory=dict)  # rank -> other candidate files not chosen
+    identities: dict[int, tuple] = field(default_factory=dict)  # rank -> FileInfo.identity when listed
+
+
+def step_of(name: str) -> tuple[int, int] | None:
+    m = STEP_NAME.search(name)
+    return (int(m.group(1)), int(m.group(2))) if m else None
 
 
 def _step_key(name: str):
-    m = STEP_NAME.search(name)
-    return (1, int(m.group(1)), int(m.group(2)), name) if m else (0, 0, 0, name)
+    step = step_of(name)
+    return (1, *step, name) if step else (0, 0, 0, name)
 
 
 def choose(candidates: list[str], select: str) -> str | None:
@@ -51,56 +65,87 @@ def choose(candidates: list[str], select: str) -> str | None:
     return sorted(matches)[-1] if matches else None
 
 
-def discover(src_dir: str | os.PathLike, select: str = SELECT_LAST) -> RankFiles:
-    """Map every ``rank_<r>`` directory under `src_dir` to its chosen checkpoint file."""
-    src_dir = os.path.abspath(os.fspath(src_dir))
-    if not os.path.exists(src_dir):
+def _rank_dirs(storage, src_dir: str) -> dict[int, str]:
+    info = storage.info(src_dir)
+    if info is None:
         raise ConfigError(f"source checkpoint directory not found: {src_dir}")
-    if not os.path.isdir(src_dir):
+    if not info.is_dir:
         raise ConfigError(f"source checkpoints must be a directory holding rank_<r>/ folders: {src_dir}")
+    entries = storage.listdir(src_dir)
     rank_dirs: dict[int, str] = {}
-    for entry in os.listdir(src_dir):
-        m = RANK_DIR.match(entry)
-        full = os.path.join(src_dir, entry)
-        if m and os.path.isdir(full):
+    for entry in entries:
+        m = RANK_DIR.match(entry.name)
+        if m and entry.is_dir:
             rank = int(m.group(1))
             if rank in rank_dirs:
-                raise ConfigError(f"{src_dir}: two directories name rank {rank}: {os.path.basename(rank_dirs[rank])}, {entry}")
-            rank_dirs[rank] = full
+                raise ConfigError(f"{src_dir}: two directories name rank {rank}: "
+                                  f"{storage.basename(rank_dirs[rank])}, {entry.name}")
+            rank_dirs[rank] = entry.path
     if not rank_dirs:
-        what = "is empty" if not os.listdir(src_dir) else "has no rank_<r>/ directories"
-        raise ConfigError(f"source checkpoint directory {src_dir} {what}; expected rank_0/, rank_1/, ... each with a .ckpt file")
+        what = "is empty" if not entries else "has no rank_<r>/ directories"
+        raise ConfigError(f"source checkpoint directory {src_dir} {what}; "
+                          "expected rank_0/, rank_1/, ... each with a .ckpt file")
+    return rank_dirs
+
+
+def discover(src_dir, select: str = SELECT_LATEST_STEP, storage_options: StorageOptions | None = None) -> RankFiles:
+    """Map every ``rank_<r>`` directory under `src_dir` to its chosen checkpoint file."""
+    src_dir = absolute(src_dir)
+    storage = storage_for(src_dir, storage_options)
     files: dict[int, str] = {}
+    identities: dict[int, tuple] = {}
     ignored: dict[int, list[str]] = {}
     kinds: set[str] = set()
     empty: list[int] = []
-    for rank, d in sorted(rank_dirs.items()):
-        names = [n for n in os.listdir(d) if n.endswith(EXTENSIONS) and os.path.isfile(os.path.join(d, n))
-                 and not n.startswith(".")]
-        ckpts = [n for n in names if n.endswith(".ckpt")]
-        sts = [n for n in names if n.endswith(".safetensors")]
-        if ckpts and sts:
-            raise ConfigError(f"{d}: holds both .ckpt and .safetensors files; keep one format per source")
-        pool = ckpts or sts
+    for rank, d in sorted(_rank_dirs(storage, src_dir).items()):
+        listed = {e.name: e for e in storage.listdir(d)
+                  if e.name.endswith(CHECKPOINT_SUFFIXES) and not e.name.startswith(".") and e.is_file}
+        by_kind: dict[str, list[str]] = {}
+        for name in listed:
+            by_kind.setdefault(kind_of(name), []).append(name)
+        if len(by_kind) > 1:
+            raise ConfigError(f"{d}: holds both {' and '.join(sorted('.' + k for k in by_kind))} files; "
+                              "keep one format per source")
+        pool = next(iter(by_kind.values()), [])
         chosen = choose(pool, select)
         if chosen is None:
             empty.append(rank)
             continue
-        kinds.add("ckpt" if chosen.endswith(".ckpt") else "safetensors")
-        files[rank] = os.path.join(d, chosen)
+        kinds.add(kind_of(chosen))
+        files[rank] = listed[chosen].path
+        identities[rank] = listed[chosen].identity
         others = sorted(set(pool) - {chosen})
         if others:
             ignored[rank] = others
+    rule = "" if select in (SELECT_LAST, SELECT_LATEST_STEP) else f" matching {select!r}"
     if len(kinds) > 1:
         raise ConfigError(f"{src_dir}: some ranks hold .ckpt files and others .safetensors; use one format")
     if not files:
-        rule = "" if select in (SELECT_LAST, SELECT_LATEST_STEP) else f" matching {select!r}"
         raise ConfigError(f"{src_dir}: no checkpoint files{rule} in any rank_<r>/ directory")
     if empty:
-        rule = "" if select in (SELECT_LAST, SELECT_LATEST_STEP) else f" matching {select!r}"
         raise ConfigError(f"{src_dir}: no checkpoint file{rule} in rank director{'ies' if len(empty) > 1 else 'y'} "
                           + ", ".join(f"rank_{r}" for r in empty))
-    return RankFiles(files, kinds.pop(), ignored)
+    found = RankFiles(src_dir, files, kinds.pop(), ignored, identities)
+    if select == SELECT_LATEST_STEP:
+        _check_same_step(found, storage)
+    return found
+
+
+def _check_same_step(found: RankFiles, storage) -> None:
+    """Shards of different saves do not belong together: refuse ranks whose latest steps differ."""
+    steps = {r: step_of(storage.basename(p)) for r, p in found.files.items()}
+    if None in steps.values() or len(set(steps.values())) <= 1:
+        return
+    newest = max(steps.values())
+    behind = sorted(r for r, s in steps.items() if s != newest)
+    example = behind[0]
+    raise PlanError(
+        f"{found.root}: rank folders hold saves of different steps: rank {example} has at most "
+        f"{shorten(storage.basename(found.files[example]))} while others have epoch {newest[0]} step {newest[1]}"
+        f" ({len(behind)} rank(s) behind: {', '.join(f'rank_{r}' for r in behind[:8])}"
+        f"{', ...' if len(behind) > 8 else ''}); copy the missing saves, or pick one step for all ranks with "
+        "source.select='<glob>' (e.g. '*-1_100.ckpt')"
+    )
 
 
 @dataclass(frozen=True)
@@ -112,24 +157,69 @@ class LoadedStrategy:
     files: tuple[str, ...]  # the files it was read from
 
 
-def load_strategy(spec: str | os.PathLike | None) -> LoadedStrategy:
-    from .formats.strategy import merge_strategy_files, read_strategy, stage_files
+def read_strategy_file(path: str, storage_options: StorageOptions | None = None) -> "StrategyFile":
+    """Parse one strategy file read through its storage (JSON iff the name ends in .json)."""
+    return read_strategy_bytes(path, storage_options)[0]
+
+
+def read_strategy_bytes(path: str, storage_options: StorageOptions | None = None) -> tuple["StrategyFile", bytes]:
+    """A strategy file's parsed content and the exact bytes it was parsed from."""
+    from .formats.strategy import FORMAT_JSON, format_for, parse_json_strategy, parse_protobuf_strategy
+    from .errors import StrategyFormatError
+    from .storage import StorageError
+
+    try:
+        data = storage_for(path, storage_options).read_bytes(path, STRATEGY_MAX_BYTES)
+    except FileNotFoundError:
+        raise StrategyFormatError(path, "strategy file not found") from None
+    except StorageError as e:
+        text = str(e)
+        raise StrategyFormatError(path, text[len(path) + 2:] if text.startswith(path + ": ") else text) from None
+    if not data:
+        raise StrategyFormatError(path, "strategy file is empty (0 bytes)")
+    sf = parse_json_strategy(data, path) if format_for(path) == FORMAT_JSON else parse_protobuf_strategy(data, path)
+    sf.path = path
+    return sf, data
+
+
+def _stage_files(storage, folder: str) -> list[str]:
+    from .errors import StrategyFormatError
+
+    entries = [e for e in storage.listdir(folder) if e.name.endswith((".ckpt", ".json"))]
+    odd = [e for e in entries if not e.is_file]
+    if odd:
+        raise StrategyFormatError(odd[0].path, "is not a regular file (a FIFO, device or directory named like a "
+                                               "strategy file); remove it from the pipeline strategy directory")
+    ckpts = [e.path for e in entries if e.name.endswith(".ckpt")]
+    jsons = [e.path for e in entries if e.name.endswith(".json")]
+    if ckpts and jsons:
+        raise StrategyFormatError(folder, "holds both .ckpt and .json strategy files; they must be all one format")
+    if not ckpts and not jsons:
+        raise StrategyFormatError(folder, "no strategy files (*.ckpt or *.json) in pipeline strategy directory")
+    return ckpts or jsons
+
+
+def load_strategy(spec, storage_options: StorageOptions | None = None) -> LoadedStrategy:
+    """A strategy file, a directory of per-stage files (merged), or None for an unsharded side."""
+    from .formats.strategy import FORMAT_JSON, FORMAT_PROTOBUF, merge_strategy_files
     from .topology import Topology
 
     if spec is None:
         return LoadedStrategy(Topology.unsharded(), None, ())
-    path = os.path.abspath(os.fspath(spec))
-    if os.path.isdir(path):
-        files, fmt = stage_files(path)
-        parsed = [read_strategy(f) for f in files]
+    spec = absolute(spec)
+    storage = storage_for(spec, storage_options)
+    info = storage.info(spec)
+    if info is None:
+        raise ConfigError(f"strategy file not found: {spec}")
+    if info.is_dir:
+        files = _stage_files(storage, spec)
+        parsed = [read_strategy_file(f, storage_options) for f in files]
         if len(parsed) == 1 and parsed[0].merged:
             sf = parsed[0]
         else:
             sf = merge_strategy_files(parsed)
-            sf.format = fmt
-            sf.path = path
+            sf.format = FORMAT_JSON if files[0].endswith(".json") else FORMAT_PROTOBUF
+            sf.path = spec
         return LoadedStrategy(Topology.from_strategy(sf), sf, tuple(files))
-    if not os.path.exists(path):
-        raise ConfigError(f"strategy file not found: {path}")
-    sf = read_strategy(path)
-    return LoadedStrategy(Topology.from_strategy(sf), sf, (path,))
+    sf = read_strategy_file(spec, storage_options)
+    return LoadedStrategy(Topology.from_strategy(sf), sf, (spec,))

@@ -43,3 +43,13 @@ def table(headers: Sequence[str], rows: Iterable[Sequence[Any]], *, indent: str 
                   for i, cell in enumerate(row)]
         lines.append((indent + "  ".join(padded)).rstrip())
     return "\n".join(lines)
+
+
+def shorten(text: str, limit: int = 120) -> str:
+    """`text`, or its start and end around an ellipsis when longer than `limit` characters: error
+    lines stay one readable line even when a parameter or file name is megabytes long."""
+    text = str(text)
+    if len(text) <= limit:
+        return text
+    keep = max(limit - 1, 2)
+    return text[: keep - keep // 3] + "…" + text[len(text) - keep // 3:]

@@ -39,7 +39,7 @@ def job_fingerprint(*, source_files: list[dict], source_strategy: dict | None, t
 
 
 def build_manifest(*, run_id: str, tool_version: str, fingerprint: str, config: dict, source: dict,
-                   target: dict, tensors: dict, plan_summary: dict) -> dict:
+                   target: dict, tensors: dict, plan_summary: dict, checks: list[str] = ()) -> dict:
     manifest = {
         "manifest_version": MANIFEST_VERSION,
         "run_id": run_id,
@@ -50,6 +50,8 @@ def build_manifest(*, run_id: str, tool_version: str, fingerprint: str, config: 
         "source": source,
         "target": target,
         "plan": plan_summary,
+        "checks": list(checks),  # the cross-checks of the inputs that passed before anything was written
+        "digest_algorithm": "sha256",  # of files and of tensors
         "tensors": tensors,
     }
     manifest["manifest_sha256"] = manifest_digest(manifest)

@@ -1,50 +1,35 @@
-"""The output directory: guards, the lock, the resume journal and the manifest (the commit marker).
+"""The output directory: guards, the lock, its state, and the manifest (the commit marker).
 
 An output directory goes through three states: *fresh* (absent or empty), *partial* (a journal of
 the target files written so far, no manifest), *complete* (``manifest.json`` present; it is written
-last, so its presence means every file it lists was renamed into place). A rerun of the same job
-(same fingerprint: source hashes, strategies, target settings) resumes a partial directory, keeping
-files that still match the journal's size and sha256, and leaves a complete one untouched. A
-directory holding anything else (files of another job, foreign files) is refused unless
-``output.overwrite=true``. An ``fcntl`` lock keeps two jobs from writing one directory at once; the
-kernel drops it when a process dies, so a killed job never leaves a stale lock behind.
+last, so its presence means every file it lists was published). A rerun of the same job (same
+fingerprint: source hashes, strategies, target settings) resumes a partial directory, keeping files
+that still verify, and leaves a complete one untouched once its files verify. A directory holding
+anything else (files of another job, foreign files) is refused unless ``output.overwrite=true``.
+One job writes a directory at a time (``Storage.lock``).
+
+Nothing is written or deleted outside the directory: a planned output whose folder resolves
+elsewhere (a symbolic link planted at ``output.dir/rank_0``) is refused before anything is written,
+and files are only ever removed where they resolve inside the directory.
 """
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import json
 import os
-import re
 import socket
-from dataclasses import dataclass
 
 from ..errors import OutputError
-from ..storage.atomic import TMP_SUFFIX, fsync_dir, write_bytes_atomic
 from ..hashing import digest_file
+from ..storage import LockedError, Storage
+from .journal import STATE_DIR, Journal, JournalEntry
 
-STATE_DIR = ".reshard_job"
-LOCK_FILE = "lock"
-JOURNAL_FILE = "journal.jsonl"
 MANIFEST = "manifest.json"
-
-# AtomicFile's temporary names: ".<final name>.<12 hex digits>.tmp"
-TEMP_NAME = re.compile(r"^\..+\.[0-9a-f]{12}" + re.escape(TMP_SUFFIX) + "$", re.S)
-RANK_DIR = re.compile(r"^rank_\d+$")
+MAX_MANIFEST_BYTES = 1 << 31
 
 FRESH = "fresh"
 PARTIAL = "partial"
 COMPLETE = "complete"
-
-
-@dataclass
-class JournalEntry:
-    rank: int
-    path: str  # relative to the output directory
-    size: int
-    sha256: str
-    tensors: dict[str, str]
 
 
 def _inside(path: str, parent: str) -> bool:
@@ -52,53 +37,67 @@ def _inside(path: str, parent: str) -> bool:
     return path == parent or path.startswith(parent.rstrip(os.sep) + os.sep)
 
 
+def _under(path: str, parent: str) -> bool:
+    """`path` is `parent` or below it, for URLs or local paths (local ones resolved)."""
+    if "://" in path or "://" in parent:
+        return path.rstrip("/") == parent.rstrip("/") or path.startswith(parent.rstrip("/") + "/")
+    return _inside(path, parent)
+
+
 class OutputDir:
-    def __init__(self, path: str, *, overwrite: bool = False):
-        self.path = os.path.abspath(path)
+    def __init__(self, path: str, storage: Storage, *, overwrite: bool = False):
+        self.path = path
+        self.storage = storage
+        self.local = storage.scheme == "file"
         self.overwrite = overwrite
-        self.state_dir = os.path.join(self.path, STATE_DIR)
-        self.manifest_path = os.path.join(self.path, MANIFEST)
-        self.journal_path = os.path.join(self.state_dir, JOURNAL_FILE)
-        self._lock_fd: int | None = None
+        self.state_dir = storage.join(path, STATE_DIR)
+        self.manifest_path = storage.join(path, MANIFEST)
+        self.journal = Journal(storage, path)
+        self._lock = None
 
     # ------------------------------------------------------------------------------ guards
     def check_not_source(self, source_dirs: list[str], source_files: list[str]) -> None:
         """Refuse an output directory that is, or lies inside, a source directory, or is a source file."""
         for f in source_files:
-            if os.path.realpath(f) == os.path.realpath(self.path):
+            if _under(self.path, f) and (not self.local or os.path.realpath(f) == os.path.realpath(self.path)):
                 raise OutputError(f"output.dir {self.path} is a source file; choose a new directory")
         for d in source_dirs:
-            if d and _inside(self.path, d):
+            if d and _under(self.path, d):
                 raise OutputError(
                     f"output.dir {self.path} is inside the source directory {d}; outputs must not be written "
                     "among the sources (choose a directory outside it)"
                 )
-        if os.path.exists(self.path) and not os.path.isdir(self.path):
+        info = self.storage.info(self.path)
+        if info is not None and not info.is_dir:
             raise OutputError(f"output.dir {self.path} exists and is not a directory")
 
-    def check_not_overwriting(self, planned: list[str], source_files: list[str], source_dirs: list[str] = ()) -> None:
-        """Refuse when a file this job would write is a source file, or lands in a source directory
-        through a symbolic link, whatever ``output.overwrite`` says.
+    def check_planned(self, planned: list[str], source_files: list[str], source_dirs: list[str] = ()) -> None:
+        """Refuse when a file this job would write is a source file, lands in a source directory or
+        outside the output directory through a symbolic link, whatever ``output.overwrite`` says.
 
         A source strategy file kept next to its checkpoints as ``strategy.ckpt`` is the usual way to
-        get here: writing the target strategy into that directory would replace it.
+        meet the first: writing the target strategy into that directory would replace it.
         """
-        sources = {os.path.realpath(f): f for f in source_files}
+        sources = {os.path.realpath(f) if self.local else f: f for f in source_files}
+        root = os.path.realpath(self.path) if self.local else self.path
         for p in planned:
-            where = os.path.join(os.path.realpath(os.path.dirname(p)), os.path.basename(p))
+            rel = self.relative(p)
+            where = os.path.join(os.path.realpath(os.path.dirname(p)), os.path.basename(p)) if self.local else p
             if where in sources:
-                raise OutputError(
-                    f"output.dir {self.path}: writing {os.path.relpath(p, self.path)} would replace the source file "
-                    f"{sources[where]}; choose another output.dir"
-                )
+                raise OutputError(f"output.dir {self.path}: writing {rel} would replace the source file "
+                                  f"{sources[where]}; choose another output.dir")
             for d in source_dirs:
-                if d and _inside(where, d):
-                    raise OutputError(
-                        f"output.dir {self.path}: {os.path.relpath(p, self.path)} would be written into the source "
-                        f"directory {d} (through a symbolic link); choose another output.dir"
-                    )
+                if d and _under(where, d):
+                    raise OutputError(f"output.dir {self.path}: {rel} would be written into the source directory "
+                                      f"{d} (through a symbolic link); choose another output.dir")
+            if self.local and not _inside(os.path.dirname(where), root):
+                raise OutputError(f"output.dir {self.path}: {rel} would be written to {where}, outside output.dir "
+                                  "(a symbolic link inside it points elsewhere); remove the link or choose another "
+                                  "output.dir")
 
     def check_writable(self) -> None:
+        if not self.local:
+            return  # an object store answers on the first write; that error names the URL
         probe_dir = self.path
         while not os.path.exists(probe_dir):
             parent = os.path.dirname(probe_dir)
@@ -108,79 +107,59 @@ class OutputDir:
         if not os.access(probe_dir, os.W_OK | os.X_OK):
             raise OutputError(f"output.dir {self.path} is not writable (no write permission on {probe_dir})")
 
+    def check_not_foreign(self) -> None:
+        """Refuse a directory of someone else's files before writing anything into it, the lock included.
+
+        Whether a directory of this tool's is this job's needs the source hashes, so that is decided
+        later (``state``); a directory with neither manifest nor journal can be refused right away.
+        """
+        if self.overwrite or not self._is_dir():
+            return
+        if self.read_manifest() is not None or self.journal.read()[0] is not None:
+            return
+        if self._foreign_entries():
+            self._other(self._foreign_description())
+
     # ------------------------------------------------------------------------------ lock
     def lock(self) -> None:
         try:
-            os.makedirs(self.state_dir, exist_ok=True)
-        except OSError as e:
-            raise OutputError(f"output.dir {self.path}: cannot create it ({e.strerror})") from None
-        path = os.path.join(self.state_dir, LOCK_FILE)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            holder = ""
-            try:
-                holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip()
-            except OSError:
-                pass
-            os.close(fd)
-            if e.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-                raise OutputError(
-                    f"output.dir {self.path} is being written by another job ({holder or 'unknown process'}); "
-                    "wait for it to finish or choose another output.dir"
-                ) from None
-            raise OutputError(f"output.dir {self.path}: cannot lock ({e.strerror})") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
-        self._lock_fd = fd
+            self.storage.makedirs(self.path)
+            self._lock = self.storage.lock(self.path, f"pid {os.getpid()} on {socket.gethostname()}")
+        except LockedError as e:
+            raise OutputError(f"output.dir {self.path} is being written by another job ({e.holder}); "
+                              "wait for it to finish or choose another output.dir") from None
 
     def unlock(self) -> None:
-        if self._lock_fd is not None:
-            try:
-                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-            finally:
-                os.close(self._lock_fd)
-                self._lock_fd = None
+        if self._lock is not None:
+            lock, self._lock = self._lock, None
+            lock.release()
 
     # ------------------------------------------------------------------------------ state
+    def _is_dir(self) -> bool:
+        info = self.storage.info(self.path)
+        return info is not None and info.is_dir
+
     def read_manifest(self) -> dict | None:
         try:
-            with open(self.manifest_path, "rb") as f:
-                return json.loads(f.read().decode("utf-8"))
+            data = self.storage.read_bytes(self.manifest_path, MAX_MANIFEST_BYTES)
+            value = json.loads(data.decode("utf-8"))
         except FileNotFoundError:
             return None
-        except (OSError, ValueError, UnicodeDecodeError):
+        except (OSError, ValueError, UnicodeDecodeError, OutputError):
             return {}  # unreadable: treated as another job's
-
-    def read_journal(self) -> tuple[str | None, list[JournalEntry]]:
-        try:
-            with open(self.journal_path, "r", encoding="utf-8") as f:
-                lines = f.read().splitlines()
-        except FileNotFoundError:
-            return None, []
-        fingerprint = None
-        entries = []
-        for i, line in enumerate(lines):
-            try:
-                obj = json.loads(line)
-            except ValueError:
-                continue  # a line cut short by a crash
-            if i == 0:
-                fingerprint = obj.get("fingerprint")
-            elif "rank" in obj:
-                entries.append(JournalEntry(obj["rank"], obj["path"], obj["size"], obj["sha256"], obj.get("tensors", {})))
-        return fingerprint, entries
+        except Exception:  # noqa: BLE001 - a storage error reading it: also not ours to trust
+            return {}
+        return value if isinstance(value, dict) else {}
 
     def _foreign_entries(self) -> list[str]:
-        if not os.path.isdir(self.path):
+        if not self._is_dir():
             return []
-        return sorted(e for e in os.listdir(self.path) if e != STATE_DIR)
+        return sorted(e.name for e in self.storage.listdir(self.path) if e.name != STATE_DIR)
 
     def state(self, fingerprint: str) -> str:
         """FRESH, PARTIAL or COMPLETE for this job; OutputError if the directory is not ours to use."""
         manifest = self.read_manifest()
-        journal_fp, _ = self.read_journal()
+        journal_fp, _ = self.journal.read()
         if manifest is not None:
             if manifest.get("fingerprint") == fingerprint:
                 return COMPLETE
@@ -197,19 +176,6 @@ class OutputDir:
         entries = self._foreign_entries()
         return f"files this tool did not produce ({', '.join(entries[:3])}{', ...' if len(entries) > 3 else ''})"
 
-    def check_not_foreign(self) -> None:
-        """Refuse a directory of someone else's files before writing anything into it, the lock included.
-
-        Whether a directory of this tool's is this job's needs the source hashes, so that is decided
-        later (``state``); a directory with neither manifest nor journal can be refused right away.
-        """
-        if self.overwrite or not os.path.isdir(self.path):
-            return
-        if self.read_manifest() is not None or self.read_journal()[0] is not None:
-            return
-        if self._foreign_entries():
-            self._other(self._foreign_description())
-
     def _other(self, what: str) -> str:
         if not self.overwrite:
             raise OutputError(
@@ -218,27 +184,41 @@ class OutputDir:
         self.clear_previous()
         return FRESH
 
+    def _remove_inside(self, path: str) -> None:
+        """Delete a file only where it really lies inside the directory (never through a link out of it)."""
+        if self.local and not _inside(os.path.dirname(path), self.path):
+            return
+        try:
+            self.storage.remove(path)
+        except OSError:
+            pass
+
     def clear_previous(self) -> None:
         """Remove what earlier runs of this tool wrote here (files listed in its manifest/journal)."""
         manifest = self.read_manifest() or {}
-        paths = [f.get("path") for f in manifest.get("target", {}).get("files", []) if isinstance(f, dict)]
-        _, entries = self.read_journal()
-        paths += [os.path.join(self.path, e.path) for e in entries]
+        paths = [self.storage.join(self.path, self._rel_listed(f)) for f in manifest.get("target", {}).get("files", [])
+                 if isinstance(f, dict) and isinstance(f.get("path"), str)]
+        paths += [self.storage.join(self.path, e.path) for e in self.journal.read()[1]]
         for p in paths:
-            if p and _inside(p, self.path):
-                try:
-                    os.unlink(p)
-                except OSError:
-                    pass
-        for name in (MANIFEST,):
-            try:
-                os.unlink(os.path.join(self.path, name))
-            except OSError:
-                pass
-        try:
-            os.unlink(self.journal_path)
-        except OSError:
-            pass
+            self._remove_inside(p)
+        self._remove_inside(self.manifest_path)
+        self.journal.remove()
+
+    @staticmethod
+    def _rel_listed(f: dict) -> str:
+        """A manifest's file as ``rank_<r>/<name>``, however the directory was moved since."""
+        p = f["path"].rstrip("/")
+        head, name = p.rsplit("/", 1) if "/" in p else ("", p)
+        return f"{head.rsplit('/', 1)[-1]}/{name}" if head else name
+
+    def listed_outputs(self, manifest: dict) -> list[JournalEntry]:
+        """The target files a complete directory's manifest lists, with their journaled identities."""
+        identities = {e.rank: e.identity for e in self.journal.read()[1]}
+        out = []
+        for f in manifest.get("target", {}).get("files", []):
+            out.append(JournalEntry(f["rank"], self._rel_listed(f), f["size"], f["sha256"],
+                                    identities.get(f["rank"], ())))
+        return out
 
     def uncommit(self, fingerprint: str, entries: list[JournalEntry]) -> None:
         """Turn a complete directory back into a partial one, to redo (some of) its files.
@@ -247,87 +227,46 @@ class OutputDir:
         goes, so a crash in between leaves a directory that is still complete, never one that is
         neither complete nor resumable.
         """
-        os.makedirs(self.state_dir, exist_ok=True)
-        lines = [json.dumps({"fingerprint": fingerprint})]
-        lines += [json.dumps({"rank": e.rank, "path": e.path, "size": e.size, "sha256": e.sha256,
-                              "tensors": e.tensors}) for e in entries]
-        write_bytes_atomic(self.journal_path, ("\n".join(lines) + "\n").encode("utf-8"), mode=0o644)
+        self.journal.rewrite(fingerprint, entries)
+        self.storage.remove(self.manifest_path)
+
+    # ------------------------------------------------------------------------------ verification
+    def verify(self, entry: JournalEntry) -> bool:
+        """Whether the file still holds what was recorded: same identity, else the same sha256 re-read."""
+        full = self.storage.join(self.path, entry.path)
+        info = self.storage.info(full)
+        if info is None or not info.is_file or info.size != entry.size:
+            return False
+        if entry.identity and tuple(info.identity) == tuple(entry.identity):
+            return True
         try:
-            os.unlink(self.manifest_path)
-        except FileNotFoundError:
-            pass
-        fsync_dir(self.path)
-
-    # ------------------------------------------------------------------------------ journal
-    def start_journal(self, fingerprint: str, keep: bool) -> None:
-        """Begin (or, with `keep`, continue) the journal of files written for this job."""
-        os.makedirs(self.state_dir, exist_ok=True)
-        if keep and os.path.exists(self.journal_path):
-            return
-        with open(self.journal_path, "w", encoding="utf-8") as f:
-            f.write(json.dumps({"fingerprint": fingerprint}) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-
-    def append_journal(self, entry: JournalEntry) -> None:
-        line = json.dumps({"rank": entry.rank, "path": entry.path, "size": entry.size,
-                           "sha256": entry.sha256, "tensors": entry.tensors})
-        with open(self.journal_path, "a", encoding="utf-8") as f:
-            f.write(line + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+            return digest_file(full).sha256 == entry.sha256
+        except Exception:  # noqa: BLE001 - unreadable or changing: it does not verify
+            return False
 
     def reusable(self, expected_paths: dict[int, str]) -> dict[int, JournalEntry]:
-        """Journal entries whose file is still on disk with the recorded size and sha256."""
-        _, entries = self.read_journal()
+        """Journal entries whose file is where this job would write it and still verifies."""
         keep: dict[int, JournalEntry] = {}
-        for e in entries:
-            full = os.path.join(self.path, e.path)
-            if expected_paths.get(e.rank) != full:
-                continue
-            try:
-                if os.path.getsize(full) != e.size:
-                    continue
-            except OSError:
-                continue
-            if digest_file(full).sha256 == e.sha256:
+        for e in self.journal.read()[1]:
+            if expected_paths.get(e.rank) == self.storage.join(self.path, e.path) and self.verify(e):
+                e.tensors = self.journal.tensors(e.rank)
                 keep[e.rank] = e
         return keep
 
     def remove_temp_files(self) -> int:
-        """Delete temporary files left by a killed run (they never carry a final name).
-
-        Only where this tool writes (the directory itself, its state directory and ``rank_<r>/``)
-        and only names of the exact form ``AtomicFile`` creates: with ``output.overwrite=true`` the
-        directory may hold the user's own files, ``.notes.tmp`` among them.
-        """
-        removed = 0
-        dirs = [self.path, self.state_dir]
+        """Delete what writers of a killed run left (temporary files, unfinished uploads)."""
         try:
-            dirs += [os.path.join(self.path, e) for e in os.listdir(self.path) if RANK_DIR.match(e)]
-        except OSError:
+            ranks = [e.name for e in self.storage.listdir(self.path) if e.name.startswith("rank_") and e.is_dir]
+        except Exception:  # noqa: BLE001 - nothing to clean in a directory that cannot be listed
             return 0
-        for d in dirs:
-            try:
-                names = os.listdir(d)
-            except OSError:
-                continue
-            for name in names:
-                full = os.path.join(d, name)
-                if TEMP_NAME.match(name) and os.path.isfile(full) and not os.path.islink(full):
-                    try:
-                        os.unlink(full)
-                        removed += 1
-                    except OSError:
-                        pass
-        return removed
+        return self.storage.remove_incomplete(self.path, ranks + [STATE_DIR])
 
     # ------------------------------------------------------------------------------ manifest
     def write_manifest(self, manifest: dict) -> tuple[int, str]:
         data = (json.dumps(manifest, indent=2, sort_keys=False) + "\n").encode("utf-8")
-        result = write_bytes_atomic(self.manifest_path, data, mode=0o444)
-        fsync_dir(self.path)
-        return result
+        return self.storage.write_bytes(self.manifest_path, data, mode=0o444)
 
     def relative(self, path: str) -> str:
-        return os.path.relpath(path, self.path)
+        if self.local:
+            return os.path.relpath(path, self.path)
+        return path[len(self.path.rstrip("/")) + 1:] if path.startswith(self.path.rstrip("/") + "/") else path

@@ -6,7 +6,8 @@ from ..plan import Plan
 from ..text import human_size, rank_ranges, table
 
 
-def plan_report(plan: Plan, *, predicted_peak: int, missing: dict[int, list[int]] | None = None) -> str:
+def plan_report(plan: Plan, *, predicted_peak: int, missing: dict[int, list[int]] | None = None,
+                source_files: dict[int, str] | None = None, checks: list[str] = ()) -> str:
     rows = []
     for rp in plan.ranks:
         rows.append([str(rp.target_rank), rank_ranges(rp.source_ranks), str(len(rp.params)),
@@ -30,9 +31,26 @@ def plan_report(plan: Plan, *, predicted_peak: int, missing: dict[int, list[int]
         lines.append(f"  reason: {plan.omitted[0]['reason']}")
     for note in plan.notes:
         lines.append(f"Note: {note}")
+    if source_files:
+        shown = [f"rank {r}: {p.rstrip('/').rsplit('/', 1)[-1]}" for r, p in sorted(source_files.items())[:8]]
+        more = f", ... ({len(source_files)} ranks)" if len(source_files) > 8 else ""
+        lines.append("Source files: " + ", ".join(shown) + more)
+    for check in checks:
+        lines.append(f"Checked: {check}")
     if missing:
         lines.append("Missing source files: " + "; ".join(
             f"rank {r} (needed by target ranks {rank_ranges(t)})" for r, t in sorted(missing.items())))
     else:
         lines.append("Missing source files: none")
+    return "\n".join(lines)
+
+
+def run_summary(result) -> str:
+    """What a finished job prints on stdout: status, where the outputs are, how to audit them."""
+    if not result.output_dir:
+        return ""
+    lines = [f"{result.status}: outputs in {result.output_dir}"]
+    lines.append(f"  manifest: {result.output_dir.rstrip('/')}/manifest.json (file sha256 {result.manifest_sha256})")
+    if result.run_id:
+        lines.append(f"  lineage run {result.run_id}: python -m reshard_job.audit show {result.run_id}")
     return "\n".join(lines)

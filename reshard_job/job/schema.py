@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
 
 # Prefixes of optimizer-state entries; they follow their parameter's rule unless a rule names them.
 OPTIMIZER_PREFIXES = [
@@ -21,12 +21,16 @@ OPTIMIZER_PREFIXES = [
 
 @dataclass
 class SourceConfig:
-    # directory holding rank_<r>/ folders; null = the built-in demo (generated on first use)
-    checkpoints: Optional[str] = None
+    # directory holding rank_<r>/ folders (a path or URL); null = the built-in demo. Required: every
+    # source preset sets it (source=demo to null), so a preset that leaves it ??? makes it mandatory.
+    checkpoints: Optional[str] = MISSING
     # strategy file (.json = JSON, else protobuf), directory of per-stage pipeline files, or null
     strategy: Optional[str] = None
-    # which file of a rank folder: last (lexicographic, MindSpore's rule) | latest_step | a glob
-    select: str = "last"
+    # which file of a rank folder: latest_step (highest <epoch>_<step>) | last (lexicographic,
+    # MindSpore's rule) | a glob
+    select: str = "latest_step"
+    # several rank folders without source.strategy: true says they are copies of one whole model
+    unsharded: bool = False
 
 
 @dataclass
@@ -50,7 +54,9 @@ class LayoutConfig:
 @dataclass
 class TargetConfig:
     devices: Optional[int] = None  # derived from target.strategy when omitted
-    strategy: Optional[str] = None  # a MindSpore strategy file; null with layout or devices=1
+    # a MindSpore strategy file; null with layout or devices=1. Required like source.checkpoints:
+    # every target preset sets it, target=strategy leaves it ??? for the user.
+    strategy: Optional[str] = MISSING
     layout: Optional[LayoutConfig] = None
     prefix: str = "checkpoint_"
     format: str = "ckpt"  # ckpt | safetensors
@@ -85,15 +91,27 @@ class JobConfig:
 
 
 @dataclass
+class StorageConfig:
+    # object stores (s3:// paths): endpoint for OBS, MinIO, SeaweedFS; null = the standard chain
+    # (AWS_ENDPOINT_URL, ~/.aws). Credentials belong in the environment; given here they are
+    # used, never recorded.
+    endpoint_url: Optional[str] = None
+    options: Dict[str, Any] = field(default_factory=dict)  # passed to the fsspec back end
+
+
+@dataclass
 class ReshardConfig:
     source: SourceConfig = field(default_factory=SourceConfig)
     target: TargetConfig = field(default_factory=TargetConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     lineage: LineageConfig = field(default_factory=LineageConfig)
     job: JobConfig = field(default_factory=JobConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
 
 
 def register() -> None:
     # One schema for the whole tree: the primary config lists it first in its defaults, so every
     # group's YAML preset is merged onto (and validated by) the typed dataclasses above.
+    from hydra.core.config_store import ConfigStore
+
     ConfigStore.instance().store(name="reshard_schema", node=ReshardConfig)

@@ -18,7 +18,7 @@ from .local import LocalStorage
 
 __all__ = [
     "AtomicWriter", "FileInfo", "KIND_DIR", "KIND_FILE", "KIND_OTHER", "LocalStorage", "LockedError", "OutputLock",
-    "RandomAccess", "SourceChangedError", "Storage", "StorageError", "StorageOptions", "is_url", "storage_for",
+    "RandomAccess", "SourceChangedError", "Storage", "StorageError", "StorageOptions", "absolute", "is_url", "storage_for",
     "LOCAL",
 ]
 
@@ -42,6 +42,19 @@ def is_url(path: str | os.PathLike) -> bool:
     text = os.fspath(path)
     head, sep, _ = text.partition("://")
     return bool(sep) and head.isascii() and head.replace("+", "").replace("-", "").isalnum() and head != "file"
+
+
+def absolute(path: str | os.PathLike, base: str | None = None) -> str:
+    """A URL unchanged; a local path with ``~`` expanded, made absolute (against `base` if given)."""
+    text = os.fspath(path)
+    if is_url(text):
+        return text
+    if text.startswith("file://"):
+        text = text[len("file://"):]
+    text = os.path.expanduser(text)
+    if not os.path.isabs(text):
+        text = os.path.join(base or os.getcwd(), text)
+    return os.path.normpath(text)
 
 
 def storage_for(path: str | os.PathLike, options: StorageOptions | None = None) -> Storage:

@@ -29,6 +29,26 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from ..errors import OutputError
 
 TMP_SUFFIX = ".tmp"
+DIR_MODE = 0o775  # masked by the umask like any directory; never writable by others (see below)
+
+
+def current_umask() -> int:
+    """The process's umask, read without changing it where /proc tells it (no race with threads)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def file_mode(mode: int) -> int:
+    """`mode` as the umask allows it, and never writable by others, whatever the umask says."""
+    return mode & ~current_umask() & ~0o002
 
 
 def temp_name_for(path: str) -> str:
@@ -191,7 +211,7 @@ class AtomicFile:
         self._hash = hashlib.new(hash_name)
         parent = os.path.dirname(self.path)
         try:
-            os.makedirs(parent, exist_ok=True)
+            os.makedirs(parent, mode=DIR_MODE, exist_ok=True)
         except OSError as e:
             raise OutputError(f"{parent}: cannot create output directory ({e.strerror})") from None
         if not overwrite and os.path.exists(self.path):
@@ -256,7 +276,7 @@ class AtomicFile:
             self._f.close()
             if self._rewritten:
                 self._rehash()
-            os.chmod(self.tmp_path, self.mode)
+            os.chmod(self.tmp_path, file_mode(self.mode))
             if os.path.isdir(self.path):
                 raise IsADirectoryError(errno.EISDIR, "a directory is in the way", self.path)
             os.replace(self.tmp_path, self.path)

@@ -171,6 +171,10 @@ class Storage(Protocol):
     def write_bytes(self, path: str, data: bytes, *, mode: int = 0o444) -> tuple[int, str]:
         """Atomically replace `path` with `data`; return (size, sha256 hex)."""
 
+    def append(self, path: str, data: bytes) -> None:
+        """Durably add `data` at the end of a small log file, creating it if needed (the resume
+        journal). Locally an O_APPEND write and fsync; object stores rewrite the object."""
+
     def remove(self, path: str) -> bool:
         """Delete one file; False if it was not there."""
 

@@ -15,7 +15,7 @@ import re
 import stat
 from typing import Iterable
 
-from .atomic import TMP_SUFFIX, AtomicFile, write_bytes_atomic
+from .atomic import DIR_MODE, TMP_SUFFIX, AtomicFile, write_bytes_atomic
 from .base import KIND_DIR, KIND_FILE, KIND_OTHER, FileInfo, LockedError, StorageError
 
 STATE_DIR = ".reshard_job"
@@ -195,6 +195,22 @@ class LocalStorage:
     def write_bytes(self, path: str, data: bytes, *, mode: int = 0o444) -> tuple[int, str]:
         return write_bytes_atomic(path, data, mode=mode)
 
+    def append(self, path: str, data: bytes) -> None:
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
+        try:
+            fd = os.open(path, flags, 0o644)
+        except OSError as e:
+            raise _os_error(path, e, "open for appending") from None
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        except OSError as e:
+            raise _os_error(path, e, "append to it") from None
+        finally:
+            os.close(fd)
+
     def remove(self, path: str) -> bool:
         try:
             os.unlink(path)
@@ -204,7 +220,7 @@ class LocalStorage:
 
     def makedirs(self, path: str) -> None:
         try:
-            os.makedirs(path, exist_ok=True)
+            os.makedirs(path, mode=DIR_MODE, exist_ok=True)
         except OSError as e:
             raise _os_error(path, e, "create it") from None
 

@@ -189,13 +189,13 @@ def test_source_select_latest_step_beats_mindspores_lexicographic_rule(tmp_path)
     for rank_dir in sorted((d / "src_checkpoints").iterdir()):
         r = rank_dir.name.split("_")[1]
         (src / rank_dir.name).mkdir(parents=True)
-        (src / rank_dir.name / f"net-10_{r}.ckpt").write_bytes((rank_dir / f"checkpoint_{r}.ckpt").read_bytes())
-        (src / rank_dir.name / f"net-9_{r}.ckpt").write_bytes(b"an older step, unreadable\n")  # sorts last
+        (src / rank_dir.name / "net-10_100.ckpt").write_bytes((rank_dir / f"checkpoint_{r}.ckpt").read_bytes())
+        (src / rank_dir.name / "net-9_100.ckpt").write_bytes(b"an older step, unreadable\n")  # sorts last
     common = [f"source.checkpoints={src}", f"source.strategy={d / 'src_strategy.ckpt'}", "target=strategy",
               f"target.strategy={d / 'dst_strategy.ckpt'}"]
-    res = run_app(tmp_path, *common, "output.dir=last")
+    res = run_app(tmp_path, *common, "source.select=last", "output.dir=last")
     assert res.returncode != 0 and "net-9_" in res.stderr  # MindSpore's rule takes the -9_ file
-    res = run_app(tmp_path, *common, "source.select=latest_step", "output.dir=latest")
+    res = run_app(tmp_path, *common, "output.dir=latest")  # the default: the newest step
     assert res.returncode == 0, res.stderr
     manifest = json.loads((d / "manifest.json").read_text())
     got = tensors_of(tmp_path / "latest" / "rank_0" / "checkpoint_0.ckpt")

@@ -308,17 +308,19 @@ def compose_config(*overrides: str) -> dict:
     from reshard_job.job import schema
 
     schema.register()
-    with initialize_config_dir(config_dir=str(TESTS.parent / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(TESTS.parent / "reshard_job" / "conf"), version_base="1.3"):
         cfg = compose(config_name="config", overrides=list(overrides))
     return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
 
 
 def run_in_process(launch_dir: Path, *overrides: str):
     """run_job in this process (so a test can patch what it calls); job.workers=1 keeps writes here too."""
-    from reshard_job.job.runner import JobContext, run_job
+    from reshard_job.job.runner import run_job
+    from reshard_job.job.settle import settle
+    from reshard_job.job.spec import JobContext
 
     cfg = compose_config(*overrides, "job.workers=1")
-    return run_job(cfg, JobContext(launch_dir=str(launch_dir), run_dir=str(launch_dir / "run")))
+    return run_job(settle(cfg, JobContext(launch_dir=str(launch_dir), run_dir=str(launch_dir / "run"))))
 
 
 # ================================================================================== privileges

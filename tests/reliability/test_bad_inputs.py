@@ -157,7 +157,7 @@ def ckpt_truncated_in_record_header(d: Path) -> Setup:
     ckpts, _, _, args = _s1(d)
     f = _rank_file(ckpts, 2)
     with CheckpointReader(f) as r:
-        last = r.entries["adam_v.layer3.bias"].extra["records"][0].offset
+        last = r.records_of(r.entries["adam_v.layer3.bias"])[0].offset
     f.write_bytes(f.read_bytes()[: last + 1])  # the record's key byte, and not its length
     return Setup(args, [f"{f}: record at offset {last}: truncated varint (file truncated?)"], [ckpts])
 

@@ -4,39 +4,77 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 import zlib
 
-from reshard_job.hashing import HashCache, digest_file, digest_files
+import pytest
+
+from reshard_job.hashing import HashCache, HashRequest, digest_file, digest_files
+from reshard_job.storage import SourceChangedError
 
 
-def test_digest_gives_sha256_and_crc_of_a_prefix(tmp_path):
+def test_digest_gives_sha256_and_crcs_of_segments(tmp_path):
     p = tmp_path / "f.bin"
-    data = os.urandom(3 * 1024 * 1024 + 17)
+    data = os.urandom(9 * 1024 * 1024 + 17)
     p.write_bytes(data)
-    d = digest_file(str(p), crc_length=len(data) - 17)
+    d = digest_file(str(p), segments=[(0, len(data) - 17)])
     assert d.sha256 == hashlib.sha256(data).hexdigest() and d.size == len(data)
-    assert d.crc32 == zlib.crc32(data[:-17])
+    assert d.crcs == (zlib.crc32(data[:-17]),) and d.identity
+    # sorted, non-overlapping ranges, some straddling the 4 MiB read blocks
+    segments = [(5, 100), (4 * 1024 * 1024 - 10, 20), (4 * 1024 * 1024 + 10, 5 * 1024 * 1024), (len(data) - 5, 5)]
+    d = digest_file(str(p), segments=segments)
+    assert d.crcs == tuple(zlib.crc32(data[o:o + n]) for o, n in segments)
 
 
 def test_cache_hits_only_while_the_file_is_unchanged(tmp_path):
     p = tmp_path / "f.bin"
     p.write_bytes(b"a" * 1000)
     cache = HashCache(str(tmp_path / "cache.json"))
-    first = digest_files([(str(p), None)], cache=cache)[0]
+    first = digest_files([HashRequest(str(p))], cache=cache)[0]
     cache.save()
     again = HashCache(str(tmp_path / "cache.json"))  # as a later job would load it
-    assert again.get(str(p), None) == first
-    assert again.get(str(p), 10) is None  # a CRC it never computed is not made up
+    assert again.get(HashRequest(str(p))) == first
+    assert again.get(HashRequest(str(p), ((0, 10),))) is None  # a CRC it never computed is not made up
     p.write_bytes(b"b" * 1000)  # same size; the change time moves on
     os.utime(p, ns=(os.stat(p).st_atime_ns, 0))  # even a forged modification time does not fool it
-    assert again.get(str(p), None) is None
-    fresh = digest_files([(str(p), None)], cache=again)[0]
+    assert again.get(HashRequest(str(p))) is None
+    fresh = digest_files([HashRequest(str(p))], cache=again)[0]
     assert fresh.sha256 == hashlib.sha256(b"b" * 1000).hexdigest() != first.sha256
+
+
+def test_cached_crcs_are_reused_for_the_same_segments(tmp_path):
+    p = tmp_path / "f.bin"
+    p.write_bytes(b"0123456789" * 100)
+    cache = HashCache(str(tmp_path / "cache.json"))
+    req = HashRequest(str(p), ((0, 990),))
+    first = digest_files([req], cache=cache)[0]
+    assert cache.get(req) == first and first.crcs == (zlib.crc32(b"0123456789" * 99),)
 
 
 def test_unwritable_cache_only_costs_time(tmp_path):
     p = tmp_path / "f.bin"
     p.write_bytes(b"x")
     cache = HashCache("/proc/1/no/cache.json")
-    assert digest_files([(str(p), None)], cache=cache)[0].sha256 == hashlib.sha256(b"x").hexdigest()
+    assert digest_files([HashRequest(str(p))], cache=cache)[0].sha256 == hashlib.sha256(b"x").hexdigest()
     cache.save()  # no error
+
+
+def test_a_file_changed_while_hashed_is_refused(tmp_path, monkeypatch):
+    p = tmp_path / "f.bin"
+    p.write_bytes(os.urandom(12 * 1024 * 1024))
+    import reshard_job.hashing as hashing
+
+    real = hashing._update_crcs
+    touched = threading.Event()
+
+    def change_once(*args):
+        if not touched.is_set():
+            touched.set()
+            with open(p, "r+b") as f:  # another process appending to the file mid-read
+                f.seek(0, 2)
+                f.write(b"more")
+        return real(*args)
+
+    monkeypatch.setattr(hashing, "_update_crcs", change_once)
+    with pytest.raises(SourceChangedError, match="changed while it was being hashed"):
+        digest_file(str(p), segments=[(0, 10)])

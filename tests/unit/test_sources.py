@@ -46,7 +46,28 @@ def test_discover_applies_the_rule_per_rank_and_reports_the_others(tmp_path):
     assert {r: os.path.basename(p) for r, p in found.files.items()} == {0: "net-10_1.ckpt", 1: "net-10_1.ckpt"}
     assert found.ignored == {0: ["net-9_1.ckpt"], 1: ["net-9_1.ckpt"]}
     assert found.format == "ckpt"
-    assert {r: os.path.basename(p) for r, p in discover(tmp_path).files.items()} == {0: "net-9_1.ckpt", 1: "net-9_1.ckpt"}
+    # MindSpore's lexicographic rule on request; the newest step by default
+    assert {r: os.path.basename(p) for r, p in discover(tmp_path, "last").files.items()} == \
+        {0: "net-9_1.ckpt", 1: "net-9_1.ckpt"}
+    assert {r: os.path.basename(p) for r, p in discover(tmp_path).files.items()} == \
+        {0: "net-10_1.ckpt", 1: "net-10_1.ckpt"}
+
+
+def test_ranks_whose_newest_saves_differ_are_refused(tmp_path):
+    from reshard_job.errors import PlanError
+
+    _tree(tmp_path, ["rank_0/net-1_9.ckpt", "rank_0/net-1_10.ckpt", "rank_1/net-1_9.ckpt"])
+    with pytest.raises(PlanError, match=r"saves of different steps: rank 1 has at most net-1_9.ckpt .* step 10"):
+        discover(tmp_path)
+    found = discover(tmp_path, "*-1_9.ckpt")  # one step for every rank, chosen by the user
+    assert {r: os.path.basename(p) for r, p in found.files.items()} == {0: "net-1_9.ckpt", 1: "net-1_9.ckpt"}
+
+
+def test_mindformers_rank_names_parse(tmp_path):
+    _tree(tmp_path, ["rank_0/llama_rank_0-3_100.ckpt", "rank_0/llama_rank_0-10_50.ckpt",
+                     "rank_1/llama_rank_1-3_100.ckpt", "rank_1/llama_rank_1-10_50.ckpt"])
+    assert {r: os.path.basename(p) for r, p in discover(tmp_path).files.items()} == \
+        {0: "llama_rank_0-10_50.ckpt", 1: "llama_rank_1-10_50.ckpt"}
 
 
 @pytest.mark.parametrize("files,select,message", [

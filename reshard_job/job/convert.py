@@ -1,0 +1,241 @@
+"""Converting into an output directory: reuse, resume or start; run the rank tasks; manifest last.
+
+The same job run again into its own output directory does no conversion work once its files
+verify (``completed (already done)``); an interrupted one resumes, keeping the journaled files that
+still verify. Each finished rank is journaled as it lands. Before the manifest is written, every
+source the tasks read is checked to be unchanged since it was hashed, so what the manifest and
+the lineage record name is what the outputs were made from.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass, field
+
+from .. import __version__
+from ..formats.registry import suffix_of
+from ..lineage.records import FileRecord
+from ..plan import Plan
+from ..storage import SourceChangedError, storage_for
+from ..tasks import RankResult, RankTask, WriteOptions
+from ..text import human_size
+from .executors import Executor, LocalExecutor, default_workers
+from .integrity import SourceDigests
+from .journal import JournalEntry
+from .manifest import build_manifest, job_fingerprint
+from .outputs import COMPLETE, PARTIAL, OutputDir
+from .prepare import Prepared
+from .progress import Progress
+from .record import LineageRecorder, NoRecorder
+from .spec import JobSpec
+
+log = logging.getLogger("reshard_job")
+
+STATUS_COMPLETED = "completed"
+STATUS_REUSED = "completed (already done)"
+
+
+@dataclass
+class Outputs:
+    status: str
+    out_dir: str
+    manifest_path: str
+    manifest_sha256: str  # of the file, as sha256sum prints it
+    run_id: str | None = None
+    files: list[dict] = field(default_factory=list)
+
+
+def output_paths(plan: Plan, out_dir: str, prefix: str, fmt: str, storage) -> dict[int, str]:
+    """``<out>/rank_<r>/<prefix><r>.<fmt>`` for every planned target rank (MindSpore's naming)."""
+    return {rp.target_rank: storage.join(out_dir, f"rank_{rp.target_rank}", f"{prefix}{rp.target_rank}{suffix_of(fmt)}")
+            for rp in plan.ranks}
+
+
+def rank_tasks(prepared: Prepared, paths: dict[int, str], options: WriteOptions,
+               identities: dict[int, tuple] | None = None, storage=None) -> list[RankTask]:
+    """One self-contained task per target rank to produce (the API and the job alike)."""
+    from ..storage import StorageOptions
+
+    identities = identities if identities is not None else prepared.readers.identities
+    out = []
+    for rp in prepared.plan.ranks:
+        if rp.target_rank not in paths:
+            continue
+        ranks = rp.source_ranks
+        out.append(RankTask(rp.target_rank, rp, {r: prepared.source_paths[r] for r in ranks}, paths[rp.target_rank],
+                            options, {r: identities[r] for r in ranks if r in identities},
+                            storage or StorageOptions()))
+    return out
+
+
+def convert(spec: JobSpec, prepared: Prepared, out: OutputDir, digests: SourceDigests,
+            recorder: LineageRecorder | NoRecorder, executor: Executor | None = None) -> Outputs:
+    strategy_sha = hashlib.sha256(prepared.target.strategy_bytes).hexdigest() if prepared.target.strategy_bytes else None
+    fingerprint = job_fingerprint(
+        source_files=digests.files, source_strategy=_source_strategy(spec, prepared, digests),
+        target_strategy_sha256=strategy_sha, target=_target_key(spec, prepared))
+    recorder.record_inputs(_input_records(digests))
+    state = out.state(fingerprint)
+    if state == COMPLETE:
+        reused = _reuse_if_intact(spec, out, fingerprint, recorder)
+        if reused is not None:
+            return reused
+        state = PARTIAL
+    resume = spec.run.resume and state == PARTIAL
+    out.journal.start(fingerprint, keep=resume)
+    removed = out.remove_temp_files()
+    if removed:
+        log.info("removed %d temporary file(s) left by an interrupted run", removed)
+    strategy_out = _write_target_strategy(out, prepared)
+    paths = output_paths(prepared.plan, out.path, spec.target.prefix, spec.target.format, out.storage)
+    kept = out.reusable(paths) if resume else {}
+    if kept:
+        log.info("resuming: keeping %d target file(s) that verify: ranks %s", len(kept), sorted(kept))
+    written = {r: _entry_as_file(out, e) for r, e in kept.items()}
+    _run_ranks(spec, prepared, out, digests, paths, kept, written, executor)
+    _check_sources_unchanged(prepared, digests)
+    return _finish(spec, prepared, out, digests, fingerprint, strategy_out, written, recorder)
+
+
+# ---------------------------------------------------------------------------------- pieces
+def _source_strategy(spec: JobSpec, prepared: Prepared, digests: SourceDigests) -> dict | None:
+    if prepared.source.strategy is None:
+        return None
+    files = [{"path": d.path, "size": d.size, "sha256": d.sha256} for d in digests.strategies]
+    out = {"path": prepared.source.strategy, "files": files}
+    if len(files) == 1 and files[0]["path"] == prepared.source.strategy:
+        out.update(size=files[0]["size"], sha256=files[0]["sha256"])
+    return out
+
+
+def _target_key(spec: JobSpec, prepared: Prepared) -> dict:
+    t = spec.target
+    return {"devices": prepared.target.devices, "format": t.format, "prefix": t.prefix, "unmapped": t.unmapped,
+            "crc": t.crc, "ranks": list(spec.run.ranks) if spec.run.ranks is not None else None}
+
+
+def _input_records(digests: SourceDigests) -> list[FileRecord]:
+    records = [FileRecord(f["path"], f["sha256"], f["size"], "source_checkpoint", f["rank"]) for f in digests.files]
+    return records + [FileRecord(d.path, d.sha256, d.size, "strategy") for d in digests.strategies]
+
+
+def _reuse_if_intact(spec: JobSpec, out: OutputDir, fingerprint: str, recorder) -> Outputs | None:
+    """A complete directory of this very job: nothing to do if every listed file still verifies
+    (same identity as journaled, else re-hashed); otherwise back to partial, keeping what verifies."""
+    manifest = out.read_manifest() or {}
+    listed = out.listed_outputs(manifest)
+    damaged = [e for e in listed if not out.verify(e)]
+    if spec.run.resume and not damaged:
+        log.info("nothing to do: %s already holds this conversion (run %s)", out.path, manifest.get("run_id"))
+        return _record_reuse(out, manifest, listed, recorder)
+    if spec.run.resume:
+        log.warning("%s: %d file(s) listed in its manifest are missing or changed (%s); redoing them",
+                    out.path, len(damaged), ", ".join(e.path for e in damaged[:8]))
+    else:
+        log.info("job.resume=false: redoing the conversion already complete in %s", out.path)
+    for e in listed:
+        e.tensors = manifest.get("tensors", {}).get(str(e.rank), {})
+    out.uncommit(fingerprint, [e for e in listed if e not in damaged] if spec.run.resume else [])
+    return None
+
+
+def _record_reuse(out: OutputDir, manifest: dict, listed: list[JournalEntry], recorder) -> Outputs:
+    from ..hashing import digest_file
+
+    m = digest_file(out.manifest_path)
+    outputs = [FileRecord(out.storage.join(out.path, e.path), e.sha256, e.size, "target_checkpoint", e.rank)
+               for e in listed]
+    strat = (manifest.get("target") or {}).get("strategy")
+    if strat:
+        path = out.storage.join(out.path, out.storage.basename(strat["path"]))
+        outputs.append(FileRecord(path, strat["sha256"], strat["size"], "strategy"))
+    outputs.append(FileRecord(out.manifest_path, m.sha256, m.size, "manifest"))
+    run_id = recorder.complete(outputs)
+    return Outputs(STATUS_REUSED, out.path, out.manifest_path, m.sha256, run_id,
+                   [{"rank": e.rank, "path": out.storage.join(out.path, e.path), "size": e.size, "sha256": e.sha256}
+                    for e in listed])
+
+
+def _write_target_strategy(out: OutputDir, prepared: Prepared) -> dict | None:
+    t = prepared.target
+    if t.strategy_bytes is None:
+        return None
+    path = out.storage.join(out.path, t.strategy_file)
+    size, sha = out.storage.write_bytes(path, t.strategy_bytes, mode=0o444)
+    return {"path": path, "size": size, "sha256": sha, "from": t.strategy_from}
+
+
+def _entry_as_file(out: OutputDir, e: JournalEntry) -> dict:
+    return {"path": out.storage.join(out.path, e.path), "size": e.size, "sha256": e.sha256, "tensors": e.tensors}
+
+
+def _run_ranks(spec: JobSpec, prepared: Prepared, out: OutputDir, digests: SourceDigests, paths: dict[int, str],
+               kept: dict, written: dict, executor: Executor | None) -> None:
+    todo = {r: p for r, p in paths.items() if r not in kept}
+    options = WriteOptions(spec.target.format, spec.run.max_memory, spec.target.crc)
+    tasks = rank_tasks(prepared, todo, options, digests.identities, spec.storage)
+    workers = min(spec.run.workers or default_workers(len(tasks)), max(1, len(tasks)))
+    executor = executor or LocalExecutor(workers, prepared.readers)
+    total = sum(t.plan.bytes_written for t in tasks)
+    bar = Progress(total, len(tasks), enabled=spec.run.progress, desc="converting")
+    log.info("converting %d target rank(s) with %d worker(s): %s to write", len(tasks), workers, human_size(total))
+
+    def on_done(result: RankResult) -> None:
+        info = out.storage.info(result.path)
+        entry = JournalEntry(result.target_rank, out.relative(result.path), result.size, result.sha256,
+                             tuple(info.identity) if info is not None else (), result.tensors)
+        out.journal.append(entry)
+        written[result.target_rank] = {"path": result.path, "size": result.size, "sha256": result.sha256,
+                                       "tensors": result.tensors}
+        bar.rank_done(result.target_rank, result.size)
+
+    try:
+        executor.run(tasks, on_bytes=bar.add_bytes, on_done=on_done)
+    finally:
+        bar.close()
+
+
+def _check_sources_unchanged(prepared: Prepared, digests: SourceDigests) -> None:
+    """Every source read must still be the file that was hashed, or the record would lie."""
+    for r, identity in digests.identities.items():
+        path = prepared.source_paths[r]
+        info = storage_for(path, prepared.readers.storage).info(path)
+        if info is None or tuple(info.identity) != tuple(identity):
+            raise SourceChangedError(f"{path}: source file of rank {r} changed while the job was running; its "
+                                     "outputs may mix old and new bytes, so nothing is recorded: rerun once it is stable")
+
+
+def _finish(spec: JobSpec, prepared: Prepared, out: OutputDir, digests: SourceDigests, fingerprint: str,
+            strategy_out: dict | None, written: dict, recorder) -> Outputs:
+    run_id = recorder.run_id
+    target_files = [{"rank": r, "path": written[r]["path"], "size": written[r]["size"],
+                     "sha256": written[r]["sha256"]} for r in sorted(written)]
+    manifest = build_manifest(
+        run_id=run_id or "", tool_version=__version__, fingerprint=fingerprint, config=spec.config,
+        source=_source_section(spec, prepared, digests),
+        target={"devices": prepared.target.devices, "format": spec.target.format, "prefix": spec.target.prefix,
+                "ranks": list(spec.run.ranks) if spec.run.ranks else None, "strategy": strategy_out,
+                "files": target_files},
+        tensors={str(r): written[r]["tensors"] for r in sorted(written)},
+        plan_summary=_plan_summary(prepared), checks=prepared.checks + ["sources unchanged since hashed"])
+    m_size, m_sha = out.write_manifest(manifest)
+    outputs = [FileRecord(f["path"], f["sha256"], f["size"], "target_checkpoint", f["rank"]) for f in target_files]
+    if strategy_out is not None:
+        outputs.append(FileRecord(strategy_out["path"], strategy_out["sha256"], strategy_out["size"], "strategy"))
+    outputs.append(FileRecord(out.manifest_path, m_sha, m_size, "manifest"))
+    recorder.complete(outputs)
+    return Outputs(STATUS_COMPLETED, out.path, out.manifest_path, m_sha, run_id, target_files)
+
+
+def _source_section(spec: JobSpec, prepared: Prepared, digests: SourceDigests) -> dict:
+    topo = prepared.strategy.topology
+    return {"checkpoints": prepared.source.checkpoints, "select": prepared.source.select, "devices": topo.devices,
+            "stage_devices": topo.stage_devices, "stages": topo.num_stages,
+            "strategy": _source_strategy(spec, prepared, digests), "files": digests.files}
+
+
+def _plan_summary(prepared: Prepared) -> dict:
+    plan = prepared.plan
+    return {"totals": plan.totals(), "omitted": plan.omitted, "notes": plan.notes,
+            "source_ranks": {str(rp.target_rank): rp.source_ranks for rp in plan.ranks}}

@@ -1,0 +1,167 @@
+"""Running rank tasks: in this process, or spread over a pool of worker processes.
+
+Each target rank is an independent ``RankTask``, so ranks are spread over a process pool; a process
+per worker sidesteps the GIL for the numpy and hashing work and keeps each worker's memory bounded
+by its own buffers. An executor calls ``on_done`` in the caller's thread as each rank lands, so the
+job journals it at once and a crash loses at most the ranks in flight; ``on_bytes`` feeds one
+progress bar. The same interface is implemented by the Ray executor for many machines.
+
+Workers report bytes through a shared counter, not a queue: a worker never blocks on a pipe that
+nobody reads, so stopping is always prompt. Workers ignore SIGINT (a Ctrl-C reaches the whole
+process group; the job, not each worker, reacts to it) and die with the job, even by SIGKILL.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import sys
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from typing import Callable, Protocol, Sequence
+
+from ..execute import SourceFiles, run_rank_task
+from ..tasks import RankResult, RankTask
+
+OnBytes = Callable[[int], None]
+OnDone = Callable[[RankResult], None]
+POLL_S = 0.2
+
+
+class Executor(Protocol):
+    def run(self, tasks: Sequence[RankTask], *, on_bytes: OnBytes, on_done: OnDone) -> None:
+        """Run every task; call on_done in the caller's thread as each result lands. The first task
+        that fails for good stops the rest and is raised as a ReshardError naming the rank."""
+
+
+def default_workers(n_tasks: int) -> int:
+    return max(1, min(os.cpu_count() or 1, n_tasks))
+
+
+class LocalExecutor:
+    """Tasks in this process (one worker) or in a pool of forked worker processes.
+
+    `sources`, if given, are open, indexed readers of the source files: this process and forked
+    workers reuse them (positioned reads on a shared descriptor are safe), so no source file is
+    indexed twice.
+    """
+
+    def __init__(self, workers: int = 1, sources: SourceFiles | None = None):
+        self.workers = max(1, workers)
+        self.sources = sources
+
+    def run(self, tasks: Sequence[RankTask], *, on_bytes: OnBytes, on_done: OnDone) -> None:
+        if not tasks:
+            return
+        if self.workers <= 1 or len(tasks) == 1:
+            for t in tasks:
+                on_done(run_rank_task(t, sources=self._sources_for(t), progress=on_bytes))
+            return
+        _run_pool(tasks, min(self.workers, len(tasks)), self.sources, on_bytes, on_done)
+
+    def _sources_for(self, task: RankTask) -> SourceFiles | None:
+        if self.sources is None:
+            return None
+        self.sources.identities.update(task.source_identities)
+        return self.sources
+
+
+# ------------------------------------------------------------------------------- worker side
+_counter = None  # shared byte counter (multiprocessing.Value)
+_shared_sources: SourceFiles | None = None  # the parent's readers, inherited by fork
+
+
+def _init_worker(counter, parent_pid: int) -> None:
+    global _counter
+    _counter = counter
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _die_with_parent(parent_pid)
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Make a worker end when the job process ends, even by SIGKILL.
+
+    An orphaned worker would finish its rank unjournaled and then wait forever for work, holding
+    the output directory's lock (inherited across fork), so the rerun meant to resume the job
+    would be refused until someone found and killed it. Linux only (prctl); elsewhere a no-op.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(1, signal.SIGKILL, 0, 0, 0) != 0:  # PR_SET_PDEATHSIG
+            return
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent_pid:  # the job died before the signal was armed
+        os._exit(1)
+
+
+def _report(n: int) -> None:
+    with _counter.get_lock():
+        _counter.value += n
+
+
+def _run_in_worker(task: RankTask) -> RankResult:
+    sources = _shared_sources
+    if sources is not None:
+        sources.identities.update(task.source_identities)
+    return run_rank_task(task, sources=sources, progress=_report)
+
+
+# ------------------------------------------------------------------------------- parent side
+def _run_pool(tasks, workers: int, sources, on_bytes: OnBytes, on_done: OnDone) -> None:
+    global _shared_sources
+    forking = "fork" in mp.get_all_start_methods()
+    ctx = mp.get_context("fork") if forking else mp.get_context()
+    _shared_sources = sources if forking else None
+    counter = ctx.Value("q", 0)
+    seen = 0
+    pool = ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_init_worker,
+                               initargs=(counter, os.getpid()))
+    pending = set()
+    try:
+        # largest ranks first, so one big rank does not finish alone at the end
+        for t in sorted(tasks, key=lambda t: -t.plan.bytes_written):
+            pending.add(pool.submit(_run_in_worker, t))
+        while pending:
+            done, pending = wait(pending, timeout=POLL_S, return_when=FIRST_COMPLETED)
+            seen = _forward(counter, seen, on_bytes)
+            for fut in done:
+                on_done(fut.result())  # re-raises a worker's error here
+        _forward(counter, seen, on_bytes)
+        pool.shutdown(wait=True)
+    except BaseException:
+        _stop(pool, pending)
+        raise
+    finally:
+        _shared_sources = None
+
+
+def _forward(counter, seen: int, on_bytes: OnBytes) -> int:
+    now = counter.value
+    if now > seen:
+        on_bytes(now - seen)
+    return now
+
+
+def _stop(pool: ProcessPoolExecutor, pending) -> None:
+    """Stop at once: cancel what has not started, kill workers mid-task (their partial files are
+    temporary files, removed by the job), never wait for a rank to finish."""
+    for fut in pending:
+        fut.cancel()
+    processes = list(getattr(pool, "_processes", {}).values())
+    for p in processes:
+        try:
+            p.kill()
+        except (OSError, AttributeError):
+            pass
+    pool.shutdown(wait=False, cancel_futures=True)
+    for p in processes:
+        try:
+            p.join(timeout=5)
+        except (OSError, AssertionError, AttributeError):
+            pass

@@ -1,0 +1,212 @@
+"""Preparing a conversion: find and index the sources, settle the target, cross-check, plan.
+
+Shared by the batch job and the Python API. Everything here reads; nothing is written. The
+cross-checks run before any output exists, so inputs that disagree (a strategy of another
+network, rank folders that are shards of a model but come without its strategy, ranks beyond
+the strategy that hold parameters no other rank has) end the job here with one line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from dataclasses import dataclass, field
+
+from ..demo import ensure_demo
+from ..errors import ConfigError, PlanError, ReshardError
+from ..execute import SourceFiles
+from ..formats.tensorfile import KIND_TENSOR
+from ..plan import Plan, Planner, TensorMeta
+from ..sources import LoadedStrategy, RankFiles, discover, load_strategy
+from ..storage import StorageOptions, storage_for
+from ..text import shorten
+from .spec import SourceSpec, TargetSpec
+from .target import Target, settle_target
+
+log = logging.getLogger("reshard_job")
+SAMPLE_BYTES = 4096  # per probe when telling shards from copies
+
+
+@dataclass
+class Prepared:
+    source: SourceSpec  # with the demo's paths filled in when it was used
+    found: RankFiles
+    strategy: LoadedStrategy
+    readers: SourceFiles  # open and indexed; closed by close()
+    index: dict[int, dict[str, TensorMeta]]
+    target: Target
+    plan: Plan
+    missing: dict[int, list[int]] = field(default_factory=dict)
+    checks: list[str] = field(default_factory=list)  # the cross-checks that ran
+
+    @property
+    def source_paths(self) -> dict[int, str]:
+        return self.readers.paths
+
+    def close(self) -> None:
+        self.readers.close()
+
+    def __enter__(self) -> "Prepared":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def prepare(source: SourceSpec, target: TargetSpec, *, ranks: tuple[int, ...] | None = None,
+            storage: StorageOptions | None = None, demo_root: str | None = None) -> Prepared:
+    """Sources found and indexed, target settled, inputs cross-checked, the plan made."""
+    source = _with_demo(source, demo_root)
+    found = discover(source.checkpoints, source.select, storage)
+    return prepare_files(found, source, target, ranks=ranks, storage=storage)
+
+
+def prepare_files(found: RankFiles, source: SourceSpec, target: TargetSpec, *, ranks: tuple[int, ...] | None = None,
+                  storage: StorageOptions | None = None) -> Prepared:
+    """Like ``prepare``, for source files already chosen (rank -> file)."""
+    strategy = load_strategy(source.strategy, storage)
+    paths = _usable_ranks(found, strategy, source)
+    readers = SourceFiles(paths, verify_crc=False, identities=found.identities, storage=storage)
+    try:
+        index = readers.index()
+        checks = _cross_check(found, strategy, source, index, storage)
+        tgt = settle_target(target, strategy, index, storage)
+        plan, missing = _plan(strategy, tgt, target, index, ranks)
+        checks += _check_identical(readers, getattr(plan, "identical", {}) or {})
+        return Prepared(source, found, strategy, readers, index, tgt, plan, missing, checks)
+    except BaseException:
+        readers.close()
+        raise
+
+
+def _with_demo(source: SourceSpec, demo_root: str | None) -> SourceSpec:
+    if source.checkpoints is not None:
+        return source
+    if demo_root is None:
+        raise ConfigError("source.checkpoints is not set")
+    checkpoints, strategy = ensure_demo(demo_root)
+    log.info("no source.checkpoints given: using the built-in demo (MLP 784-512-512-10 on 8 ranks) at %s",
+             checkpoints)
+    return SourceSpec(checkpoints, strategy, source.select, source.unsharded)
+
+
+def _usable_ranks(found: RankFiles, strategy: LoadedStrategy, source: SourceSpec) -> dict[int, str]:
+    devices = strategy.topology.devices
+    extra = sorted(r for r in found.files if r >= devices)
+    if extra and source.strategy is not None:
+        log.warning("ignoring rank director%s %s: the source strategy describes only %d rank(s)",
+                    "ies" if len(extra) > 1 else "y", ", ".join(f"rank_{r}" for r in extra[:16]), devices)
+    for rank, others in sorted(found.ignored.items())[:8]:
+        if rank < devices:
+            log.info("rank_%d: using %s, ignoring %s", rank, os.path.basename(found.files[rank]), ", ".join(others))
+    return {r: p for r, p in found.files.items() if r < devices}
+
+
+def _plan(strategy: LoadedStrategy, tgt: Target, spec: TargetSpec, index, ranks) -> tuple[Plan, dict]:
+    planner = Planner(strategy.topology, tgt.topology, index, unmapped=spec.unmapped)
+    planner.notes.extend(tgt.notes)
+    missing: dict[int, list[int]] = {}
+    return planner.plan(list(ranks) if ranks is not None else None, missing=missing), missing
+
+
+# ================================================================================ cross-checks
+def _cross_check(found: RankFiles, strategy: LoadedStrategy, source: SourceSpec, index, storage) -> list[str]:
+    checks = []
+    extra = sorted(r for r in found.files if r >= strategy.topology.devices)
+    if source.strategy is None and extra and not source.unsharded:
+        _refuse_shards_without_strategy(found, index, extra, storage)
+        checks.append("rank folders without a strategy hold copies of one model (sampled)")
+    elif extra:
+        _check_extra_ranks(found, strategy, source, index, extra, storage)
+        checks.append("ranks beyond the source strategy hold nothing the others lack")
+    absent = [n for n in strategy.topology.layouts if not any(n in names for names in index.values())]
+    if absent:
+        log.warning("%d parameter(s) of the source strategy are in no source checkpoint and will not be in "
+                    "the outputs: %s%s", len(absent), ", ".join(repr(shorten(n, 60)) for n in absent[:5]),
+                    ", ..." if len(absent) > 5 else "")
+    return checks
+
+
+def _extra_readers(found: RankFiles, ranks: list[int], storage):
+    return SourceFiles({r: found.files[r] for r in ranks}, verify_crc=False, identities=found.identities,
+                       storage=storage)
+
+
+def _check_extra_ranks(found, strategy, source, index, extra, storage) -> None:
+    """Ignoring rank directories beyond the strategy's devices is safe only when they hold nothing
+    the others lack; otherwise (a pipeline strategy directory missing its last stage, the strategy
+    of another run) their parameters would silently be missing from the outputs."""
+    known = set().union(*index.values()) if index else set()
+    with _extra_readers(found, extra, storage) as readers:
+        for r in extra:
+            try:
+                unknown = [n for n in readers.reader(r).names() if n not in known]
+            except ReshardError as e:
+                log.warning("rank_%d is ignored and cannot be read either: %s", r, e)
+                continue
+            if not unknown:
+                continue
+            is_dir = storage_for(source.strategy, storage).info(source.strategy)
+            hint = (f"is a pipeline stage's strategy file missing from {source.strategy}?" if is_dir and is_dir.is_dir
+                    else "was source.strategy saved with these checkpoints?")
+            raise PlanError(
+                f"{found.files[r]}: rank {r} lies beyond the {strategy.topology.devices} rank(s) the source strategy "
+                f"describes, but holds {len(unknown)} parameter(s) that no rank within it holds "
+                f"(e.g. {shorten(unknown[0], 80)!r}); {hint}"
+            )
+
+
+def _refuse_shards_without_strategy(found: RankFiles, index, extra: list[int], storage) -> None:
+    """Without source.strategy the source is one whole model (rank_0). Several rank folders are
+    fine when they are copies (pure data parallel); when they differ they are shards, and rank 0's
+    shard written out as "the model" would be wrong: refuse, naming the remedy."""
+    first = index[min(index)]
+    with _extra_readers(found, extra, storage) as readers, _extra_readers(found, [min(index)], storage) as base:
+        for r in extra:
+            reader = readers.reader(r)
+            for name, meta in first.items():
+                other = reader.entries.get(name)
+                differs = other is None or other.dtype != meta.dtype or tuple(other.shape) != meta.shape
+                if not differs and meta.kind == KIND_TENSOR:
+                    differs = _sample(base.reader(min(index)), name) != _sample(reader, name)
+                if differs:
+                    raise PlanError(
+                        f"{found.root}: source.strategy is not set, but the {len(found.files)} rank folders hold "
+                        f"different tensors (e.g. {shorten(name, 80)!r} differs between rank_{min(index)} and "
+                        f"rank_{r}): they look like shards of one model; set source.strategy to the strategy file "
+                        "saved with them, or source.unsharded=true if each rank folder is a whole copy")
+
+
+def _sample(reader, name: str) -> str:
+    """A digest of a tensor's first, middle and last bytes: enough to tell shards from copies."""
+    entry = reader.entries[name]
+    size = entry.stored_bytes
+    h = hashlib.sha256()
+    for start in sorted({0, max(0, size // 2 - SAMPLE_BYTES // 2), max(0, size - SAMPLE_BYTES)}):
+        n = min(SAMPLE_BYTES, size - start)
+        buf = bytearray(n)
+        reader.read_logical(entry, start, memoryview(buf))
+        h.update(buf)
+    return h.hexdigest()
+
+
+def _check_identical(readers: SourceFiles, identical: dict[str, list[int]]) -> list[str]:
+    """Parameters the source strategy does not lay out must be the same bytes on every rank holding
+    them: a rank-local slice taken for a whole tensor is how a wrong strategy turns into a wrong
+    checkpoint."""
+    for name, ranks in identical.items():
+        digests = {}
+        for r in ranks:
+            h = hashlib.sha256()
+            for block in readers.reader(r).iter_content(name):
+                h.update(block)
+            digests[r] = h.hexdigest()
+        first = min(digests)
+        other = next((r for r in sorted(digests) if digests[r] != digests[first]), None)
+        if other is not None:
+            raise PlanError(
+                f"parameter {shorten(name, 80)!r} is not laid out by the source strategy, so every rank must hold "
+                f"it whole, but ranks {first} and {other} hold different bytes: was source.strategy saved with "
+                "these checkpoints?")
+    return ["parameters outside the source strategy are identical on every rank"] if identical else []

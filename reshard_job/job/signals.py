@@ -1,0 +1,47 @@
+"""Stopping cleanly on SIGINT and SIGTERM.
+
+While a job runs, the first SIGINT (Ctrl-C) or SIGTERM raises ``Interrupted`` in the main thread,
+so the job unwinds like on any error: workers are killed, temporary files removed, the output lock
+released, the lineage run marked interrupted, one line printed, exit status 130 or 143. The
+handlers are then back to the defaults, so a second Ctrl-C ends the process at once.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from contextlib import contextmanager
+
+EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
+
+
+class Interrupted(BaseException):
+    """The job was asked to stop (a BaseException, like KeyboardInterrupt: no handler swallows it)."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        self.exit_code = EXIT_CODES.get(signum, 128 + signum)
+        name = signal.Signals(signum).name if signum in signal.Signals._value2member_map_ else str(signum)
+        super().__init__(f"interrupted ({name})")
+
+
+@contextmanager
+def interruptible():
+    """Turn SIGINT/SIGTERM into ``Interrupted`` for the duration (main thread only; a no-op elsewhere)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.getsignal(s) for s in EXIT_CODES}
+
+    def handler(signum, frame):
+        for s in EXIT_CODES:  # a second signal acts at once
+            signal.signal(s, signal.SIG_DFL)
+        raise Interrupted(signum)
+
+    for s in EXIT_CODES:
+        signal.signal(s, handler)
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
