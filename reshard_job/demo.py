@@ -52,18 +52,38 @@ def global_tensors() -> dict[str, np.ndarray]:
 
 
 def ensure_demo(root: str) -> tuple[str, str]:
-    """Generate the demo checkpoints under `root` unless present; return (checkpoints dir, strategy)."""
+    """Generate the demo checkpoints under `root` unless present; return (checkpoints dir, strategy).
+
+    Several jobs of a sweep may start at once: one generates the set into a temporary folder and
+    renames it into place under a lock, the others wait and then use it, so no job ever sees a
+    demo file replaced under its feet.
+    """
+    import fcntl
+    import shutil
+
     ckpt_dir = os.path.join(root, DEMO_NAME)
     strategy = strategy_path()
     topo = Topology.from_strategy(read_strategy(strategy))
     files = [os.path.join(ckpt_dir, f"rank_{r}", f"checkpoint_{r}.ckpt") for r in range(topo.devices)]
     if all(os.path.exists(f) for f in files):
         return ckpt_dir, strategy
+    os.makedirs(root, exist_ok=True)
+    with open(os.path.join(root, ".demo.lock"), "a") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        if all(os.path.exists(f) for f in files):
+            return ckpt_dir, strategy
+        staging = f"{ckpt_dir}.{os.getpid()}.tmp"
+        shutil.rmtree(staging, ignore_errors=True)
+        _write_demo(staging, topo)
+        shutil.rmtree(ckpt_dir, ignore_errors=True)  # an incomplete set from an older version
+        os.rename(staging, ckpt_dir)
+    return ckpt_dir, strategy
+
+
+def _write_demo(folder: str, topo: Topology) -> None:
     tensors = global_tensors()
-    for rank, path in enumerate(files):
-        if os.path.exists(path):
-            continue
-        with CheckpointWriter(path) as w:
+    for rank in range(topo.devices):
+        with CheckpointWriter(os.path.join(folder, f"rank_{rank}", f"checkpoint_{rank}.ckpt")) as w:
             for name, full in tensors.items():
                 rec = topo.layout(name, 0)
                 if rec is None:
@@ -72,4 +92,3 @@ def ensure_demo(root: str) -> tuple[str, str]:
                 layout = Layout.from_recorded(rec, full.ndim, topo.stage_devices, name)
                 box = layout.box(rank, full.shape)
                 w.add(name, full[tuple(slice(a, b) for a, b in box)])
-    return ckpt_dir, strategy

@@ -22,7 +22,7 @@ import socket
 from ..errors import OutputError
 from ..hashing import digest_file
 from ..storage import LockedError, Storage
-from .journal import STATE_DIR, Journal, JournalEntry
+from .journal import STATE_DIR, TENSORS_DIR, Journal, JournalEntry
 
 MANIFEST = "manifest.json"
 MAX_MANIFEST_BYTES = 1 << 31
@@ -259,7 +259,7 @@ class OutputDir:
             ranks = [e.name for e in self.storage.listdir(self.path) if e.name.startswith("rank_") and e.is_dir]
         except Exception:  # noqa: BLE001 - nothing to clean in a directory that cannot be listed
             return 0
-        return self.storage.remove_incomplete(self.path, ranks + [STATE_DIR])
+        return self.storage.remove_incomplete(self.path, ranks + [STATE_DIR, f"{STATE_DIR}/{TENSORS_DIR}"])
 
     # ------------------------------------------------------------------------------ manifest
     def write_manifest(self, manifest: dict) -> tuple[int, str]:

@@ -151,7 +151,7 @@ def test_outputs_of_another_conversion_are_refused_unless_overwrite(tmp_path, s1
 
 def test_second_writer_is_refused_while_the_first_runs(tmp_path, big_source, app):
     out = tmp_path / "out"
-    # 8 KiB pieces make the first job hold the lock for seconds, whatever the machine (same conversion)
+    # 16 KiB pieces make the first job hold the lock for seconds, whatever the machine (same conversion)
     first = subprocess.Popen(app_command(*big_source.args(out, "job.workers=1", "job.max_memory=16KiB")),
                              cwd=tmp_path, env=app_env(),
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
