@@ -25,7 +25,9 @@ THROTTLING_CODES = frozenset({
     "SlowDown", "Throttling", "ThrottlingException", "ThrottledException", "RequestThrottled",
     "RequestLimitExceeded", "TooManyRequests", "TooManyRequestsException", "ServiceUnavailable",
     "503", "429", "RequestThrottledException", "ProvisionedThroughputExceededException",
+    "ErrTooManyRequest",  # SeaweedFS's circuit breaker
 })
+THROTTLING_STATUS = frozenset({429, 503})
 # The request reached the store but it did not accept who we claim to be.
 CREDENTIAL_CODES = frozenset({
     "InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken", "ExpiredToken", "TokenRefreshRequired",
@@ -63,6 +65,13 @@ def error_code(exc: BaseException) -> str:
         status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
         code = str(status or "")
     return code
+
+
+def _status(exc: BaseException) -> int:
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):
+        return int(response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+    return 0
 
 
 def _attempts(exc: BaseException) -> int:
@@ -156,7 +165,7 @@ def storage_error(exc: BaseException, url: str, doing: str, *, endpoint: str | N
     if code in PERMISSION_CODES or code == "403":
         return StorageError(f"{where}: access denied while {doing} ({code}); the credentials lack permission "
                             f"for this bucket or prefix")
-    if code in THROTTLING_CODES:
+    if code in THROTTLING_CODES or _status(exc) in THROTTLING_STATUS:
         return StorageError(f"{where}: the object store kept throttling requests ({code}) while {doing}, "
                             f"{_attempts(exc)} attempt(s) with back-off; try again later or use fewer workers")
     if code == "NoSuchUpload":

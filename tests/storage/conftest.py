@@ -120,20 +120,20 @@ class S3Server:
                                             cwd=self.root, start_new_session=True)
         finally:
             log.close()
-        self._wait_ready()
+        self._wait_ready(self.endpoint, self.process)
 
-    def _wait_ready(self) -> None:
+    def _wait_ready(self, endpoint: str, process: subprocess.Popen) -> None:
         """Ready when a bucket can be created and an object written and read back (the filer and a
         writable volume exist by then, not just the S3 listener)."""
         from reshard_job.storage.remote import S3Storage
 
-        store = S3Storage(endpoint_url=self.endpoint, options=self.options(
+        store = S3Storage(endpoint_url=endpoint, options=self.options(
             config_kwargs={"retries": {"max_attempts": 1, "mode": "standard"}, "connect_timeout": 2}))
         deadline = time.monotonic() + S3_START_TIMEOUT
         last: Exception | None = None
         while time.monotonic() < deadline:
-            if self.process is not None and self.process.poll() is not None:
-                raise RuntimeError(f"weed server exited with {self.process.returncode}:\n{self._log_tail()}")
+            if process.poll() is not None:
+                raise RuntimeError(f"weed exited with {process.returncode}:\n{self._log_tail()}")
             try:
                 store.call_raw("create_bucket", Bucket="ready-probe")
             except Exception as e:  # noqa: BLE001 - not up yet, or the bucket exists from a previous try

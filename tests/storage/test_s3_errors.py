@@ -1,5 +1,6 @@
 """The mapping from store failures to one-line messages, for answers the test server cannot be made
-to give on demand (throttling after retries, expired tokens, unknown codes). The error objects are
+to give on demand (throttling after retries, expired tokens, unknown codes); SeaweedFS's circuit
+breaker can throttle, but applied its setting only after a delay of tens of seconds, if at all. The error objects are
 botocore's own, built from the response shape botocore parses off the wire; the live cases
 (bad credentials, missing bucket, refused connection, denied writes) are in test_s3_backend.py."""
 
@@ -24,6 +25,7 @@ def client_error(code: str, message: str = "", status: int = 400, attempts: int 
 @pytest.mark.parametrize("code, status, expected", [
     ("SlowDown", 503, "kept throttling requests (SlowDown) while reading it, 5 attempt(s) with back-off"),
     ("ServiceUnavailable", 503, "kept throttling"),
+    ("ErrTooManyRequest", 503, "kept throttling requests (ErrTooManyRequest)"),  # SeaweedFS's circuit breaker
     ("TooManyRequests", 429, "kept throttling"),
     ("ExpiredToken", 400, "rejected the credentials (ExpiredToken)"),
     ("InvalidAccessKeyId", 403, "rejected the credentials (InvalidAccessKeyId)"),
