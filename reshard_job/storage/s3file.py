@@ -1,0 +1,197 @@
+"""An object opened for positioned reads through ranged GETs (the remote ``RandomAccess``).
+
+Two access patterns matter, and they want opposite things:
+
+- Indexing a ``.ckpt`` walks record headers: thousands of reads of a few bytes, mostly one
+  after the other. One GET each would cost a round trip per header, so small reads are served
+  from a read-ahead window. The window starts small (64 KiB) and doubles (up to 4 MiB) while
+  reads keep landing just past it, and falls back to small after a jump: walking small tensors
+  then costs a request per few MiB, walking large ones a request of 64 KiB per header, never a
+  download of the tensors skipped.
+- Reading slices for a target rank asks for many ranges at once (``read_ranges``) or a few big
+  ones. Neighbouring ranges are merged into requests of up to 8 MiB (``ranges.plan_requests``),
+  up to 8 requests are in flight on the store's event loop, and each response is streamed
+  straight into the caller's buffers in 1 MiB pieces: memory stays the caller's buffers plus a
+  few MiB, however large the request.
+
+Every GET carries ``If-Match`` with the ETag seen at open, so an object replaced while the job
+reads it fails with ``SourceChangedError`` instead of mixing two versions' bytes. A response
+cut off mid-stream is requested again (the bytes are the same: the ETag still matches).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import TYPE_CHECKING
+
+from .base import SourceChangedError
+from .ranges import Request, clip_ranges, plan_requests
+from .s3errors import is_absent, storage_error
+
+if TYPE_CHECKING:
+    from .remote import S3Storage
+
+MIN_READAHEAD = 64 * 1024
+MAX_READAHEAD = 4 * 1024 * 1024
+MAX_GAP = 1024 * 1024  # bytes of gap worth reading to save a round trip
+MAX_REQUEST = 8 * 1024 * 1024
+STREAM_CHUNK = 1024 * 1024
+STREAM_ATTEMPTS = 3  # a body cut off mid-stream is fetched again this many times in all
+
+
+def _stream_errors() -> tuple[type[BaseException], ...]:
+    from botocore.exceptions import HTTPClientError
+
+    errors: tuple[type[BaseException], ...] = (HTTPClientError, asyncio.TimeoutError, ConnectionError)
+    try:
+        import aiohttp
+
+        errors += (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError)
+    except ImportError:  # pragma: no cover - aiobotocore's httpx flavour
+        pass
+    return errors
+
+
+class ObjectReader:
+    """``RandomAccess`` over one object version (see the module docstring)."""
+
+    def __init__(self, store: "S3Storage", url: str, bucket: str, key: str, size: int, etag: str,
+                 identity: tuple, *, concurrency: int = 8):
+        self.path = url
+        self.size = size
+        self.identity = identity
+        self.etag = etag
+        self.requests = 0  # GETs issued: what tests and benchmarks count
+        self.bytes_fetched = 0
+        self._store = store
+        self._bucket = bucket
+        self._key = key
+        self._concurrency = max(1, concurrency)
+        self._lock = threading.Lock()
+        self._window_offset = 0
+        self._window = b""
+        self._readahead = MIN_READAHEAD
+        self._closed = False
+
+    # -- RandomAccess --------------------------------------------------------------------------
+    def pread_into(self, offset: int, view: memoryview) -> int:
+        self._check_open()
+        view = memoryview(view)
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
+        ((offset, n),) = clip_ranges([(offset, len(view))], self.size)
+        if n == 0:
+            return 0
+        with self._lock:
+            w_off, window = self._window_offset, self._window
+            if w_off <= offset and offset + n <= w_off + len(window):
+                view[:n] = window[offset - w_off:offset - w_off + n]
+                return n
+            if n >= MAX_READAHEAD:
+                self._fetch([(offset, n)], [view[:n]])
+                return n
+            sequential = bool(window) and w_off <= offset <= w_off + len(window) + self._readahead
+            self._readahead = min(2 * self._readahead, MAX_READAHEAD) if sequential else MIN_READAHEAD
+            length = min(max(n, self._readahead), self.size - offset)
+            buf = bytearray(length)
+            self._fetch([(offset, length)], [memoryview(buf)])
+            self._window_offset, self._window = offset, bytes(buf)
+            view[:n] = self._window[:n]
+            return n
+
+    def read_ranges(self, ranges: list[tuple[int, int]]) -> list[bytes]:
+        self._check_open()
+        clipped = clip_ranges(list(ranges), self.size)
+        buffers = [bytearray(length) for _, length in clipped]
+        self._fetch(clipped, [memoryview(b) for b in buffers])
+        out = []
+        for i in range(len(buffers)):
+            out.append(bytes(buffers[i]))
+            buffers[i] = bytearray()  # drop each buffer once copied: peak = total + one range
+        return out
+
+    def close(self) -> None:
+        self._closed = True
+        self._window = b""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- fetching ------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError(f"{self.path}: reader is closed")
+
+    def _fetch(self, ranges: list[tuple[int, int]], sinks: list[memoryview]) -> None:
+        """Fill sinks[i] with the bytes of ranges[i] (already clipped to the object)."""
+        requests = plan_requests(ranges, max_gap=MAX_GAP, max_request=MAX_REQUEST)
+        if requests:
+            self._store.run(self._run_requests, requests, ranges, sinks)
+
+    async def _run_requests(self, requests: list[Request], ranges, sinks) -> None:
+        client = await self._store.client()
+        gate = asyncio.Semaphore(self._concurrency)
+
+        async def one(request: Request) -> None:
+            async with gate:
+                await self._stream(client, request, ranges, sinks)
+
+        tasks = [asyncio.ensure_future(one(r)) for r in requests]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+
+    async def _stream(self, client, request: Request, ranges, sinks) -> None:
+        retryable = _stream_errors()
+        for attempt in range(STREAM_ATTEMPTS):
+            try:
+                response = await client.get_object(Bucket=self._bucket, Key=self._key, IfMatch=self.etag,
+                                                   Range=f"bytes={request.offset}-{request.end - 1}")
+            except Exception as e:  # noqa: BLE001 - every store failure becomes one line
+                raise self._error(e) from None
+            self.requests += 1
+            body = response["Body"]
+            try:
+                await self._copy_body(body, request, ranges, sinks)
+                return
+            except retryable as e:
+                if attempt + 1 == STREAM_ATTEMPTS:
+                    raise self._error(e) from None
+            finally:
+                body.close()
+
+    async def _copy_body(self, body, request: Request, ranges, sinks) -> None:
+        pieces = request.pieces
+        pos, first = request.offset, 0
+        while pos < request.end:
+            chunk = await body.read(min(STREAM_CHUNK, request.end - pos))
+            if not chunk:
+                raise SourceChangedError(f"{self.path}: the store sent {pos - request.offset} of "
+                                         f"{request.length} bytes asked for; the object changed or is damaged")
+            data = memoryview(chunk)
+            chunk_end = pos + len(chunk)
+            while first < len(pieces) and pieces[first].end <= pos:
+                first += 1
+            i = first
+            while i < len(pieces) and pieces[i].offset < chunk_end:
+                piece = pieces[i]
+                lo, hi = max(piece.offset, pos), min(piece.end, chunk_end)
+                if lo < hi:
+                    base = ranges[piece.index][0]
+                    sinks[piece.index][lo - base:hi - base] = data[lo - pos:hi - pos]
+                i += 1
+            self.bytes_fetched += len(chunk)
+            pos = chunk_end
+
+    def _error(self, e: BaseException) -> Exception:
+        if is_absent(e):
+            return SourceChangedError(f"{self.path}: was deleted while the job was reading it")
+        return storage_error(e, self.path, "reading it", endpoint=self._store.endpoint, bucket=self._bucket)
