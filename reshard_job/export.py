@@ -99,8 +99,10 @@ def shard_file_name(number: int, count: int) -> str:
 
 
 def natural_key(name: str) -> tuple:
-    """Sort key comparing digit runs as numbers: ``layers.2`` < ``layers.10``."""
-    return tuple((0, int(part), "") if part.isdigit() else (1, 0, part) for part in re.split(r"(\d+)", name) if part)
+    """Sort key comparing digit runs as numbers: ``layers.2`` < ``layers.10`` (ties such as
+    ``a1``/``a01`` broken by the plain name, so the order never depends on the input's)."""
+    parts = tuple((0, int(part), "") if part.isdigit() else (1, 0, part) for part in re.split(r"(\d+)", name) if part)
+    return parts, name
 
 
 @dataclass(frozen=True)

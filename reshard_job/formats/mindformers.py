@@ -40,7 +40,7 @@ import ast
 import json
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from math import prod
 
 from ..errors import FormatError
@@ -170,7 +170,8 @@ def parse_metadata(data: bytes, path: str) -> dict[str, ParamMetadata]:
     try:
         doc = json.loads(data.decode("utf-8"))
     except UnicodeDecodeError as e:
-        raise MindFormersFormatError(path, f"not valid UTF-8 (byte {e.start}); expected MindFormers' metadata JSON") from None
+        raise MindFormersFormatError(
+            path, f"not valid UTF-8 (byte {e.start}); expected MindFormers' metadata JSON") from None
     except json.JSONDecodeError as e:
         raise MindFormersFormatError(path, f"not valid JSON ({e})") from None
     except RecursionError:
@@ -181,7 +182,8 @@ def parse_metadata(data: bytes, path: str) -> dict[str, ParamMetadata]:
     if not doc["state_dict_metadata"]:
         raise MindFormersFormatError(path, "'state_dict_metadata' describes no parameter")
     params = {name: _parse_param(name, obj, path) for name, obj in doc["state_dict_metadata"].items()}
-    _parse_storage(doc["storage_data"], params, path)
+    locations = _parse_storage(doc["storage_data"], params, path)
+    params = {name: replace(p, locations=locations.get(name, {})) for name, p in params.items()}
     for p in params.values():
         missing = [k for k in range(p.shard_count) if k not in p.locations]
         if missing:
@@ -232,7 +234,8 @@ def _parse_param(name: str, obj, path: str) -> ParamMetadata:
     for c in chunks:
         offset = c.get("global_offset") if isinstance(c, dict) else None
         if not (isinstance(offset, list) and len(offset) == 1 and _is_int(offset[0])):
-            raise MindFormersFormatError(path, f"{where}: chunk global_offset must be [<shard index>], got {_brief(offset)}")
+            raise MindFormersFormatError(
+                path, f"{where}: chunk global_offset must be [<shard index>], got {_brief(offset)}")
         k = offset[0]
         if not 0 <= k < count:
             raise MindFormersFormatError(path, f"{where}: chunk shard index {k} is outside 0..{count - 1}")
@@ -247,7 +250,7 @@ def _parse_param(name: str, obj, path: str) -> ParamMetadata:
     if len(shard_shapes) != count:
         absent = sorted(set(range(count)) - set(shard_shapes))
         raise MindFormersFormatError(path, f"{where}: chunks lack shard(s) {absent[:8]} of {count}")
-    return ParamMetadata(name, dtype, shape, fragments, layout, shard_shapes, {})
+    return ParamMetadata(name, dtype, shape, fragments, layout, shard_shapes)
 
 
 def _parse_layout(obj, ndim: int, where: str, path: str) -> MetadataLayout:
@@ -286,7 +289,10 @@ def _parse_layout(obj, ndim: int, where: str, path: str) -> MetadataLayout:
     return MetadataLayout(dev, tuple(tensor_map), ranks)
 
 
-def _parse_storage(storage: dict, params: dict[str, ParamMetadata], path: str) -> None:
+def _parse_storage(storage: dict, params: dict[str, ParamMetadata],
+                   path: str) -> dict[str, dict[int, tuple[ShardLocation, ...]]]:
+    """name -> shard index -> where it is stored, each entry checked against the layout's shard rule."""
+    out: dict[str, dict[int, tuple[ShardLocation, ...]]] = {}
     for key, entries in storage.items():
         name, k = _parse_storage_key(key, path)
         p = params.get(name)
@@ -296,6 +302,8 @@ def _parse_storage(storage: dict, params: dict[str, ParamMetadata], path: str) -
         where = f"parameter {_short(name)!r} shard {k}"
         if not 0 <= k < p.shard_count:
             raise MindFormersFormatError(path, f"{where}: shard index outside 0..{p.shard_count - 1}")
+        if k in out.get(name, {}):
+            raise MindFormersFormatError(path, f"{where}: storage_data has two keys for it")
         if not isinstance(entries, list) or not entries:
             raise MindFormersFormatError(path, f"{where}: storage_data entry must be a non-empty list")
         locations = []
@@ -305,18 +313,21 @@ def _parse_storage(storage: dict, params: dict[str, ParamMetadata], path: str) -
                 for r in (loc.storage_rank,) + loc.rank_group:
                     if r not in p.layout.rank_list:
                         raise MindFormersFormatError(
-                            path, f"{where}: rank {r} is not in the layout's rank_list {_brief(list(p.layout.rank_list))}")
+                            path, f"{where}: rank {r} is not in the layout's rank_list "
+                                  f"{_brief(list(p.layout.rank_list))}")
                     held = p.shard_of(r)
                     if held != k:
                         raise MindFormersFormatError(
-                            path, f"{where}: storage_data says rank {r} holds it, but the layout gives rank {r} shard {held}")
+                            path, f"{where}: storage_data says rank {r} holds it, "
+                                  f"but the layout gives rank {r} shard {held}")
             if loc.storage_rank not in loc.rank_group:
                 raise MindFormersFormatError(
                     path, f"{where}: storage_rank {loc.storage_rank} is not in its rank_group {list(loc.rank_group)}")
             if any(other.storage_rank == loc.storage_rank for other in locations):
                 raise MindFormersFormatError(path, f"{where}: rank {loc.storage_rank} is listed twice")
             locations.append(loc)
-        p.locations[k] = tuple(locations)
+        out.setdefault(name, {})[k] = tuple(locations)
+    return out
 
 
 def _parse_storage_key(key: str, path: str) -> tuple[str, int]:
@@ -337,7 +348,8 @@ def _parse_location(e, where: str, path: str) -> ShardLocation:
     file_name, rank, group = e.get("file_name"), e.get("storage_rank"), e.get("rank_group")
     if not isinstance(file_name, str) or not _is_plain_file_name(file_name):
         # a name with a folder part would read outside the iteration folder
-        raise MindFormersFormatError(path, f"{where}: file_name {_brief(file_name)} must be a file of the iteration folder")
+        raise MindFormersFormatError(
+            path, f"{where}: file_name {_brief(file_name)} must be a file of the iteration folder")
     if not (_is_int(rank) and rank >= 0):
         raise MindFormersFormatError(path, f"{where}: storage_rank must be a non-negative integer, got {_brief(rank)}")
     return ShardLocation(file_name, rank, _int_list(group, f"{where}: rank_group", path))
@@ -376,7 +388,8 @@ def synthesize_strategy(params: dict[str, ParamMetadata], path: str) -> Strategy
     sizes = {len(p.layout.rank_list) for p in laid_out}
     if len(sizes) > 1:
         raise MindFormersFormatError(
-            path, f"layouts cover different numbers of ranks {sorted(sizes)}; every layout must cover one pipeline stage")
+            path, f"layouts cover different numbers of ranks {sorted(sizes)}; "
+                  f"every layout must cover one pipeline stage")
     stage_size = sizes.pop()
     stage_of: dict[str, int] = {}
     for p in laid_out:

@@ -106,7 +106,8 @@ def write_mf_save(root: Path, params: dict, *, stored_by=None, world: int, prefi
         order = list(dict.fromkeys(shards))
         local = [g // f for g, f in zip(array.shape, frags)]
         sdm[name] = {
-            "properties": {"dtype": dtype.lower(), "replica_id": [groups[k].index(ranks[i]) for i, k in enumerate(shards)],
+            "properties": {"dtype": dtype.lower(),
+                           "replica_id": [groups[k].index(ranks[i]) for i, k in enumerate(shards)],
                            "allow_shape_mismatch": False, "allow_to_save": True},
             "global_shape": list(array.shape), "axis_fragmentations": frags,
             "layout": {"device_matrix": list(dev), "tensor_map": tmap, "interleaved_parallel": False,
@@ -128,7 +129,8 @@ def write_mf_save(root: Path, params: dict, *, stored_by=None, world: int, prefi
         if stored_by is None:
             ranks_with = list(range(world))
         for number, r in enumerate(ranks_with):
-            file_names[(kind, r)] = f"{prefix}-{kind}-{(r if stored_by is None else number):07d}-{len(ranks_with):07d}.safetensors"
+            index = r if stored_by is None else number
+            file_names[(kind, r)] = f"{prefix}-{kind}-{index:07d}-{len(ranks_with):07d}.safetensors"
     for key, entries in storage.items():
         name = ast.literal_eval(key)[0]
         kind = "opt" if name.startswith(("adam_m.", "adam_v.")) else "model"
@@ -376,11 +378,13 @@ BROKEN_METADATA = [
      ["metadata.json", "'nope'", "does not describe"]),
     ("file outside the folder", _set(["storage_data", WQ_KEY, 0, "file_name"], "../x.safetensors"),
      ["metadata.json", WQ, "must be a file of the iteration folder"]),
-    ("one file for two ranks", _set(["storage_data", WQ_KEY, 0, "file_name"], "llama-model-0000000-0000004.safetensors"),
+    ("one file for two ranks",
+     _set(["storage_data", WQ_KEY, 0, "file_name"], "llama-model-0000000-0000004.safetensors"),
      ["metadata.json", "ranks 0 and 1", "llama-model-0000000-0000004.safetensors"]),
     ("no parameters", _set(["state_dict_metadata"], {}), ["metadata.json", "describes no parameter"]),
     ("pipeline gap", lambda d: shift_ranks(d, 8), ["metadata.json", "no parameter lives in pipeline stage(s) [0, 1]"]),
-    ("rank list not a stage", lambda d: shift_ranks(d, 1), ["metadata.json", "not one pipeline stage of 4 consecutive"]),
+    ("rank list not a stage", lambda d: shift_ranks(d, 1),
+     ["metadata.json", "not one pipeline stage of 4 consecutive"]),
 ]
 
 
@@ -685,3 +689,51 @@ def test_redundancy_removed_save_is_never_converted_wrongly(tmp_path):
     with CheckpointReader(written.path) as r:
         for name, (array, *_rest) in params.items():
             assert np.array_equal(r.read(name), array), name
+
+
+# ================================================================================ robustness
+
+
+def small_m1a_metadata() -> dict:
+    """M1a's metadata.json cut down to three parameters (sharded, replicated, optimizer state)."""
+    doc = json.loads((M1A / "src_mindformers" / M1A_ITERATION / "metadata.json").read_text())
+    keep = {WQ, "model.norm_out.weight", "adam_m.lm_head.weight"}
+    return {"state_dict_metadata": {n: v for n, v in doc["state_dict_metadata"].items() if n in keep},
+            "storage_data": {k: v for k, v in doc["storage_data"].items() if ast.literal_eval(k)[0] in keep}}
+
+
+SMALL_M1A = small_m1a_metadata()
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-3, 40) | st.floats(allow_nan=True) | st.text(max_size=6),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=6)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_mutated_metadata_fails_with_one_line_errors_only(data):
+    """Random structural damage to a real metadata.json: parsed, or refused with our error, never a crash."""
+    doc = json.loads(json.dumps(SMALL_M1A))
+    for _ in range(data.draw(st.integers(1, 3))):
+        node = doc
+        while True:
+            keys = list(node) if isinstance(node, dict) else list(range(len(node)))
+            if not keys:
+                break
+            key = data.draw(st.sampled_from(keys))
+            child = node[key]
+            if isinstance(child, (dict, list)) and child and data.draw(st.integers(0, 4)):
+                node = child
+                continue
+            if isinstance(node, dict) and data.draw(st.booleans()):
+                del node[key]
+            else:
+                node[key] = data.draw(json_values)
+            break
+    try:
+        params = parse_metadata(json.dumps(doc).encode(), "metadata.json")
+        sf = synthesize_strategy(params, "metadata.json")
+        if sf is not None:
+            Topology.from_strategy(sf)
+    except ReshardError as e:
+        assert "\n" not in str(e) and len(str(e)) < 600
