@@ -40,6 +40,7 @@ class MultiFileReader:
             raise ValueError("MultiFileReader needs at least one file")
         self._readers: list[SafetensorsReader] = []
         self._bases: list[int] = []
+        self._sizes: list[int] = []
         self._owner: dict[str, int] = {}
         self.entries: dict[str, TensorEntry] = {}
         try:
@@ -48,6 +49,7 @@ class MultiFileReader:
                 reader = SafetensorsReader(path, verify_crc=verify_crc)
                 self._readers.append(reader)
                 self._bases.append(base)
+                self._sizes.append(os.path.getsize(path))
                 for name, entry in reader.entries.items():
                     if name in self._owner:
                         raise FormatError(
@@ -55,7 +57,7 @@ class MultiFileReader:
                                   "files read as one rank must not hold the same tensor twice")
                     self._owner[name] = i
                     self.entries[name] = _shifted(entry, base)
-                base += reader.size
+                base += self._sizes[-1]
         except BaseException:
             self.close()
             raise
@@ -104,7 +106,7 @@ class MultiFileReader:
             raise FormatError(self.path, f"offset {offset} is outside the files")
         reader = self._readers[i]
         within = offset - self._bases[i]
-        if within + nbytes > reader.size:
+        if within + nbytes > self._sizes[i]:
             raise FormatError(reader.path, f"a read of {nbytes} bytes at byte {within} runs past the end of the file")
         return reader.pread(within, nbytes)
 
