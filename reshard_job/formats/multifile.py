@@ -1,0 +1,181 @@
+"""Several safetensors files presented as one source rank.
+
+Some savers spread one rank's tensors over several files: MindFormers writes a rank's network
+weights to a ``-model-`` file and its optimizer states to an ``-opt-`` file, and an export for
+inference splits one full model into size-bounded shards. The planner and the executor think in
+ranks, each read through one object; ``MultiFileReader`` is that object for a set of files.
+
+Composition, not inheritance: it holds one ``SafetensorsReader`` per file and sends each call to
+the reader of the file that holds the tensor. Tensor names must be unique across the files (a
+name in two files would make "the rank's tensor" ambiguous), which is checked when the files are
+opened.
+
+Byte offsets. ``entries`` and ``pread`` use one address space over all files, file after file
+in the order given (file ``i`` starts at the sum of the sizes of the files before it). So the
+offsets in an entry's ``pieces`` always mean the same bytes as ``pread`` returns, whichever file
+they are in; a read that would run from one file into the next is refused.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+from dataclasses import replace
+from typing import Iterable, Mapping, Sequence
+
+import numpy as np
+
+from ..errors import FormatError, PlanError
+from .boxes import Box
+from .safetensors import SafetensorsReader
+from .tensorfile import TensorEntry
+
+
+class MultiFileReader:
+    """The tensors of several safetensors files, read as one rank's file (names unique across them)."""
+
+    def __init__(self, paths: Iterable[str | os.PathLike], *, verify_crc: bool = True):
+        self.paths: tuple[str, ...] = tuple(os.fspath(p) for p in paths)
+        if not self.paths:
+            raise ValueError("MultiFileReader needs at least one file")
+        self._readers: list[SafetensorsReader] = []
+        self._bases: list[int] = []
+        self._sizes: list[int] = []
+        self._owner: dict[str, int] = {}
+        self.entries: dict[str, TensorEntry] = {}
+        try:
+            base = 0
+            for i, path in enumerate(self.paths):
+                reader = SafetensorsReader(path, verify_crc=verify_crc)
+                self._readers.append(reader)
+                self._bases.append(base)
+                self._sizes.append(os.path.getsize(path))
+                for name, entry in reader.entries.items():
+                    if name in self._owner:
+                        raise FormatError(
+                            path, f"tensor {name!r} is also in {self.paths[self._owner[name]]}; "
+                                  "files read as one rank must not hold the same tensor twice")
+                    self._owner[name] = i
+                    self.entries[name] = _shifted(entry, base)
+                base += self._sizes[-1]
+        except BaseException:
+            self.close()
+            raise
+        self.path = _display_path(self.paths)
+
+    # --- mapping ------------------------------------------------------------------------------
+    def __contains__(self, name: str) -> bool:
+        return name in self.entries
+
+    def __getitem__(self, name: str) -> TensorEntry:
+        return self.entries[name]
+
+    def __iter__(self):
+        return iter(self.entries)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def names(self) -> list[str]:
+        return list(self.entries)
+
+    def file_of(self, name: str) -> str:
+        """The file that holds tensor `name`."""
+        return self.paths[self._owner[name]]
+
+    def _reader_of(self, name: str) -> SafetensorsReader:
+        return self._readers[self._owner[name]]
+
+    # --- reads --------------------------------------------------------------------------------
+    def read_box(self, name: str, box: Box, out: np.ndarray | None = None) -> np.ndarray:
+        return self._reader_of(name).read_box(name, box, out=out)
+
+    def read(self, name: str) -> np.ndarray:
+        return self._reader_of(name).read(name)
+
+    def iter_content(self, name: str, block: int = 8 * 1024 * 1024):
+        return self._reader_of(name).iter_content(name, block)
+
+    def read_raw(self, name: str) -> bytes:
+        return self._reader_of(name).read_raw(name)
+
+    def pread(self, offset: int, nbytes: int) -> bytes:
+        """Bytes at `offset` of the concatenated address space (see the module docstring)."""
+        i = bisect.bisect_right(self._bases, offset) - 1
+        if offset < 0 or i < 0:
+            raise FormatError(self.path, f"offset {offset} is outside the files")
+        reader = self._readers[i]
+        within = offset - self._bases[i]
+        if within + nbytes > self._sizes[i]:
+            raise FormatError(reader.path, f"a read of {nbytes} bytes at byte {within} runs past the end of the file")
+        return reader.pread(within, nbytes)
+
+    # --- lifetime -----------------------------------------------------------------------------
+    def close(self) -> None:
+        for reader in self._readers:
+            reader.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class MultiFileSources:
+    """Source ranks each read from several files; what ``execute.execute_rank`` asks ``sources`` for.
+
+    Offers the same calls as ``execute.SourceFiles`` (``reader(rank)``, ``index()``, ``close()``),
+    with a tuple of files per rank where that class has one path. Readers open on first use and
+    stay open until ``close``.
+    """
+
+    def __init__(self, rank_files: Mapping[int, Sequence[str | os.PathLike]], *, verify_crc: bool = True):
+        self.paths: dict[int, tuple[str, ...]] = {
+            int(rank): tuple(os.fspath(p) for p in files) for rank, files in rank_files.items()
+        }
+        self.verify_crc = verify_crc
+        self._readers: dict[int, MultiFileReader] = {}
+
+    def reader(self, rank: int) -> MultiFileReader:
+        reader = self._readers.get(rank)
+        if reader is None:
+            files = self.paths.get(rank)
+            if not files:
+                raise PlanError(f"source rank {rank} has no checkpoint file")
+            reader = self._readers[rank] = MultiFileReader(files, verify_crc=self.verify_crc)
+        return reader
+
+    def index(self):
+        """What every rank holds, as the planner sees it (rank -> name -> TensorMeta)."""
+        from ..execute import reader_index
+
+        return {rank: reader_index(self.reader(rank)) for rank in sorted(self.paths)}
+
+    def close(self) -> None:
+        for reader in self._readers.values():
+            reader.close()
+        self._readers.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _shifted(entry: TensorEntry, base: int) -> TensorEntry:
+    if not base:
+        return entry
+    return replace(entry, pieces=[(offset + base, length) for offset, length in entry.pieces],
+                   extra=dict(entry.extra)).finish()
+
+
+def _display_path(paths: tuple[str, ...]) -> str:
+    """One path, or ``dir/{a, b}`` for files of one folder, so messages stay one readable line."""
+    if len(paths) == 1:
+        return paths[0]
+    folders = {os.path.dirname(p) for p in paths}
+    if len(folders) == 1:
+        return os.path.join(folders.pop(), "{" + ", ".join(os.path.basename(p) for p in paths) + "}")
+    return " + ".join(paths)
