@@ -88,7 +88,7 @@ def _error_line(e: BaseException) -> str:
     if isinstance(e, Interrupted):
         e.status = "interrupted"
         return f"reshard_job: {e}: rerun the same command to resume"
-    from .job.secrets import mask_url
+    from .secrets import mask_url
     from .text import shorten
 
     return f"reshard_job: error: {shorten(mask_url(str(e)), 2000)}"
@@ -104,7 +104,7 @@ def _log_to_file(line: str) -> None:
 
 def _write_result(ctx, result) -> None:
     from .job.callbacks import RESULT_FILE
-    from .job.secrets import mask_config
+    from .secrets import mask_config
 
     doc = mask_config(result.to_json())
     doc.update(job_num=ctx.job_num, overrides=mask_config(list(ctx.overrides)))
@@ -115,7 +115,7 @@ def _write_result(ctx, result) -> None:
 
 def _scrub_saved_config(run_dir: str) -> None:
     """Hydra saves the composed config and the command line under .hydra/: mask credentials there."""
-    from .job.secrets import mask_text
+    from .secrets import mask_text
 
     folder = os.path.join(run_dir, ".hydra")
     for name in ("config.yaml", "overrides.yaml", "hydra.yaml"):

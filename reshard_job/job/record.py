@@ -17,7 +17,7 @@ from typing import Callable
 
 from .. import __version__
 from ..errors import ReshardError
-from .secrets import mask_url
+from ..secrets import mask_url
 from .spec import JobSpec
 
 log = logging.getLogger("reshard_job")

@@ -20,7 +20,7 @@ from ..errors import ConfigError
 from ..storage import StorageOptions, absolute, is_url
 from ..tasks import OUTPUT_FORMATS
 from . import schema
-from .secrets import mask_config
+from ..secrets import mask_config
 from .spec import (MODE_CONVERT, MODE_PLAN, JobContext, JobSpec, LineageSpec, OutputSpec, RunSpec, SourceSpec,
                    TargetSpec)
 

@@ -34,7 +34,13 @@ class StorageOptions:
     """
 
     endpoint_url: str | None = None
-    options: dict[str, Any] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict, repr=False)  # may hold keys: never printed
+
+    def __repr__(self) -> str:
+        from ..secrets import mask_url
+
+        shown = None if self.endpoint_url is None else mask_url(self.endpoint_url)
+        return f"StorageOptions(endpoint_url={shown!r}, options=<{len(self.options)} key(s)>)"
 
 
 def is_url(path: str | os.PathLike) -> bool:
