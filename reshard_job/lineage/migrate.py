@@ -18,9 +18,9 @@ racing on an empty database would both try ``CREATE TABLE``. So upgrades are ser
 Before taking any lock, the current revision is compared with the head: once a database is up
 to date (the common case), starting a job costs one small query and no lock.
 
-The migrations live in the top-level ``migrations/`` directory of the project, found next to
-the package (the project is installed editable); ``alembic upgrade head`` from the project root
-uses the same scripts through ``alembic.ini``.
+The migrations ship inside the package, in ``reshard_job/lineage/migrations`` (as MLflow keeps
+its own), so an installed wheel migrates exactly like a source checkout; ``alembic -c
+<clone>/alembic.ini upgrade head`` uses the same scripts.
 """
 
 from __future__ import annotations
@@ -43,9 +43,7 @@ PG_ADVISORY_LOCK_KEY = zlib.crc32(b"reshard_job.lineage.migrate")
 
 
 def migrations_dir() -> Path:
-    import reshard_job
-
-    return Path(reshard_job.__file__).resolve().parent.parent / "migrations"
+    return Path(__file__).resolve().parent / "migrations"
 
 
 def alembic_config(connection: Connection | None = None):
@@ -57,8 +55,8 @@ def alembic_config(connection: Connection | None = None):
 
     location = migrations_dir()
     if not (location / "env.py").is_file():
-        raise SchemaError(f"{location}: lineage migrations not found; install the project with "
-                          f"'pip install -e' from its source tree")
+        raise SchemaError(f"{location}: lineage migrations not found; this installation of reshard_job "
+                          f"is incomplete (reinstall it)")
     config = Config()
     config.set_main_option("script_location", str(location))
     if connection is not None:
@@ -202,7 +200,8 @@ def check_at_head(connection: Connection) -> None:
         raise SchemaError(f"{_shown(connection)} has schema revision {current}, newer than this tool "
                           f"knows ({head}); upgrade reshard_job")
     raise SchemaError(f"{_shown(connection)} has an outdated schema (revision {current}, head {head}); "
-                      f"run 'alembic -x url=... upgrade head' from the project root, or any job")
+                      f"any job with this lineage.url upgrades it (or 'alembic -c <clone>/alembic.ini -x url=... "
+                      f"upgrade head')")
 
 
 def _shown(connection: Connection) -> str:

@@ -22,8 +22,8 @@ LINEAGE_TABLES = {"runs", "run_plans", "run_ranks", "artifacts", "artifact_locat
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_migrations_are_found_next_to_the_package():
-    assert migrations_dir() == PROJECT_ROOT / "migrations"
+def test_migrations_are_found_inside_the_package():
+    assert migrations_dir() == PROJECT_ROOT / "reshard_job" / "lineage" / "migrations"
     assert head_revision() is not None
 
 

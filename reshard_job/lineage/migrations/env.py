@@ -5,9 +5,14 @@ Two ways in:
 * Programmatic (every job, via ``reshard_job.lineage.migrate.upgrade_to_head``): the caller
   passes its open connection in ``config.attributes["connection"]`` and already holds the
   cross-process migration lock; this script just runs the migrations on that connection.
-* The ``alembic`` command line from the project root: the URL comes from ``-x url=...``, else
-  ``$RESHARD_LINEAGE_URL``, else ``sqlite:///runs/lineage.db``; this script then takes the same
+* The ``alembic`` command line with the project's ``alembic.ini`` (``alembic -c <clone>/alembic.ini``,
+  from any directory): the URL comes from ``-x url=...``, else ``$RESHARD_LINEAGE_URL``, else
+  ``sqlite:///runs/lineage.db`` under the current directory; this script then takes the same
   migration lock a job would, so an operator's upgrade cannot race a starting sweep.
+
+The script ships inside the package (``reshard_job/lineage/migrations``) and is loaded by Alembic
+from its file, not imported as a module; ``reshard_job`` itself is importable because it is
+installed or because ``alembic.ini`` puts the clone on ``sys.path``.
 
 SQLite cannot ALTER most things in place, so migrations are rendered in batch mode there.
 """
@@ -15,16 +20,9 @@ SQLite cannot ALTER most things in place, so migrations are rendered in batch mo
 from __future__ import annotations
 
 import os
-import sys
 from logging.config import fileConfig
-from pathlib import Path
 
 from alembic import context
-
-try:
-    import reshard_job  # noqa: F401
-except ImportError:  # run from a source tree that was not installed
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from reshard_job.lineage.database import URL_ENV_VAR, create_lineage_engine, writer
 from reshard_job.lineage.migrate import schema_lock
