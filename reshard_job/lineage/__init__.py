@@ -11,8 +11,8 @@ answers questions about the records (``runs``, ``show``, ``trace``, ``verify``).
 """
 
 from .errors import AmbiguousRunError, LineageError, RunStateError, SchemaError, UnknownRunError
-from .hashing import hash_file
 from .records import FileRecord
+from .status import RunStatus
 
 # The database layer (SQLAlchemy, Alembic) is imported on first use: describing files and
 # raising lineage errors must not wait for it.
@@ -39,10 +39,10 @@ __all__ = [
     "LineageError",
     "LineageStore",
     "RunStateError",
+    "RunStatus",
     "SchemaError",
     "URL_ENV_VAR",
     "UnknownRunError",
     "create_lineage_engine",
     "default_url",
-    "hash_file",
 ]

@@ -137,6 +137,40 @@ def schema_lock(connection: Connection) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def sqlite_foreign_keys_off(connection: Connection) -> Iterator[None]:
+    """Switch SQLite's foreign keys off while migrations run on `connection` (no-op elsewhere).
+
+    SQLite changes a table by rebuilding it (Alembic's batch mode: copy, drop, rename), and with
+    foreign keys on, dropping the old ``runs`` would cascade-delete every row referring to a run.
+    The pragma is ignored inside a transaction, so it is set on the driver connection before the
+    migration's transaction begins; ``check_foreign_keys`` verifies the result before commit.
+    """
+    if connection.dialect.name != "sqlite":
+        yield
+        return
+    if connection.in_transaction():
+        raise RuntimeError("SQLite migrations must start outside a transaction (foreign keys cannot be "
+                           "switched off inside one)")
+    driver_connection = connection.connection.driver_connection
+    driver_connection.execute("PRAGMA foreign_keys = OFF")
+    try:
+        yield
+    finally:
+        driver_connection.execute("PRAGMA foreign_keys = ON")
+
+
+def check_foreign_keys(connection: Connection) -> None:
+    """Raise if a migration left rows referring to nothing (SQLite, where it could happen)."""
+    if connection.dialect.name != "sqlite":
+        return
+    dangling = connection.exec_driver_sql("PRAGMA foreign_key_check").fetchall()
+    if dangling:
+        tables = sorted({str(row[0]) for row in dangling})
+        raise SchemaError(f"{_shown(connection)}: migration left {len(dangling)} row(s) with dangling "
+                          f"references in {', '.join(tables)}; rolled back")
+
+
+@contextlib.contextmanager
 def _file_lock(path: str) -> Iterator[None]:
     try:
         import fcntl

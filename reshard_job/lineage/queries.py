@@ -22,7 +22,8 @@ from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
 from .errors import AmbiguousRunError, LineageError, UnknownRunError
-from .hashing import HASH_ALGO, hash_file, looks_like_sha256
+from .digests import HASH_ALGO, looks_like_sha256
+from .reading import content_digest as hash_file
 from .models import Artifact, ArtifactLocation, Event, Run, RunPlan, RunRank
 
 STRATEGY_ROLES = ("strategy", "merged_strategy")

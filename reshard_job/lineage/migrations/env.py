@@ -14,7 +14,8 @@ The script ships inside the package (``reshard_job/lineage/migrations``) and is 
 from its file, not imported as a module; ``reshard_job`` itself is importable because it is
 installed or because ``alembic.ini`` puts the clone on ``sys.path``.
 
-SQLite cannot ALTER most things in place, so migrations are rendered in batch mode there.
+SQLite cannot ALTER most things in place, so migrations are rendered in batch mode there, with
+foreign keys off while tables are rebuilt (``migrate.sqlite_foreign_keys_off``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from logging.config import fileConfig
 from alembic import context
 
 from reshard_job.lineage.database import URL_ENV_VAR, create_lineage_engine, writer
-from reshard_job.lineage.migrate import schema_lock
+from reshard_job.lineage.migrate import check_foreign_keys, schema_lock, sqlite_foreign_keys_off
 from reshard_job.lineage.models import Base
 
 config = context.config
@@ -61,12 +62,18 @@ def run_migrations_offline() -> None:
         context.run_migrations()
 
 
-def run_migrations_online() -> None:
-    connection = config.attributes.get("connection")
-    if connection is not None:
+def _migrate(connection) -> None:
+    with sqlite_foreign_keys_off(connection):
         _configure(connection)
         with context.begin_transaction():
             context.run_migrations()
+            check_foreign_keys(connection)
+
+
+def run_migrations_online() -> None:
+    connection = config.attributes.get("connection")
+    if connection is not None:
+        _migrate(connection)
         return
 
     url = _cli_url()
@@ -79,9 +86,7 @@ def run_migrations_online() -> None:
     engine = create_lineage_engine(url)
     try:
         with writer(engine).connect() as connection, schema_lock(connection):
-            _configure(connection)
-            with context.begin_transaction():
-                context.run_migrations()
+            _migrate(connection)
     finally:
         engine.dispose()
 
