@@ -26,10 +26,8 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import os
 import uuid
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator, TypeVar
 
 from sqlalchemy import Table, select, update
@@ -38,8 +36,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from . import queries
 from .database import create_lineage_engine, default_url, normalize_url, retry_transient, writer
-from .errors import LineageError, RunStateError, SchemaError, UnknownRunError
 from .digests import HASH_ALGO
+from .errors import LineageError, RunStateError, SchemaError, UnknownRunError
 from .migrate import upgrade_to_head
 from .models import Artifact, ArtifactLocation, Event, Run, RunPlan, RunRank
 from .records import FileRecord
@@ -222,7 +220,7 @@ class LineageStore:
         """Everything recorded about one run as a plain, JSON-serialisable dict (None if unknown)."""
         with self.read_session() as session:
             try:
-                return queries.run_details(session, run_id)
+                return queries.run_details(session, run_id).to_json()
             except UnknownRunError:
                 return None
 
