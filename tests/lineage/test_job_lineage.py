@@ -72,6 +72,17 @@ def test_two_hop_conversion_traces_back_to_all_eight_sources(tmp_path, lineage_u
     assert hop1_digests <= {a["sha256"] for a in tree["ancestors"]}
     text = audit(tmp_path, lineage_url, "trace", str(final))
     assert text.returncode == 0 and "src_strategy.ckpt" in text.stdout and "8→4" in text.stdout
+    # The whole output directory, by its manifest; and forwards from one original source.
+    by_directory = json.loads(audit(tmp_path, lineage_url, "trace", str(tmp_path / "hop2"), "--json").stdout)
+    assert want <= {(o["path"], o["sha256"]) for o in by_directory["original_sources"]}
+    source = sorted((S2 / "src_checkpoints").glob("rank_*/*.ckpt"))[0]
+    built = json.loads(audit(tmp_path, lineage_url, "trace", "--descendants", str(source), "--json").stdout)
+    assert len(built["runs"]) == 2 and sha256(final) in {d["sha256"] for d in built["descendants"]}
+    verified = audit(tmp_path, lineage_url, "verify", str(tmp_path / "hop2"))
+    assert verified.returncode == 0 and "intact" in verified.stdout.splitlines()[0], verified.stdout
+    picture = audit(tmp_path, lineage_url, "graph", str(final), "--output", str(tmp_path / "lineage.svg"))
+    assert picture.returncode == 0, picture.stderr
+    assert (tmp_path / "lineage.svg").read_text().count('class="node run completed') == 2
 
 
 def test_verify_passes_on_intact_outputs_and_names_a_flipped_byte(tmp_path, lineage_url):
