@@ -13,7 +13,6 @@ import re
 import shutil
 import subprocess
 import xml.etree.ElementTree as ElementTree
-from pathlib import Path
 
 import pytest
 
