@@ -23,6 +23,7 @@ from ..text import human_size, rank_ranges
 from .graph import FileVertex, LineageGraph, Layout, RunVertex, layered_layout
 from .entities import ANCESTORS
 from .render import SHORT_DIGEST, SHORT_RUN_ID, devices, kind_words, plural, when
+from .status import RunStatus
 
 FORMATS = ("dot", "svg", "html")
 
@@ -38,8 +39,8 @@ MUTED = "#52606d"
 EDGE = "#9aa5b1"
 SUBJECT = "#f0b429"
 
-STATUS_COLOURS = {"completed": "#2f9e44", "failed": "#e03131", "interrupted": "#f08c00", "abandoned": "#868e96",
-                  "started": "#1c7ed6"}
+STATUS_COLOURS = {RunStatus.COMPLETED: "#2f9e44", RunStatus.FAILED: "#e03131", RunStatus.INTERRUPTED: "#f08c00",
+                  RunStatus.ABANDONED: "#868e96", RunStatus.STARTED: "#1c7ed6"}
 # (fill, border) per file class
 FILE_COLOURS = {"checkpoint": ("#e7f0fb", "#5b8fd0"), "strategy": ("#f3ebfb", "#9a6fcb"),
                 "manifest": ("#f1f3f5", "#adb5bd")}
@@ -147,7 +148,7 @@ def to_dot(graph: LineageGraph) -> str:
         lines.append(f"  {_dot_text(vertex.key)} [label={_dot_text(chr(10).join(file_lines(vertex)))}, "
                      f"fillcolor=\"{fill}\"{pen}, tooltip={_dot_text(tooltip)}];")
     for vertex in graph.runs:
-        colour = STATUS_COLOURS.get(str(vertex.run.status), MUTED)
+        colour = STATUS_COLOURS.get(vertex.run.status, MUTED)
         pen = f', penwidth=2.5, color="{SUBJECT}"' if vertex.subject else f', color="{colour}"'
         lines.append(f"  {_dot_text(vertex.key)} [label={_dot_text(chr(10).join(run_lines(vertex)))}, "
                      f"fillcolor=\"#ffffff\"{pen}, tooltip={_dot_text('run ' + vertex.run.id)}];")
@@ -180,7 +181,7 @@ def _legend() -> list[str]:
         parts.append(f'<rect x="{x}" y="0" width="14" height="14" rx="3" fill="{fill}" stroke="{border}"/>'
                      f'<text x="{x + 20}" y="11.5">{label}</text>')
         x += 30 + 7 * len(label)
-    for status in ("completed", "failed", "interrupted", "abandoned"):
+    for status in RunStatus:
         parts.append(f'<rect x="{x}" y="0" width="14" height="14" rx="3" fill="#ffffff" '
                      f'stroke="{STATUS_COLOURS[status]}" stroke-width="2"/>'
                      f'<text x="{x + 20}" y="11.5">run {status}</text>')
@@ -241,7 +242,7 @@ def to_svg(graph: LineageGraph, layout: Layout | None = None) -> str:
         out.append(_box(vertex.key, layout, classes, file_lines(vertex), border, fill, border, vertex.subject,
                         file_details(vertex, graph.direction)))
     for vertex in graph.runs:
-        colour = STATUS_COLOURS.get(str(vertex.run.status), MUTED)
+        colour = STATUS_COLOURS.get(vertex.run.status, MUTED)
         classes = f"node run {vertex.run.status}" + (" subject" if vertex.subject else "")
         out.append(_box(vertex.key, layout, classes, run_lines(vertex), colour, "#ffffff", colour, vertex.subject,
                         run_details(vertex)))
