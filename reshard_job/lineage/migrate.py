@@ -224,6 +224,8 @@ def check_at_head(connection: Connection) -> None:
     Readers (the audit CLI) call this instead of migrating: reading must never change a database.
     """
     current = current_revision(connection)
+    if current is not None and current == quick_head_revision():
+        return  # the common case, answered without loading Alembic
     head = head_revision()
     if current == head:
         return

@@ -120,6 +120,16 @@ def test_alembic_command_line_from_any_directory_with_the_absolute_ini_path(tmp_
         engine.dispose()
     assert list((tmp_path / "cwd").iterdir()) == []  # nothing written where it was launched
 
+    # The printed (--sql) script of the SQLite table rebuild switches foreign keys off around it,
+    # outside any transaction, as the online upgrade does.
+    script = subprocess.run([sys.executable, "-m", "alembic", "-c", str(PROJECT_ROOT / "alembic.ini"), "-x", f"url={url}",
+                             "upgrade", "0001:0002", "--sql"], cwd=tmp_path / "cwd", capture_output=True, text=True,
+                            env=environment, timeout=120)
+    assert script.returncode == 0, script.stderr
+    statements = [line for line in script.stdout.splitlines() if line and not line.startswith("--")]
+    assert statements[0] == "PRAGMA foreign_keys = OFF;" and statements[-1] == "PRAGMA foreign_keys = ON;"
+    assert "BEGIN;" not in statements and "DROP TABLE runs;" in statements
+
 
 def test_a_built_wheel_carries_the_migrations_and_upgrades_from_anywhere(tmp_path):
     """``pip install .`` (not editable) must migrate: the wheel holds env.py and every revision."""

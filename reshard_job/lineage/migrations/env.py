@@ -55,11 +55,15 @@ def _configure(connection) -> None:
 
 def run_migrations_offline() -> None:
     url = _cli_url()
+    sqlite = url.startswith("sqlite")
     context.configure(url=url, target_metadata=target_metadata, literal_binds=True,
-                      dialect_opts={"paramstyle": "named"},
-                      render_as_batch=url.startswith("sqlite"))
+                      dialect_opts={"paramstyle": "named"}, render_as_batch=sqlite)
+    if sqlite:  # the printed script rebuilds tables too: same precaution as online, before any BEGIN
+        context.execute("PRAGMA foreign_keys = OFF")
     with context.begin_transaction():
         context.run_migrations()
+    if sqlite:
+        context.execute("PRAGMA foreign_keys = ON")
 
 
 def _migrate(connection) -> None:
