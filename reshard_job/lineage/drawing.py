@@ -87,7 +87,8 @@ def file_lines(vertex: FileVertex) -> tuple[str, str, str]:
 def run_lines(vertex: RunVertex) -> tuple[str, str, str]:
     """'run <short id>', 'status · devices', start time."""
     run = vertex.run
-    return (f"run {run.id[:SHORT_RUN_ID]}", f"{run.status} · {devices(run.source_devices, run.target_devices)} devices",
+    return (f"run {run.id[:SHORT_RUN_ID]}",
+            f"{run.status} · {devices(run.source_devices, run.target_devices)} devices",
             f"{when(run.started_at)} UTC")
 
 

@@ -115,7 +115,8 @@ def _database_at_first_revision_with_a_run(url: str, root: Path) -> dict:
         store.record_inputs(run_id, [
             FileRecord.from_file(str(root.parent / "src" / f"rank_{r}.ckpt"), "source_checkpoint", r)
             for r in range(8)])
-        store.complete_run(run_id, outputs=[FileRecord.from_file(str(root / "old_output.ckpt"), "target_checkpoint", 0)],
+        output = FileRecord.from_file(str(root / "old_output.ckpt"), "target_checkpoint", 0)
+        store.complete_run(run_id, outputs=[output],
                            plan={"ranks": [{"target_rank": 0, "source_ranks": list(range(8)), "bytes_read": 8}]})
         return store.get_run(run_id)
 

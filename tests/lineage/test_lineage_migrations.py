@@ -122,9 +122,9 @@ def test_alembic_command_line_from_any_directory_with_the_absolute_ini_path(tmp_
 
     # The printed (--sql) script of the SQLite table rebuild switches foreign keys off around it,
     # outside any transaction, as the online upgrade does.
-    script = subprocess.run([sys.executable, "-m", "alembic", "-c", str(PROJECT_ROOT / "alembic.ini"), "-x", f"url={url}",
-                             "upgrade", "0001:0002", "--sql"], cwd=tmp_path / "cwd", capture_output=True, text=True,
-                            env=environment, timeout=120)
+    script = subprocess.run([sys.executable, "-m", "alembic", "-c", str(PROJECT_ROOT / "alembic.ini"),
+                             "-x", f"url={url}", "upgrade", "0001:0002", "--sql"], cwd=tmp_path / "cwd",
+                            capture_output=True, text=True, env=environment, timeout=120)
     assert script.returncode == 0, script.stderr
     statements = [line for line in script.stdout.splitlines() if line and not line.startswith("--")]
     assert statements[0] == "PRAGMA foreign_keys = OFF;" and statements[-1] == "PRAGMA foreign_keys = ON;"
