@@ -152,18 +152,18 @@ class RunSubject:
 Subject = Union[ContentSubject, DirectorySubject, RunSubject]
 
 
-def resolve(session: Session, ref: str, *, runs: bool = True) -> Subject:
+def resolve(session: Session, ref: str) -> Subject:
     """What `ref` names (see the module docstring); a one-line ``LineageError`` when nothing or
-    more than one thing matches. With ``runs=False`` run ids are not considered."""
+    more than one thing matches."""
     if is_directory(ref):
         return _directory(session, ref)
     if exists(ref):
         return _existing_file(session, ref)
     if os.sep not in ref:
-        found = _by_id_or_digest(session, ref.strip(), runs=runs)
+        found = _by_id_or_digest(session, ref.strip())
         if found is not None:
             return found
-    return _recorded_path(session, ref, runs=runs)
+    return _recorded_path(session, ref)
 
 
 def _directory(session: Session, ref: str) -> DirectorySubject:
@@ -197,9 +197,9 @@ def _existing_file(session: Session, ref: str) -> ContentSubject:
     return ContentSubject(root_at_path(session, found[0].id, path), {"path": path, "sha256": digest})
 
 
-def _by_id_or_digest(session: Session, ref: str, *, runs: bool) -> Subject | None:
+def _by_id_or_digest(session: Session, ref: str) -> Subject | None:
     run_ids: list[str] = []
-    if runs and ref:
+    if ref:
         if session.get(Run, ref) is not None:
             return RunSubject(ref, {"run_id": ref})
         if len(ref) >= MIN_PREFIX_LENGTH:
@@ -222,15 +222,14 @@ def _by_id_or_digest(session: Session, ref: str, *, runs: bool) -> Subject | Non
     return None
 
 
-def _recorded_path(session: Session, ref: str, *, runs: bool) -> ContentSubject:
+def _recorded_path(session: Session, ref: str) -> ContentSubject:
     path = os.path.abspath(ref)
     recorded = artifact_at_path(session, path)
     if recorded is None:
-        if os.sep in ref or not looks_like_digest_prefix(ref) and len(ref) < MIN_PREFIX_LENGTH:
+        if os.sep in ref or len(ref) < MIN_PREFIX_LENGTH:
             raise LineageError(f"{path}: no such file, and no file was ever recorded at this path")
-        things = "run id, sha256" if runs else "sha256"
-        raise LineageError(f"{ref!r} matches no {things} or prefix in the lineage database, and no file "
-                           f"{path} exists or was ever recorded")
+        raise LineageError(f"{ref!r} matches no run id, sha256 or prefix of one in the lineage database, and "
+                           f"no file {path} exists or was ever recorded")
     return ContentSubject(root_at_path(session, recorded[0].id, path),
                           {"path": path, "sha256": recorded[0].digest,
                            "note": "file not on disk; traced what was recorded at this path"})

@@ -24,7 +24,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from .entities import ANCESTORS, DESCENDANTS, KIND_ORDER, STRATEGY_KINDS, ArtifactInfo, FileUse, RunInfo
+from .entities import ANCESTORS, DESCENDANTS, KIND_ORDER, STRATEGY_KINDS, ArtifactInfo, FileUse, RunInfo, iso
 from .errors import UnknownRunError
 from .lookup import ContentSubject, DirectorySubject, Root, RunSubject, Subject, artifact_info, resolve
 from .models import Artifact, Event, Run
@@ -65,8 +65,8 @@ class TraceHop:
         return {
             "run_id": run.id,
             "status": run.status.value,
-            "started_at": run.to_json()["started_at"],
-            "ended_at": run.to_json()["ended_at"],
+            "started_at": iso(run.started_at),
+            "ended_at": iso(run.ended_at),
             "source_devices": run.source_devices,
             "target_devices": run.target_devices,
             "output_dir": run.output_dir,
