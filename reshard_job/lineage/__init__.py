@@ -1,18 +1,30 @@
 """Lineage: which source checkpoints, strategies and config produced each output file.
 
 The job records every conversion through ``LineageStore``; ``python -m reshard_job.audit``
-answers questions about the records (``runs``, ``show``, ``trace``, ``verify``). Modules:
+answers questions about the records (``runs``, ``show``, ``trace``, ``verify``, ``graph``).
 
-* ``models``   — the schema (runs, artifacts by content, locations, events, rank map, plans)
-* ``database`` — URLs, engines, SQLite/PostgreSQL settings, retry on contention
-* ``migrate``  — concurrency-safe Alembic upgrade to head
-* ``store``    — the recording API a job calls
-* ``queries``  — read-only answers as plain data; ``render`` turns them into text
+Writing:
+
+* ``models``    — the schema (runs, artifacts by content, locations, events, rank map, plans)
+* ``status``    — ``RunStatus``, the one spelling of a run's states
+* ``database``  — URLs, engines, SQLite/PostgreSQL settings, retry on contention
+* ``migrate``   — concurrency-safe Alembic upgrade to head; revisions in ``migrations/``
+* ``records``   — ``FileRecord``, what a job says about a file (no SQLAlchemy)
+* ``store``     — the recording API a job calls
+
+Reading (the audit):
+
+* ``entities``  — read-side dataclasses built from the ORM rows, with their JSON
+* ``digests``, ``reading``, ``manifests`` — what a digest looks like; how files and an output
+  directory's manifest are read
+* ``lookup``    — from a path, directory, digest or run id (or prefix) to what the database holds
+* ``queries``   — runs and their details; ``trace`` — lineage both ways; ``verify`` — re-hashing
+* ``render``    — text; ``graph`` — vertices, edges and a layered layout; ``drawing`` — DOT/SVG/HTML
 """
 
 from .errors import AmbiguousRunError, LineageError, RunStateError, SchemaError, UnknownRunError
-from .hashing import hash_file
 from .records import FileRecord
+from .status import RunStatus
 
 # The database layer (SQLAlchemy, Alembic) is imported on first use: describing files and
 # raising lineage errors must not wait for it.
@@ -39,10 +51,10 @@ __all__ = [
     "LineageError",
     "LineageStore",
     "RunStateError",
+    "RunStatus",
     "SchemaError",
     "URL_ENV_VAR",
     "UnknownRunError",
     "create_lineage_engine",
     "default_url",
-    "hash_file",
 ]

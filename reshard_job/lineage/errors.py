@@ -37,3 +37,14 @@ class RunStateError(LineageError):
 
 class SchemaError(LineageError):
     """The database schema is missing, outdated or newer than this version of the tool."""
+
+
+class AmbiguousReferenceError(LineageError):
+    """A prefix matches more than one thing (runs, file contents), so it names none of them."""
+
+    def __init__(self, ref: str, matches: list[str]):
+        self.ref = ref
+        self.matches = matches
+        shown = ", ".join(matches[:4]) + (", ..." if len(matches) > 4 else "")
+        super().__init__(f"{ref!r} matches {len(matches) if len(matches) <= 10 else 'more than 10'} records "
+                         f"({shown}); give more characters")

@@ -18,9 +18,9 @@ racing on an empty database would both try ``CREATE TABLE``. So upgrades are ser
 Before taking any lock, the current revision is compared with the head: once a database is up
 to date (the common case), starting a job costs one small query and no lock.
 
-The migrations live in the top-level ``migrations/`` directory of the project, found next to
-the package (the project is installed editable); ``alembic upgrade head`` from the project root
-uses the same scripts through ``alembic.ini``.
+The migrations ship inside the package, in ``reshard_job/lineage/migrations`` (as MLflow keeps
+its own), so an installed wheel migrates exactly like a source checkout; ``alembic -c
+<clone>/alembic.ini upgrade head`` uses the same scripts.
 """
 
 from __future__ import annotations
@@ -43,9 +43,7 @@ PG_ADVISORY_LOCK_KEY = zlib.crc32(b"reshard_job.lineage.migrate")
 
 
 def migrations_dir() -> Path:
-    import reshard_job
-
-    return Path(reshard_job.__file__).resolve().parent.parent / "migrations"
+    return Path(__file__).resolve().parent / "migrations"
 
 
 def alembic_config(connection: Connection | None = None):
@@ -57,8 +55,8 @@ def alembic_config(connection: Connection | None = None):
 
     location = migrations_dir()
     if not (location / "env.py").is_file():
-        raise SchemaError(f"{location}: lineage migrations not found; install the project with "
-                          f"'pip install -e' from its source tree")
+        raise SchemaError(f"{location}: lineage migrations not found; this installation of reshard_job "
+                          f"is incomplete (reinstall it)")
     config = Config()
     config.set_main_option("script_location", str(location))
     if connection is not None:
@@ -139,6 +137,40 @@ def schema_lock(connection: Connection) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def sqlite_foreign_keys_off(connection: Connection) -> Iterator[None]:
+    """Switch SQLite's foreign keys off while migrations run on `connection` (no-op elsewhere).
+
+    SQLite changes a table by rebuilding it (Alembic's batch mode: copy, drop, rename), and with
+    foreign keys on, dropping the old ``runs`` would cascade-delete every row referring to a run.
+    The pragma is ignored inside a transaction, so it is set on the driver connection before the
+    migration's transaction begins; ``check_foreign_keys`` verifies the result before commit.
+    """
+    if connection.dialect.name != "sqlite":
+        yield
+        return
+    if connection.in_transaction():
+        raise RuntimeError("SQLite migrations must start outside a transaction (foreign keys cannot be "
+                           "switched off inside one)")
+    driver_connection = connection.connection.driver_connection
+    driver_connection.execute("PRAGMA foreign_keys = OFF")
+    try:
+        yield
+    finally:
+        driver_connection.execute("PRAGMA foreign_keys = ON")
+
+
+def check_foreign_keys(connection: Connection) -> None:
+    """Raise if a migration left rows referring to nothing (SQLite, where it could happen)."""
+    if connection.dialect.name != "sqlite":
+        return
+    dangling = connection.exec_driver_sql("PRAGMA foreign_key_check").fetchall()
+    if dangling:
+        tables = sorted({str(row[0]) for row in dangling})
+        raise SchemaError(f"{_shown(connection)}: migration left {len(dangling)} row(s) with dangling "
+                          f"references in {', '.join(tables)}; rolled back")
+
+
+@contextlib.contextmanager
 def _file_lock(path: str) -> Iterator[None]:
     try:
         import fcntl
@@ -192,6 +224,8 @@ def check_at_head(connection: Connection) -> None:
     Readers (the audit CLI) call this instead of migrating: reading must never change a database.
     """
     current = current_revision(connection)
+    if current is not None and current == quick_head_revision():
+        return  # the common case, answered without loading Alembic
     head = head_revision()
     if current == head:
         return
@@ -202,7 +236,8 @@ def check_at_head(connection: Connection) -> None:
         raise SchemaError(f"{_shown(connection)} has schema revision {current}, newer than this tool "
                           f"knows ({head}); upgrade reshard_job")
     raise SchemaError(f"{_shown(connection)} has an outdated schema (revision {current}, head {head}); "
-                      f"run 'alembic -x url=... upgrade head' from the project root, or any job")
+                      f"any job with this lineage.url upgrades it (or 'alembic -c <clone>/alembic.ini -x url=... "
+                      f"upgrade head')")
 
 
 def _shown(connection: Connection) -> str:

@@ -22,7 +22,7 @@ Choices and their trade-offs:
   ``run_plans``, apart from ``runs``, so listing runs never drags plans along; the per-rank
   summary that audits query (which source ranks fed which target rank) is a real table.
 
-Schema changes go through Alembic migrations in the top-level ``migrations/`` directory only;
+Schema changes go through the Alembic migrations in ``reshard_job/lineage/migrations`` only;
 a test compares these models with the migration head.
 """
 
@@ -48,10 +48,9 @@ from sqlalchemy import (
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 from .records import ARTIFACT_KINDS  # one list for the schema and the file records
+from .status import RunStatus
 
-RUN_STATUSES = ("started", "completed", "failed", "abandoned")
 DIRECTIONS = ("input", "output")
-DEFAULT_HASH_ALGO = "sha256"
 
 # Explicit constraint names make migrations reproducible across backends (SQLite's batch mode
 # needs names to drop or alter a constraint later).
@@ -93,6 +92,23 @@ class UTCDateTime(TypeDecorator[dt.datetime]):
         return value.astimezone(dt.timezone.utc)
 
 
+class RunStatusColumn(TypeDecorator[RunStatus]):
+    """A run's status: plain text in the database, ``RunStatus`` in Python.
+
+    Binding the enum's text explicitly keeps drivers from guessing how to store an ``Enum``
+    (psycopg would store its *name*, ``STARTED``).
+    """
+
+    impl = String
+    cache_ok = True
+
+    def process_bind_param(self, value: RunStatus | str | None, dialect) -> str | None:
+        return None if value is None else RunStatus(value).value
+
+    def process_result_value(self, value: str | None, dialect) -> RunStatus | None:
+        return None if value is None else RunStatus(value)
+
+
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
     type_annotation_map = {dt.datetime: UTCDateTime(), dict[str, Any]: JSON(), list[Any]: JSON()}
@@ -103,13 +119,13 @@ class Run(Base):
 
     __tablename__ = "runs"
     __table_args__ = (
-        CheckConstraint(_in_list("status", RUN_STATUSES), name="status"),
+        CheckConstraint(_in_list("status", RunStatus.values()), name="status"),
         Index("ix_runs_status_started_at", "status", "started_at"),
         Index("ix_runs_sweep_id_job_num", "sweep_id", "job_num"),
     )
 
     id: Mapped[str] = mapped_column(String(36), primary_key=True)
-    status: Mapped[str] = mapped_column(String(16))
+    status: Mapped[RunStatus] = mapped_column(RunStatusColumn(16))
     started_at: Mapped[dt.datetime] = mapped_column(index=True)
     ended_at: Mapped[dt.datetime | None]
     tool_version: Mapped[str] = mapped_column(String(64))

@@ -9,7 +9,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from .hashing import hash_file, looks_like_sha256
+from ..hashing import digest_file
+from .digests import looks_like_sha256
 
 ARTIFACT_KINDS = ("source_checkpoint", "target_checkpoint", "strategy", "merged_strategy", "manifest")
 
@@ -36,6 +37,5 @@ class FileRecord:
     @classmethod
     def from_file(cls, path: str, kind: str, rank: int | None = None) -> "FileRecord":
         """Hash the file at `path` (made absolute) and describe it."""
-        absolute = os.path.abspath(path)
-        sha256, size = hash_file(absolute)
-        return cls(path=absolute, sha256=sha256, size=size, kind=kind, rank=rank)
+        digest = digest_file(os.path.abspath(path))
+        return cls(path=digest.path, sha256=digest.sha256, size=digest.size, kind=kind, rank=rank)

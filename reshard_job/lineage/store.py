@@ -7,13 +7,15 @@ A job's life in the store::
     store.mark_abandoned_runs()                  # runs left "started" by killed processes here
     run_id = store.start_run(config=..., ...)    # status "started"
     store.record_inputs(run_id, [FileRecord...])
-    store.complete_run(run_id, outputs=[...], plan=plan)   # or fail_run(run_id, error)
+    store.complete_run(run_id, outputs=[...], plan=plan)   # or fail_run(run_id, error),
+                                                           # or interrupt_run(run_id, "SIGTERM")
 
 Every call is one short transaction, retried on transient contention (see ``database``), so a
 sweep's jobs interleave their writes instead of holding the database for a whole conversion.
 ``complete_run`` writes outputs, plan, rank map and the final status in a single transaction:
-a run is either completed with all its outputs or has none, and a failed run's partial files
-are never recorded as outputs because ``fail_run`` records no files at all.
+a run is either completed with all its outputs or has none, and a failed or interrupted run's
+partial files are never recorded as outputs because ``fail_run`` and ``interrupt_run`` record
+no files at all.
 
 Artifacts are upserted by content with ``INSERT ... ON CONFLICT DO NOTHING`` (SQLite and
 PostgreSQL), in a fixed order, because concurrent sweep jobs typically record the very same
@@ -24,10 +26,8 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import os
 import uuid
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator, TypeVar
 
 from sqlalchemy import Table, select, update
@@ -36,18 +36,15 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from . import queries
 from .database import create_lineage_engine, default_url, normalize_url, retry_transient, writer
+from .digests import HASH_ALGO
 from .errors import LineageError, RunStateError, SchemaError, UnknownRunError
-from .hashing import HASH_ALGO, hash_file, looks_like_sha256
 from .migrate import upgrade_to_head
 from .models import Artifact, ArtifactLocation, Event, Run, RunPlan, RunRank
 from .records import FileRecord
 from .runtime import current_host, current_pid, current_user, pid_is_alive
+from .status import RunStatus
 
 _T = TypeVar("_T")
-
-# A run that a killed process left behind is "abandoned" by a later job; if the process turns
-# out to be alive after all and reports, its own report wins over that guess.
-_REPORTABLE_STATUSES = ("started", "abandoned")
 
 
 def utc_now() -> dt.datetime:
@@ -92,7 +89,7 @@ class LineageStore:
         if len(run_id) > 36:
             raise LineageError(f"run id {run_id!r} is longer than 36 characters")
         values = dict(
-            id=run_id, status="started", started_at=utc_now(), ended_at=None,
+            id=run_id, status=RunStatus.STARTED, started_at=utc_now(), ended_at=None,
             tool_version=str(tool_version), host=current_host(), pid=current_pid(), user=current_user(),
             overrides=[str(o) for o in overrides], config=_config_as_json(config),
             sweep_id=None if sweep_id is None else str(sweep_id), job_num=job_num,
@@ -116,7 +113,7 @@ class LineageStore:
 
         def record(session: Session) -> None:
             run = self._reportable_run(session, run_id, "record inputs for")
-            run.status = "started"
+            run.status = RunStatus.STARTED
             self._record_files(session, run_id, "input", files)
 
         self._write(record)
@@ -159,40 +156,36 @@ class LineageStore:
                 self._store_plan(session, run, plan, rank_rows)
             elif session.get(RunPlan, run_id) is None:
                 raise LineageError(f"run {run_id} has no plan: pass plan= or call record_plan first")
-            run.status = "completed"
+            run.status = RunStatus.COMPLETED
             run.error = None
             run.ended_at = utc_now()
 
         self._write(complete)
 
-    def set_devices(self, run_id: str, *, source_devices: int | None, target_devices: int | None) -> None:
-        """Record the device counts of a run once known (a job opens its run before it has planned)."""
-
-        def update(session: Session) -> None:
-            run = session.get(Run, run_id)
-            if run is None:
-                raise UnknownRunError(run_id)
-            run.source_devices = source_devices
-            run.target_devices = target_devices
-
-        self._write(update)
-
     def fail_run(self, run_id: str, error: str) -> None:
         """Mark a run failed with its error. Its files, complete or not, are not recorded."""
+        self._end_run(run_id, RunStatus.FAILED, error)
 
-        def fail(session: Session) -> None:
+    def interrupt_run(self, run_id: str, reason: str) -> None:
+        """Mark a run interrupted: its job was stopped by a signal (SIGINT, SIGTERM), `reason`
+        says which. Like ``fail_run``, no files are recorded; running the same job again resumes
+        from the output directory as a new run."""
+        self._end_run(run_id, RunStatus.INTERRUPTED, reason)
+
+    def _end_run(self, run_id: str, status: RunStatus, error: str) -> None:
+        def end(session: Session) -> None:
             run = session.get(Run, run_id)
             if run is None:
                 raise UnknownRunError(run_id)
-            if run.status == "failed":
-                return
-            if run.status not in _REPORTABLE_STATUSES:
-                raise RunStateError(f"cannot fail run {run_id}: it is already {run.status}")
-            run.status = "failed"
+            if run.status == status:
+                return  # reported twice (a second signal, a retry): the first word stays
+            if not run.status.may_still_report:
+                raise RunStateError(f"cannot mark run {run_id} {status}: it is already {run.status}")
+            run.status = status
             run.error = str(error)
             run.ended_at = utc_now()
 
-        self._write(fail)
+        self._write(end)
 
     def mark_abandoned_runs(self) -> list[str]:
         """Mark "started" runs of this host whose process is gone as abandoned; return their ids."""
@@ -200,7 +193,8 @@ class LineageStore:
 
         def mark(session: Session) -> list[str]:
             candidates = session.execute(
-                select(Run.id, Run.pid).where(Run.status == "started", Run.host == host).order_by(Run.started_at)
+                select(Run.id, Run.pid).where(Run.status == RunStatus.STARTED, Run.host == host)
+                .order_by(Run.started_at)
             ).all()
             marked: list[str] = []
             now = utc_now()
@@ -210,8 +204,8 @@ class LineageStore:
                 # Conditional on "started": the run may have reported since it was selected.
                 result = session.execute(
                     update(Run)
-                    .where(Run.id == run_id, Run.status == "started")
-                    .values(status="abandoned", ended_at=now,
+                    .where(Run.id == run_id, Run.status == RunStatus.STARTED)
+                    .values(status=RunStatus.ABANDONED, ended_at=now,
                             error=f"process {pid} on {host} ended without completing the run")
                 )
                 if result.rowcount:
@@ -226,7 +220,7 @@ class LineageStore:
         """Everything recorded about one run as a plain, JSON-serialisable dict (None if unknown)."""
         with self.read_session() as session:
             try:
-                return queries.run_details(session, run_id)
+                return queries.run_details(session, run_id).to_json()
             except UnknownRunError:
                 return None
 
@@ -260,7 +254,7 @@ class LineageStore:
         run = session.get(Run, run_id)
         if run is None:
             raise UnknownRunError(run_id)
-        if run.status not in _REPORTABLE_STATUSES:
+        if not run.status.may_still_report:
             raise RunStateError(f"cannot {action} run {run_id}: it is already {run.status}")
         return run
 

@@ -203,9 +203,27 @@ def postgres_migrated_url(postgres_server: PostgresServer, postgres_migrated_tem
     postgres_server.drop_database(name)
 
 
+_missing_program_skips: list[str] = []
+
+
+@pytest.fixture(scope="session")
+def skip_loudly() -> Callable[[str], None]:
+    """Skip a test for a missing program, with a warning and a line in the run's summary."""
+
+    def skip(reason: str) -> None:
+        _missing_program_skips.append(reason)
+        warnings.warn(reason, stacklevel=2)
+        pytest.skip(reason)
+
+    return skip
+
+
 def pytest_terminal_summary(terminalreporter):
     for reason in dict.fromkeys(_pg_skip_reason):
         terminalreporter.write_sep("!", "PostgreSQL tests skipped", yellow=True, bold=True)
+        terminalreporter.write_line(reason, yellow=True, bold=True)
+    for reason in dict.fromkeys(_missing_program_skips):
+        terminalreporter.write_sep("!", "tests skipped for a missing program", yellow=True, bold=True)
         terminalreporter.write_line(reason, yellow=True, bold=True)
 
 
@@ -285,6 +303,17 @@ def fake_plan(source_devices: int, target_devices: int) -> dict:
             "omitted": [{"name": "accu_grads.layer1.weight", "reason": "optimizer state not requested"}]}
 
 
+def write_manifest(path: Path, run_id: str, checkpoints: list, strategy) -> object:
+    """A manifest.json as the job writes it: the outputs it lists, by absolute path and sha256."""
+    import json
+
+    listed = [{"rank": f.rank, "path": f.path, "size": f.size, "sha256": f.sha256} for f in checkpoints]
+    manifest = {"manifest_version": 1, "run_id": run_id,
+                "target": {"devices": len(checkpoints), "files": listed,
+                           "strategy": {"path": strategy.path, "size": strategy.size, "sha256": strategy.sha256}}}
+    return write_file(path, json.dumps(manifest, indent=1).encode(), "manifest")
+
+
 def record_two_hop(store, root: Path) -> TwoHopLineage:
     sources = [write_file(root / "src" / f"rank_{r}" / f"checkpoint_{r}.ckpt", f"source rank {r} ".encode() * 64,
                           "source_checkpoint", r) for r in range(8)]
@@ -297,7 +326,7 @@ def record_two_hop(store, root: Path) -> TwoHopLineage:
     checkpoints_a = [write_file(root / "out_a" / f"rank_{r}" / f"checkpoint_{r}.ckpt",
                                 f"hop A output rank {r} ".encode() * 64, "target_checkpoint", r) for r in range(4)]
     strategy_a = write_file(root / "out_a" / "strategy.ckpt", b"strategy for 4 ranks", "strategy")
-    manifest_a = write_file(root / "out_a" / "manifest.json", b'{"run_id": "a"}', "manifest")
+    manifest_a = write_manifest(root / "out_a" / "manifest.json", run_a, checkpoints_a, strategy_a)
     outputs_a = checkpoints_a + [strategy_a, manifest_a]
     store.complete_run(run_a, outputs=outputs_a, plan=fake_plan(8, 4))
 
@@ -315,8 +344,9 @@ def record_two_hop(store, root: Path) -> TwoHopLineage:
     store.record_inputs(run_b, inputs_b + [strategy_a])
     checkpoints_b = [write_file(root / "out_b" / f"rank_{r}" / f"checkpoint_{r}.ckpt",
                                 f"hop B output rank {r} ".encode() * 64, "target_checkpoint", r) for r in range(2)]
-    outputs_b = checkpoints_b + [write_file(root / "out_b" / "strategy.ckpt", b"strategy for 2 ranks", "strategy"),
-                                 write_file(root / "out_b" / "manifest.json", b'{"run_id": "b"}', "manifest")]
+    strategy_b = write_file(root / "out_b" / "strategy.ckpt", b"strategy for 2 ranks", "strategy")
+    outputs_b = checkpoints_b + [strategy_b,
+                                 write_manifest(root / "out_b" / "manifest.json", run_b, checkpoints_b, strategy_b)]
     store.complete_run(run_b, outputs=outputs_b, plan=fake_plan(4, 2))
     return TwoHopLineage(run_a=run_a, run_b=run_b, sources=sources, source_strategy=source_strategy,
                          outputs_a=outputs_a, copied=copied, outputs_b=outputs_b, final=checkpoints_b[0])

@@ -8,16 +8,24 @@ Edge cases of arguments are exercised in-process, where they cost milliseconds.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
+from sqlalchemy import update
 
+from reshard_job import __version__
 from reshard_job.audit import main
 from reshard_job.lineage import LineageStore
+from reshard_job.lineage.models import Run
 
 
 @dataclass
@@ -53,8 +61,17 @@ def run_audit(*argv: str, cwd, env=None) -> Result:
     return run_audit_batch({"only": list(argv)}, cwd, env)["only"]
 
 
+@dataclass
+class Recorded:
+    root: Path
+    url: str
+    lineage: object  # conftest.TwoHopLineage
+    failed: str
+    interrupted: str
+
+
 @pytest.fixture(scope="module")
-def recorded(tmp_path_factory, record_lineage):
+def recorded(tmp_path_factory, record_lineage) -> Recorded:
     root = tmp_path_factory.mktemp("audit")
     url = f"sqlite:///{root / 'runs' / 'lineage.db'}"
     with LineageStore(url) as store:
@@ -63,13 +80,19 @@ def recorded(tmp_path_factory, record_lineage):
         failed = store.start_run(config={}, overrides=["source.checkpoints=/nowhere"], tool_version="0.1.0",
                                  output_dir=str(root / "failed"), source_devices=8, target_devices=4)
         store.fail_run(failed, "ConfigError: /nowhere: no such directory")
-    return root, url, lineage, failed
+        interrupted = store.start_run(config={}, overrides=[], tool_version="0.1.0", output_dir=str(root / "stopped"),
+                                      source_devices=8, target_devices=2)
+        store.interrupt_run(interrupted, "SIGTERM")
+        with store._writer.begin() as session:  # another user started the failed run
+            session.execute(update(Run).where(Run.id == failed).values(user="someone-else"))
+    return Recorded(root, url, lineage, failed, interrupted)
 
 
 @pytest.fixture(scope="module")
 def outputs(recorded) -> dict[str, Result]:
-    root, url, lineage, failed = recorded
-    db = ["--db", url]
+    lineage = recorded.lineage
+    db = ["--db", recorded.url]
+    out_b = os.path.dirname(lineage.final.path.rsplit(os.sep, 1)[0])
     commands = {
         "runs": db + ["runs"],
         "runs_json": db + ["runs", "--json"],
@@ -77,26 +100,48 @@ def outputs(recorded) -> dict[str, Result]:
         "show_json": db + ["--json", "show", lineage.run_a],
         "trace": db + ["trace", lineage.final.path],
         "trace_json": db + ["trace", lineage.final.path, "--json"],
+        "descendants": db + ["trace", "--descendants", lineage.sources[1].path],
         "verify": db + ["verify", lineage.run_b],
-        "verify_json": db + ["verify", lineage.run_b, "--json"],
+        "verify_dir": db + ["verify", out_b, "--json"],
+        "graph_svg": db + ["graph", lineage.final.path, "--format", "svg"],
         "unknown_run": db + ["show", "ffffffff-no-such-run"],
+        "version": ["--version"],
     }
-    return run_audit_batch(commands, cwd=root)
+    results = run_audit_batch(commands, cwd=recorded.root)
+    # The same commands in-process, where a subprocess would add nothing but start-up time.
+    in_process = {
+        "trace_short_digest": db + ["trace", lineage.final.sha256[:12], "--json"],
+        "descendants_json": db + ["trace", "--descendants", lineage.sources[1].path, "--json"],
+        "trace_dir": db + ["trace", out_b, "--json"],
+        "verify_json": db + ["verify", lineage.run_b, "--json"],
+        "graph_dot": db + ["graph", lineage.final.sha256[:8]],
+        "too_short": db + ["show", lineage.run_a[:7]],
+    }
+    for name, argv in in_process.items():
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(argv)
+        results[name] = Result(code, out.getvalue(), err.getvalue())
+    return results
 
 
 def test_runs_table_and_json(outputs, recorded):
-    _, _, lineage, failed = recorded
+    lineage = recorded.lineage
     text = outputs["runs"]
     assert text.code == 0, text.err
-    assert lineage.run_a in text.out and lineage.run_b in text.out and failed in text.out
-    assert "8→4" in text.out and "4→2" in text.out and "failed" in text.out
+    for run_id in (lineage.run_a, lineage.run_b, recorded.failed, recorded.interrupted):
+        assert run_id in text.out
+    assert "8→4" in text.out and "4→2" in text.out and "failed" in text.out and "interrupted" in text.out
     listed = outputs["runs_json"].json()
-    assert [r["id"] for r in listed] == [lineage.run_a, lineage.run_b, failed]
-    assert [r["status"] for r in listed] == ["completed", "completed", "failed"]
+    assert [r["id"] for r in listed] == [lineage.run_a, lineage.run_b, recorded.failed, recorded.interrupted]
+    assert [r["status"] for r in listed] == ["completed", "completed", "failed", "interrupted"]
+    # The stable shape of `runs --json`: these keys, in this order.
+    assert list(listed[0]) == ["id", "status", "started_at", "ended_at", "source_devices", "target_devices",
+                               "output_dir", "sweep_id", "job_num", "tool_version", "host", "pid", "user", "error"]
 
 
 def test_show_text_and_json(outputs, recorded):
-    _, _, lineage, _ = recorded
+    lineage = recorded.lineage
     text = outputs["show"]
     assert text.code == 0, text.err
     assert f"run {lineage.run_a}" in text.out
@@ -110,15 +155,15 @@ def test_show_text_and_json(outputs, recorded):
 
 
 def test_trace_text_and_json(outputs, recorded):
-    _, _, lineage, _ = recorded
+    lineage = recorded.lineage
     text = outputs["trace"]
     assert text.code == 0, text.err
     assert lineage.run_a in text.out and lineage.run_b in text.out
     assert all(f.path in text.out for f in lineage.sources) and lineage.copied.path in text.out
-    assert "8 source checkpoints" in text.out
-    by_sha256 = outputs["trace_json"].json()
-    assert by_sha256["root"]["sha256"] == lineage.final.sha256
-    for traced in (outputs["trace_json"].json(), by_sha256):
+    assert "8 source checkpoints, 1 strategy" in text.out
+    by_short_digest = outputs["trace_short_digest"].json()
+    assert by_short_digest["root"]["sha256"] == lineage.final.sha256
+    for traced in (outputs["trace_json"].json(), by_short_digest):
         assert [r["run_id"] for r in traced["runs"]] == [lineage.run_b, lineage.run_a]
         ancestors = {a["sha256"] for a in traced["ancestors"]}
         assert {f.sha256 for f in lineage.sources} <= ancestors
@@ -126,21 +171,78 @@ def test_trace_text_and_json(outputs, recorded):
         assert originals == {f.sha256 for f in lineage.sources}
 
 
+def test_the_digests_and_run_ids_that_are_printed_are_accepted_back(outputs, recorded):
+    lineage = recorded.lineage
+    printed = outputs["show"].out  # show prints 12-character digests; feed one back
+    digest = next(line.split()[-2] for line in printed.splitlines() if lineage.outputs_a[0].path in line)
+    assert len(digest) == 12 and lineage.outputs_a[0].sha256.startswith(digest)
+    assert main(["--db", recorded.url, "trace", digest, "--json"]) == 0
+    short_run = next(line for line in outputs["trace"].out.splitlines() if "produced by run" in line).split()[4]
+    assert main(["--db", recorded.url, "show", short_run[:8]]) == 0
+    assert outputs["graph_dot"].code == 0 and lineage.run_a in outputs["graph_dot"].out
+
+
+def test_descendants_cross_both_hops_in_text_and_json(outputs, recorded):
+    lineage = recorded.lineage
+    text = outputs["descendants"]
+    assert text.code == 0, text.err
+    assert text.out.splitlines()[0].startswith(lineage.sources[1].path)
+    assert f"used by run {lineage.run_a}" in text.out and f"used by run {lineage.run_b}" in text.out
+    assert lineage.final.path in text.out and "(final)" in text.out
+    built = outputs["descendants_json"].json()
+    assert built["direction"] == "descendants" and [r["run_id"] for r in built["runs"]] == [lineage.run_a,
+                                                                                             lineage.run_b]
+    assert {f.sha256 for f in lineage.outputs_a + lineage.outputs_b} <= {d["sha256"] for d in built["descendants"]}
+    finals = {(f["kind"], f["sha256"]) for f in built["final_outputs"]}
+    # A's manifest was read by no run; everything else A wrote was converted again by B.
+    assert finals == {("manifest", lineage.outputs_a[5].sha256)} | {(f.kind, f.sha256) for f in lineage.outputs_b}
+    assert "5 final files: 2 target checkpoints, 1 strategy, 2 manifests" in text.out
+
+
+def test_an_output_directory_is_traced_and_verified_by_its_manifest(outputs, recorded):
+    lineage = recorded.lineage
+    traced = outputs["trace_dir"].json()
+    assert outputs["trace_dir"].code == 0, outputs["trace_dir"].err
+    assert [root["sha256"] for root in traced["roots"]] == [f.sha256 for f in lineage.outputs_b[:3]]
+    assert [r["run_id"] for r in traced["runs"]] == [lineage.run_b, lineage.run_a]
+    report = outputs["verify_dir"].json()
+    assert outputs["verify_dir"].code == 0 and report["intact"] and report["run_id"] == lineage.run_b
+    assert sorted(f["path"] for f in report["files"]) == sorted(f.path for f in lineage.outputs_b)
+
+
 def test_verify_intact_text_and_json(outputs, recorded):
-    _, _, lineage, _ = recorded
     assert outputs["verify"].code == 0, outputs["verify"].err
     assert "all 4 files intact" in outputs["verify"].out
     report = outputs["verify_json"].json()
     assert outputs["verify_json"].code == 0 and report["intact"] and report["checked"] == 4
 
 
-def test_unknown_run_is_one_clear_line(outputs, recorded, capsys):
+def test_graph_on_stdout(outputs, recorded):
+    svg = outputs["graph_svg"]
+    assert svg.code == 0, svg.err
+    assert svg.out.startswith("<svg") and f'id="run-{recorded.lineage.run_b}"' in svg.out
+    assert outputs["graph_dot"].out.startswith("digraph lineage {")
+
+
+def test_unknown_and_too_short_runs_are_one_clear_line(outputs, recorded, capsys):
     expected = ["error: no run with id 'ffffffff-no-such-run' in the lineage database"]
     result = outputs["unknown_run"]
     assert result.code == 2 and result.out == "" and result.err.strip().splitlines() == expected
-    assert main(["--db", recorded[1], "show", "ffffffff-no-such-run", "--json"]) == 2
+    assert main(["--db", recorded.url, "show", "ffffffff-no-such-run", "--json"]) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err.strip().splitlines() == expected
+    short = outputs["too_short"]
+    assert short.code == 2 and short.err.strip().splitlines() == [
+        f"error: run id '{recorded.lineage.run_a[:7]}' is too short: give the whole id or a prefix of at least "
+        f"8 characters"]
+
+
+def test_version(outputs):
+    assert outputs["version"].code == 0 and outputs["version"].out == f"reshard_job {__version__}\n"
+    script = Path(sys.executable).parent / "reshard-audit"
+    assert script.exists(), f"{script}: the console script is not installed (pip install -e .)"
+    result = subprocess.run([str(script), "--version"], capture_output=True, text=True, timeout=60)
+    assert (result.returncode, result.stdout) == (0, f"reshard_job {__version__}\n")
 
 
 def test_verify_names_changed_and_missing_files(tmp_path, capsys, record_lineage):
@@ -174,37 +276,76 @@ def test_verify_names_changed_and_missing_files(tmp_path, capsys, record_lineage
     assert "all 1 file intact" in capsys.readouterr().out
 
 
+def test_a_moved_output_directory_still_verifies_and_an_edited_manifest_is_caught(tmp_path, capsys,
+                                                                                  record_lineage):
+    url = f"sqlite:///{tmp_path / 'runs' / 'lineage.db'}"
+    with LineageStore(url) as store:
+        store.ensure_schema()
+        lineage = record_lineage(store, tmp_path / "files")
+    moved = tmp_path / "archive" / "out_b"
+    shutil.copytree(Path(lineage.outputs_b[-1].path).parent, moved)
+    assert main(["--db", url, "verify", str(moved), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["intact"] and report["run_id"] == lineage.run_b and report["checked"] == 4
+    assert {f["path"] for f in report["files"]} == {str(moved / "rank_0" / "checkpoint_0.ckpt"),
+                                                    str(moved / "rank_1" / "checkpoint_1.ckpt"),
+                                                    str(moved / "strategy.ckpt"), str(moved / "manifest.json")}
+
+    # Edit a checkpoint and make the manifest agree: the files match it, but nobody recorded it.
+    checkpoint = moved / "rank_1" / "checkpoint_1.ckpt"
+    checkpoint.write_bytes(b"edited")
+    manifest = json.loads((moved / "manifest.json").read_text())
+    manifest["target"]["files"][1].update(size=6, sha256=hashlib.sha256(b"edited").hexdigest())
+    (moved / "manifest.json").write_text(json.dumps(manifest))
+    assert main(["--db", url, "verify", str(moved)]) == 1
+    captured = capsys.readouterr()
+    assert f"UNRECORDED {moved / 'manifest.json'}" in captured.out
+    assert "manifest.json unrecorded" in captured.err
+
+    assert main(["--db", url, "verify", str(tmp_path)]) == 2
+    assert "no manifest.json" in capsys.readouterr().err
+
+
 # -- in-process: argument handling ---------------------------------------------------------------
 
 def test_trace_by_sha256_and_default_database_from_environment(recorded, capsys, monkeypatch):
-    root, url, lineage, _ = recorded
-    monkeypatch.setenv("RESHARD_LINEAGE_URL", url)
+    lineage = recorded.lineage
+    monkeypatch.setenv("RESHARD_LINEAGE_URL", recorded.url)
     assert main(["trace", lineage.final.sha256, "--json"]) == 0
     traced = json.loads(capsys.readouterr().out)
     assert traced["query"]["sha256"] == lineage.final.sha256
     assert {f.sha256 for f in lineage.sources} <= {a["sha256"] for a in traced["ancestors"]}
     monkeypatch.delenv("RESHARD_LINEAGE_URL")
-    monkeypatch.chdir(root)  # the default is runs/lineage.db under the current directory
+    monkeypatch.chdir(recorded.root)  # the default is runs/lineage.db under the current directory
     assert main(["runs", "--json"]) == 0
-    assert len(json.loads(capsys.readouterr().out)) == 3
+    assert len(json.loads(capsys.readouterr().out)) == 4
 
 
-def test_filters_by_status_and_date(recorded, capsys):
-    _, url, lineage, failed = recorded
-    assert main(["--db", url, "runs", "--status", "failed", "--json"]) == 0
-    assert [r["id"] for r in json.loads(capsys.readouterr().out)] == [failed]
-    assert main(["--db", url, "runs", "--since", "2999-01-01", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out) == []
+def _listed(capsys) -> list[str]:
+    return [run["id"] for run in json.loads(capsys.readouterr().out)]
+
+
+def test_filters_by_status_date_output_sweep_and_user(recorded, capsys):
+    url, lineage = recorded.url, recorded.lineage
+    runs = ["--db", url, "runs", "--json"]
+    assert main(runs + ["--status", "failed"]) == 0 and _listed(capsys) == [recorded.failed]
+    assert main(runs + ["--status", "interrupted"]) == 0 and _listed(capsys) == [recorded.interrupted]
+    assert main(runs + ["--since", "2999-01-01"]) == 0 and _listed(capsys) == []
     assert main(["--db", url, "runs", "--until", "2000-01-01"]) == 0
     assert capsys.readouterr().out.strip() == "no runs"
-    assert main(["runs", "--db", url, "--until", "2999-12-31", "--json"]) == 0
-    assert len(json.loads(capsys.readouterr().out)) == 3
+    assert main(["runs", "--db", url, "--until", "2999-12-31", "--json"]) == 0 and len(_listed(capsys)) == 4
+    out_b = Path(lineage.final.path).parent.parent
+    assert main(runs + ["--output-dir", str(out_b)]) == 0 and _listed(capsys) == [lineage.run_b]
+    assert main(runs + ["--output-dir", str(out_b.parent)]) == 0 and _listed(capsys) == [lineage.run_a, lineage.run_b]
+    assert main(runs + ["--output-dir", lineage.final.path]) == 0 and _listed(capsys) == [lineage.run_b]
+    assert main(runs + ["--sweep", "sweep-1"]) == 0 and _listed(capsys) == [lineage.run_b]
+    assert main(runs + ["--user", "someone-else"]) == 0 and _listed(capsys) == [recorded.failed]
+    assert main(runs + ["--status", "completed", "--limit", "1"]) == 0 and _listed(capsys) == [lineage.run_b]
 
 
 def test_bad_dates_and_missing_databases_are_one_line_errors(recorded, tmp_path, capsys):
-    _, url, _, _ = recorded
     with pytest.raises(SystemExit) as exit_info:
-        main(["--db", url, "runs", "--since", "yesterday"])
+        main(["--db", recorded.url, "runs", "--since", "yesterday"])
     assert exit_info.value.code == 2 and len(capsys.readouterr().err.strip().splitlines()) == 1
     assert main(["--db", f"sqlite:///{tmp_path / 'absent.db'}", "runs"]) == 2
     err = capsys.readouterr().err
@@ -212,15 +353,47 @@ def test_bad_dates_and_missing_databases_are_one_line_errors(recorded, tmp_path,
     assert not (tmp_path / "absent.db").exists()
 
 
-def test_an_ambiguous_prefix_names_the_candidates(tmp_path, capsys):
+def _two_contents_sharing_an_8_character_digest_prefix() -> tuple[bytes, bytes]:
+    # A birthday search: about 80 000 hashes find a pair, in well under a second.
+    seen: dict[str, bytes] = {}
+    for index in range(2_000_000):
+        data = f"content {index}".encode()
+        prefix = hashlib.sha256(data).hexdigest()[:8]
+        if prefix in seen:
+            return seen[prefix], data
+        seen[prefix] = data
+    raise AssertionError("no shared prefix found")
+
+
+def test_prefixes_must_be_unique_and_long_enough(tmp_path, capsys, make_file):
     url = f"sqlite:///{tmp_path / 'lineage.db'}"
+    first, second = _two_contents_sharing_an_8_character_digest_prefix()
+    shared = hashlib.sha256(first).hexdigest()[:8]
     with LineageStore(url) as store:
         store.ensure_schema()
-        for run_id in ("abc-1", "abc-2"):
-            store.start_run(config={}, overrides=[], tool_version="0.1.0", output_dir="/x", source_devices=1,
-                            target_devices=1, run_id=run_id)
-    assert main(["--db", url, "show", "abc"]) == 2
-    assert "matches 2 runs (abc-1, abc-2)" in capsys.readouterr().err
+        files = [make_file(tmp_path / name, data, "source_checkpoint", 0)
+                 for name, data in (("first.ckpt", first), ("second.ckpt", second), ("third.ckpt", b"third"))]
+        third = files[2].sha256
+        for run_id in ("abcdef12-1", "abcdef12-2", f"{third[:8]}-run"):
+            run = store.start_run(config={}, overrides=[], tool_version="0.1.0", output_dir="/x", source_devices=1,
+                                  target_devices=1, run_id=run_id)
+            store.record_inputs(run, files)
+
+    def error(*argv: str) -> str:
+        assert main(["--db", url, *argv]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and len(captured.err.strip().splitlines()) == 1
+        return captured.err
+
+    assert "matches 2 runs (abcdef12-1, abcdef12-2)" in error("show", "abcdef12")
+    assert "too short" in error("show", "abc")
+    assert f"'{shared}' matches 2 records (sha256 {shared}" in error("trace", shared)
+    both = error("graph", third[:8])  # a run id and a content start alike: refused, not guessed
+    assert f"run {third[:8]}-run" in both and f"sha256 {third[:16]}" in both
+    assert main(["--db", url, "trace", third[:9], "--json"]) == 0  # one more character decides
+    assert json.loads(capsys.readouterr().out)["root"]["sha256"] == third
+    assert main(["--db", url, "trace", hashlib.sha256(first).hexdigest()[:10], "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["root"]["path"] == files[0].path
 
 
 def test_a_database_without_schema_is_refused_not_migrated(tmp_path, capsys):
@@ -232,3 +405,42 @@ def test_a_database_without_schema_is_refused_not_migrated(tmp_path, capsys):
     assert "not a lineage database" in capsys.readouterr().err
     with sqlite3.connect(path) as connection:
         assert connection.execute("SELECT name FROM sqlite_master").fetchall() == []
+
+
+def test_a_closed_pipe_stops_the_audit_quietly(tmp_path):
+    """``audit runs | head -1`` must stop like a Unix tool: no BrokenPipeError, status 141."""
+    import datetime as dt
+
+    from sqlalchemy import insert
+
+    url = f"sqlite:///{tmp_path / 'lineage.db'}"
+    with LineageStore(url) as store:
+        store.ensure_schema()
+        start = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
+        rows = [dict(id=f"run-{n:06d}", status="completed", started_at=start + dt.timedelta(seconds=n),
+                     tool_version="0.1.0", host="host", pid=1, overrides=[], config={},
+                     output_dir=f"/data/converted/{n:06d}") for n in range(3000)]
+        with store.engine.begin() as connection:
+            connection.execute(insert(Run), rows)  # more output than a pipe usually buffers
+    audit = [sys.executable, "-m", "reshard_job.audit", "--db", url]
+
+    # Deterministic: the reader is gone before the audit writes a byte.
+    for command in (["runs", "--json"], ["show", "run-000007"]):
+        read_end, write_end = os.pipe()
+        os.close(read_end)
+        try:
+            result = subprocess.run(audit + command, stdout=write_end, stderr=subprocess.PIPE, text=True,
+                                    timeout=120, env=_environment())
+        finally:
+            os.close(write_end)
+        assert (result.returncode, result.stderr) == (141, ""), command
+
+    # As users meet it; whether the write fails depends on timing and the pipe's size, never the stderr.
+    script = (f'"{sys.executable}" -m reshard_job.audit --db "{url}" runs 2>"{tmp_path / "err"}" | head -1; '
+              f'echo "${{PIPESTATUS[0]}}" >"{tmp_path / "status"}"')
+    for _ in range(3):
+        result = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=120,
+                                env=_environment())
+        assert result.stdout.startswith("RUN ID ") and result.stdout.count("\n") == 1
+        assert (tmp_path / "err").read_text() == ""
+        assert (tmp_path / "status").read_text().strip() in ("0", "141")

@@ -49,7 +49,7 @@ def lineage_url(request, tmp_path) -> str:
     return request.getfixturevalue("postgres_url")
 
 
-def test_two_hop_conversion_traces_back_to_all_eight_sources(tmp_path, lineage_url):
+def test_two_hop_conversion_traces_back_to_all_eight_sources(tmp_path, lineage_url, capsys):
     # hop 1: 8 ranks (mp4 x dp2, optimizer parallel) -> 4 ranks (mp4), MindSpore strategies
     job(tmp_path, f"source.checkpoints={S2 / 'src_checkpoints'}", f"source.strategy={S2 / 'src_strategy.ckpt'}",
         "target=strategy", f"target.strategy={S2 / 'dst_strategy.ckpt'}", "output.dir=hop1",
@@ -72,6 +72,21 @@ def test_two_hop_conversion_traces_back_to_all_eight_sources(tmp_path, lineage_u
     assert hop1_digests <= {a["sha256"] for a in tree["ancestors"]}
     text = audit(tmp_path, lineage_url, "trace", str(final))
     assert text.returncode == 0 and "src_strategy.ckpt" in text.stdout and "8→4" in text.stdout
+    # The whole output directory, by its manifest; forwards from one original source; a picture.
+    # (In-process: the subprocess above already showed the command line works.)
+    from reshard_job.audit import main
+
+    assert main(["--db", lineage_url, "trace", str(tmp_path / "hop2"), "--json"]) == 0
+    by_directory = json.loads(capsys.readouterr().out)
+    assert want <= {(o["path"], o["sha256"]) for o in by_directory["original_sources"]}
+    source = sorted((S2 / "src_checkpoints").glob("rank_*/*.ckpt"))[0]
+    assert main(["--db", lineage_url, "trace", "--descendants", str(source), "--json"]) == 0
+    built = json.loads(capsys.readouterr().out)
+    assert len(built["runs"]) == 2 and sha256(final) in {d["sha256"] for d in built["descendants"]}
+    assert main(["--db", lineage_url, "verify", str(tmp_path / "hop2")]) == 0
+    assert "all 4 files intact" in capsys.readouterr().out
+    assert main(["--db", lineage_url, "graph", str(final), "--output", str(tmp_path / "lineage.svg")]) == 0
+    assert (tmp_path / "lineage.svg").read_text().count('class="node run completed') == 2
 
 
 def test_verify_passes_on_intact_outputs_and_names_a_flipped_byte(tmp_path, lineage_url):

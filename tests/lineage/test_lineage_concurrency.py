@@ -1,8 +1,11 @@
-"""A sweep's jobs starting together against one fresh database: no lock errors, nothing lost.
+"""A sweep's jobs starting together against one database: no lock errors, nothing lost.
 
 Real processes (spawn, as a launcher would start them), released at the same instant by a
 barrier, each doing what a job does: ensure_schema, start_run, record_inputs, complete_run.
-They share the same eight source files, so they also race to insert the same artifacts.
+They share the same eight source files, so they also race to insert the same artifacts. The
+database is fresh, or holds a run recorded under the first schema revision, so the jobs also
+race to migrate it (on SQLite that rebuilds the runs table, which must not lose a row; PostgreSQL
+alters the table in place, and its upgrade from the first revision is tested in the migrations).
 """
 
 from __future__ import annotations
@@ -13,7 +16,11 @@ from pathlib import Path
 
 from sqlalchemy import func, select
 
-from reshard_job.lineage import FileRecord, LineageStore
+from alembic import command
+
+from reshard_job.lineage import FileRecord, LineageStore, create_lineage_engine
+from reshard_job.lineage.database import writer
+from reshard_job.lineage.migrate import alembic_config, current_revision, head_revision
 from reshard_job.lineage.models import Artifact, ArtifactLocation, Run
 
 JOBS = 4
@@ -47,10 +54,15 @@ def _job(url: str, root: str, job_num: int, barrier, results) -> None:
         results.put(("error", traceback.format_exc()))
 
 
-def _run_jobs(url: str, root: Path) -> list[str]:
+def _write_sources(root: Path) -> None:
     (root / "src").mkdir(parents=True)
     for r in range(8):
         (root / "src" / f"rank_{r}.ckpt").write_bytes(f"shared source {r}".encode() * 32)
+
+
+def _run_jobs(url: str, root: Path) -> list[str]:
+    if not (root / "src").exists():
+        _write_sources(root)
     context = multiprocessing.get_context("spawn")
     barrier = context.Barrier(JOBS)
     results = context.Queue()
@@ -65,16 +77,48 @@ def _run_jobs(url: str, root: Path) -> list[str]:
     return [detail for _, detail in outcomes]
 
 
-def _check(url: str, run_ids: list[str]) -> None:
+def _check(url: str, run_ids: list[str], earlier: dict | None = None) -> None:
     with LineageStore(url) as store, store.read_session() as session:
         statuses = dict(session.execute(select(Run.id, Run.status)).all())
-        assert statuses == {run_id: "completed" for run_id in run_ids}
-        # 8 shared sources recorded once each, plus 2 distinct outputs per job.
-        assert session.scalar(select(func.count()).select_from(Artifact)) == 8 + 2 * JOBS
-        assert session.scalar(select(func.count()).select_from(ArtifactLocation)) == 8 + 2 * JOBS
+        expected = {run_id: "completed" for run_id in run_ids}
+        if earlier is not None:
+            expected[earlier["id"]] = "completed"
+        assert statuses == expected
+        # 8 shared sources recorded once each, plus 2 distinct outputs per job (and the earlier run's).
+        artifacts = 8 + 2 * JOBS + (0 if earlier is None else 1)
+        assert session.scalar(select(func.count()).select_from(Artifact)) == artifacts
+        assert session.scalar(select(func.count()).select_from(ArtifactLocation)) == artifacts
         for run_id in run_ids:
             run = store.get_run(run_id)
             assert len(run["inputs"]) == 8 and len(run["outputs"]) == 2 and len(run["rank_map"]) == 2
+        if earlier is not None:
+            assert store.get_run(earlier["id"]) == earlier  # every row of it survived the migration
+        assert current_revision(session.connection()) == head_revision()
+
+
+def _database_at_first_revision_with_a_run(url: str, root: Path) -> dict:
+    """A database as the first release left it: schema revision 0001, one completed run."""
+    engine = create_lineage_engine(url)
+    try:
+        if engine.url.get_backend_name() == "sqlite":
+            Path(engine.url.database).parent.mkdir(parents=True, exist_ok=True)
+        with writer(engine).connect() as connection:
+            command.upgrade(alembic_config(connection), "0001")
+            connection.commit()
+    finally:
+        engine.dispose()
+    root.mkdir(parents=True)
+    (root / "old_output.ckpt").write_bytes(b"written before the upgrade")
+    with LineageStore(url) as store:  # no ensure_schema: it would upgrade
+        run_id = store.start_run(config={}, overrides=[], tool_version="0.0.9", output_dir=str(root),
+                                 source_devices=8, target_devices=2)
+        store.record_inputs(run_id, [
+            FileRecord.from_file(str(root.parent / "src" / f"rank_{r}.ckpt"), "source_checkpoint", r)
+            for r in range(8)])
+        output = FileRecord.from_file(str(root / "old_output.ckpt"), "target_checkpoint", 0)
+        store.complete_run(run_id, outputs=[output],
+                           plan={"ranks": [{"target_rank": 0, "source_ranks": list(range(8)), "bytes_read": 8}]})
+        return store.get_run(run_id)
 
 
 def test_concurrent_jobs_on_one_fresh_sqlite_file(tmp_path):
@@ -84,3 +128,10 @@ def test_concurrent_jobs_on_one_fresh_sqlite_file(tmp_path):
 
 def test_concurrent_jobs_on_one_fresh_postgres_database(postgres_url, tmp_path):
     _check(postgres_url, _run_jobs(postgres_url, tmp_path / "files"))
+
+
+def test_concurrent_jobs_migrate_a_first_revision_sqlite_file_without_losing_rows(tmp_path):
+    url = f"sqlite:///{tmp_path / 'runs' / 'lineage.db'}"
+    _write_sources(tmp_path / "files")
+    earlier = _database_at_first_revision_with_a_run(url, tmp_path / "files" / "old")
+    _check(url, _run_jobs(url, tmp_path / "files"), earlier)

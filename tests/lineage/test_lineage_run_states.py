@@ -7,9 +7,10 @@ import os
 import subprocess
 import sys
 
+import pytest
 from sqlalchemy import select, update
 
-from reshard_job.lineage import LineageStore
+from reshard_job.lineage import LineageStore, RunStateError, RunStatus
 from reshard_job.lineage.models import Event, Run
 
 
@@ -98,3 +99,26 @@ def test_an_abandoned_run_that_reports_after_all_is_believed(store, tmp_path):
     store.complete_run(run_id, outputs=[], plan={"ranks": []})
     run = store.get_run(run_id)
     assert run["status"] == "completed" and run["error"] is None
+
+
+def test_an_interrupted_run_keeps_its_reason_and_no_outputs(store, tmp_path, make_file):
+    run_id = _start(store, tmp_path)
+    store.record_inputs(run_id, [make_file(tmp_path / "src.ckpt", b"source", "source_checkpoint", 0)])
+    store.interrupt_run(run_id, "SIGTERM")
+    run = store.get_run(run_id)
+    assert (run["status"], run["error"]) == ("interrupted", "SIGTERM")
+    assert run["ended_at"] is not None and run["outputs"] == []
+    store.interrupt_run(run_id, "SIGINT")  # a second signal: the first word stays
+    assert store.get_run(run_id)["error"] == "SIGTERM"
+    with pytest.raises(RunStateError, match=f"cannot mark run {run_id} failed: it is already interrupted"):
+        store.fail_run(run_id, "late error")
+    with pytest.raises(RunStateError, match="already interrupted"):
+        store.complete_run(run_id, outputs=[], plan={"ranks": []})
+    assert store.mark_abandoned_runs() == []  # only "started" runs are ever judged abandoned
+
+
+def test_an_abandoned_run_may_still_say_it_was_interrupted(store, tmp_path):
+    run_id = _start(store, tmp_path)
+    _set_run(store, run_id, status=RunStatus.ABANDONED)
+    store.interrupt_run(run_id, "SIGINT")
+    assert store.get_run(run_id)["status"] == RunStatus.INTERRUPTED == "interrupted"

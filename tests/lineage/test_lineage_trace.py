@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from reshard_job.lineage import LineageError, queries
+from reshard_job.lineage import LineageError
+from reshard_job.lineage.trace import trace_reference
+
+
+class queries:  # noqa: N801 - the JSON answers, as ``audit trace --json`` prints them
+    @staticmethod
+    def trace(session, ref):
+        return trace_reference(session, ref).to_json()
 
 
 def _walk(node, depth=0):
@@ -132,3 +139,77 @@ def test_byte_identical_replicas_are_each_an_original_file(store, tmp_path, make
     assert len(result["ancestors"]) == 1
     assert [(f["path"], f["rank"], f["sha256"]) for f in result["original_sources"]] == [
         (r.path, r.rank, r.sha256) for r in replicas]
+
+
+def test_descendants_of_a_source_reach_the_final_files_of_both_runs(store, two_hop):
+    from reshard_job.lineage.entities import DESCENDANTS
+
+    with store.read_session() as session:
+        built = trace_reference(session, two_hop.sources[2].path, DESCENDANTS).to_json()
+    root = built["root"]
+    assert root["sha256"] == two_hop.sources[2].sha256 and not root["final"]
+    assert [hop["run_id"] for hop in root["used_by"]] == [two_hop.run_a]
+    assert [run["run_id"] for run in built["runs"]] == [two_hop.run_a, two_hop.run_b]
+    # A's rank-0 output was read by B through a copy: the walk follows the content.
+    hop_a = root["used_by"][0]
+    rank0 = next(child for child in hop_a["outputs"] if child["sha256"] == two_hop.outputs_a[0].sha256)
+    assert [hop["run_id"] for hop in rank0["used_by"]] == [two_hop.run_b]
+    depth = {d["sha256"]: d["depth"] for d in built["descendants"]}
+    assert all(depth[f.sha256] == 1 for f in two_hop.outputs_a)
+    assert all(depth[f.sha256] == 2 for f in two_hop.outputs_b)
+    finals = {(f["path"], f["kind"]) for f in built["final_outputs"]}
+    assert finals == {(two_hop.outputs_a[5].path, "manifest")} | {(f.path, f.kind) for f in two_hop.outputs_b}
+
+
+def test_a_file_no_run_read_has_no_descendants(store, two_hop):
+    from reshard_job.lineage import render
+    from reshard_job.lineage.entities import DESCENDANTS
+
+    with store.read_session() as session:
+        built = trace_reference(session, two_hop.final.path, DESCENDANTS)
+    assert built.runs == [] and built.related == [] and built.roots[0].is_end
+    assert render.trace_tree(built).splitlines()[-1] == "0 runs built on it; 0 final files"
+
+
+def test_one_strategy_at_two_paths_is_one_original_file(store, tmp_path, make_file):
+    from reshard_job.lineage import render
+
+    strategy = make_file(tmp_path / "strategies" / "src.ckpt", b"the same strategy", "strategy")
+    copy = make_file(tmp_path / "copy_of_src.ckpt", b"the same strategy", "strategy")
+    other = make_file(tmp_path / "dst.ckpt", b"another strategy", "strategy")
+    source = make_file(tmp_path / "src" / "rank_0.ckpt", b"weights", "source_checkpoint", 0)
+    middle = make_file(tmp_path / "a" / "rank_0.ckpt", b"converted once", "target_checkpoint", 0)
+    final = make_file(tmp_path / "b" / "rank_0.ckpt", b"converted twice", "target_checkpoint", 0)
+    first = store.start_run(config={}, overrides=[], tool_version="0.1.0", output_dir=str(tmp_path / "a"),
+                            source_devices=1, target_devices=1)
+    store.record_inputs(first, [source, strategy])
+    store.complete_run(first, outputs=[middle], plan={"ranks": []})
+    second = store.start_run(config={}, overrides=[], tool_version="0.1.0", output_dir=str(tmp_path / "b"),
+                             source_devices=1, target_devices=1)
+    store.record_inputs(second, [middle, copy, other])
+    store.complete_run(second, outputs=[final], plan={"ranks": []})
+    with store.read_session() as session:
+        traced = trace_reference(session, final.path)
+    strategies = [end for end in traced.ends if end.kind == "strategy"]
+    assert sorted((end.digest, sorted(end.paths)) for end in strategies) == sorted([
+        (strategy.sha256, sorted([strategy.path, copy.path])), (other.sha256, [other.path])])
+    assert render.trace_tree(traced).splitlines()[-1] == (
+        "2 runs in the ancestry; 3 original files: 1 source checkpoint, 2 strategies")
+    assert render.plural(1, "strategy") == "1 strategy" and render.plural(2, "day") == "2 days"
+
+
+def test_a_run_and_an_output_directory_are_traced_too(store, two_hop):
+    import os
+
+    out_b = os.path.dirname(two_hop.outputs_b[-1].path)
+    with store.read_session() as session:
+        by_run = trace_reference(session, two_hop.run_b).to_json()
+        by_directory = trace_reference(session, out_b).to_json()
+    assert by_run["query"] == {"run_id": two_hop.run_b}
+    assert [root["sha256"] for root in by_run["roots"]] == [f.sha256 for f in sorted(
+        two_hop.outputs_b, key=lambda f: ({"target_checkpoint": 1, "strategy": 3, "manifest": 4}[f.kind], f.rank or 0))]
+    assert [run["run_id"] for run in by_run["runs"]] == [two_hop.run_b, two_hop.run_a]
+    assert by_directory["query"]["manifest"] == os.path.join(out_b, "manifest.json")
+    assert [root["path"] for root in by_directory["roots"]] == [f.path for f in two_hop.outputs_b[:3]]
+    assert {f.sha256 for f in two_hop.sources} == {
+        o["sha256"] for o in by_directory["original_sources"] if o["kind"] == "source_checkpoint"}

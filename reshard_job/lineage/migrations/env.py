@@ -5,29 +5,28 @@ Two ways in:
 * Programmatic (every job, via ``reshard_job.lineage.migrate.upgrade_to_head``): the caller
   passes its open connection in ``config.attributes["connection"]`` and already holds the
   cross-process migration lock; this script just runs the migrations on that connection.
-* The ``alembic`` command line from the project root: the URL comes from ``-x url=...``, else
-  ``$RESHARD_LINEAGE_URL``, else ``sqlite:///runs/lineage.db``; this script then takes the same
+* The ``alembic`` command line with the project's ``alembic.ini`` (``alembic -c <clone>/alembic.ini``,
+  from any directory): the URL comes from ``-x url=...``, else ``$RESHARD_LINEAGE_URL``, else
+  ``sqlite:///runs/lineage.db`` under the current directory; this script then takes the same
   migration lock a job would, so an operator's upgrade cannot race a starting sweep.
 
-SQLite cannot ALTER most things in place, so migrations are rendered in batch mode there.
+The script ships inside the package (``reshard_job/lineage/migrations``) and is loaded by Alembic
+from its file, not imported as a module; ``reshard_job`` itself is importable because it is
+installed or because ``alembic.ini`` puts the clone on ``sys.path``.
+
+SQLite cannot ALTER most things in place, so migrations are rendered in batch mode there, with
+foreign keys off while tables are rebuilt (``migrate.sqlite_foreign_keys_off``).
 """
 
 from __future__ import annotations
 
 import os
-import sys
 from logging.config import fileConfig
-from pathlib import Path
 
 from alembic import context
 
-try:
-    import reshard_job  # noqa: F401
-except ImportError:  # run from a source tree that was not installed
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from reshard_job.lineage.database import URL_ENV_VAR, create_lineage_engine, writer
-from reshard_job.lineage.migrate import schema_lock
+from reshard_job.lineage.migrate import check_foreign_keys, schema_lock, sqlite_foreign_keys_off
 from reshard_job.lineage.models import Base
 
 config = context.config
@@ -56,19 +55,29 @@ def _configure(connection) -> None:
 
 def run_migrations_offline() -> None:
     url = _cli_url()
+    sqlite = url.startswith("sqlite")
     context.configure(url=url, target_metadata=target_metadata, literal_binds=True,
-                      dialect_opts={"paramstyle": "named"},
-                      render_as_batch=url.startswith("sqlite"))
+                      dialect_opts={"paramstyle": "named"}, render_as_batch=sqlite)
+    if sqlite:  # the printed script rebuilds tables too: same precaution as online, before any BEGIN
+        context.execute("PRAGMA foreign_keys = OFF")
     with context.begin_transaction():
         context.run_migrations()
+    if sqlite:
+        context.execute("PRAGMA foreign_keys = ON")
+
+
+def _migrate(connection) -> None:
+    with sqlite_foreign_keys_off(connection):
+        _configure(connection)
+        with context.begin_transaction():
+            context.run_migrations()
+            check_foreign_keys(connection)
 
 
 def run_migrations_online() -> None:
     connection = config.attributes.get("connection")
     if connection is not None:
-        _configure(connection)
-        with context.begin_transaction():
-            context.run_migrations()
+        _migrate(connection)
         return
 
     url = _cli_url()
@@ -81,9 +90,7 @@ def run_migrations_online() -> None:
     engine = create_lineage_engine(url)
     try:
         with writer(engine).connect() as connection, schema_lock(connection):
-            _configure(connection)
-            with context.begin_transaction():
-                context.run_migrations()
+            _migrate(connection)
     finally:
         engine.dispose()
 

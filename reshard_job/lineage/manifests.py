@@ -1,0 +1,98 @@
+"""What an output directory holds, by its ``manifest.json``: the files to trace or verify.
+
+The job writes ``manifest.json`` last, listing every target checkpoint and the target strategy
+with size and sha256, under the absolute paths they were written at. A directory may have been
+moved or copied since, so each listed file is looked for where it is now: at the same place
+relative to the directory (``rank_<r>/<file>`` for checkpoints, ``<file>`` for the strategy),
+found from where the listed files were relative to the directory they were written into.
+
+The manifest's own digest is taken from the very bytes parsed here, so a check of "is this
+manifest the one the lineage database recorded?" is about what was read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+from ..hashing import sha256_bytes
+from .digests import looks_like_sha256
+from .errors import LineageError
+from .reading import read_small_file
+
+MANIFEST_NAME = "manifest.json"
+
+
+@dataclass(frozen=True)
+class ListedFile:
+    """A file a manifest lists, where it should be now."""
+
+    path: str
+    kind: str
+    rank: int | None
+    size: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class OutputListing:
+    directory: str
+    manifest_path: str
+    manifest_sha256: str
+    manifest_size: int
+    run_id: str | None  # as the manifest says; the lineage database is the authority
+    files: tuple[ListedFile, ...]
+
+
+def read_listing(directory: str) -> OutputListing:
+    """The files `directory`'s manifest lists; a one-line ``LineageError`` if it has none or it is unusable."""
+    directory = os.path.abspath(directory)
+    manifest_path = os.path.join(directory, MANIFEST_NAME)
+    try:
+        data = read_small_file(manifest_path)
+    except FileNotFoundError:
+        raise LineageError(f"{directory}: no {MANIFEST_NAME}, so not a complete output directory of reshard_job "
+                           f"(give a file in it instead)") from None
+    except OSError as exc:
+        raise LineageError(f"{manifest_path}: cannot read ({exc.strerror or exc})") from None
+    try:
+        manifest = json.loads(data.decode("utf-8"))
+        target = manifest["target"]
+        written = [(entry["path"], "target_checkpoint", int(entry["rank"]), int(entry["size"]), entry["sha256"])
+                   for entry in target.get("files") or []]
+        strategy = target.get("strategy")
+        if strategy:
+            written.append((strategy["path"], "strategy", None, int(strategy["size"]), strategy["sha256"]))
+    except (ValueError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as exc:
+        detail = f"missing {exc}" if isinstance(exc, KeyError) else type(exc).__name__
+        raise LineageError(f"{manifest_path}: not a reshard_job manifest ({detail})") from None
+    for path, _, _, _, digest in written:
+        if not isinstance(path, str) or not isinstance(digest, str) or not looks_like_sha256(digest):
+            raise LineageError(f"{manifest_path}: not a reshard_job manifest (bad entry for {str(path)[:80]!r})")
+
+    written_into = _directory_written_into([entry for entry in written])
+    files = tuple(ListedFile(path=_where_now(path, written_into, directory), kind=kind, rank=rank, size=size,
+                             sha256=digest.lower())
+                  for path, kind, rank, size, digest in written)
+    run_id = manifest.get("run_id") if isinstance(manifest.get("run_id"), str) else None
+    return OutputListing(directory=directory, manifest_path=manifest_path, manifest_sha256=sha256_bytes(data),
+                         manifest_size=len(data), run_id=run_id or None, files=files)
+
+
+def _directory_written_into(written: list[tuple]) -> str | None:
+    """The output directory as it was when the files were written: where the strategy file sat,
+    else the parent of the ``rank_<r>`` folders."""
+    for path, kind, *_ in written:
+        if kind == "strategy":
+            return os.path.dirname(path)
+    for path, *_ in written:
+        return os.path.dirname(os.path.dirname(path))
+    return None
+
+
+def _where_now(path: str, written_into: str | None, directory: str) -> str:
+    relative = os.path.relpath(path, written_into) if written_into else os.path.basename(path)
+    if relative.startswith(os.pardir + os.sep) or os.path.isabs(relative):
+        relative = os.path.basename(path)
+    return os.path.join(directory, relative)
