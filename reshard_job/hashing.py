@@ -172,8 +172,8 @@ class HashCache:
 
     def get(self, request: HashRequest) -> FileDigest | None:
         e = self._new.get(request.path) or self._entries.get(request.path)
-        if not isinstance(e, dict) or not isinstance(e.get("sha256"), str):
-            return None
+        if not isinstance(e, dict) or not isinstance(e.get("sha256"), str) or not isinstance(e.get("size"), int):
+            return None  # (entries of older versions lack the size: hashed again)
         identity = self._identity(request.path)
         if identity is None or e.get("identity") != identity:
             return None

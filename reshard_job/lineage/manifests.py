@@ -12,11 +12,11 @@ manifest the one the lineage database recorded?" is about what was read.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass
 
-from ..hashing import sha256_bytes
 from .digests import looks_like_sha256
 from .errors import LineageError
 from .reading import read_small_file
@@ -76,7 +76,7 @@ def read_listing(directory: str) -> OutputListing:
                              sha256=digest.lower())
                   for path, kind, rank, size, digest in written)
     run_id = manifest.get("run_id") if isinstance(manifest.get("run_id"), str) else None
-    return OutputListing(directory=directory, manifest_path=manifest_path, manifest_sha256=sha256_bytes(data),
+    return OutputListing(directory=directory, manifest_path=manifest_path, manifest_sha256=hashlib.sha256(data).hexdigest(),
                          manifest_size=len(data), run_id=run_id or None, files=files)
 
 
