@@ -216,45 +216,48 @@ class RayExecutor:
             return
         self.connect()
         ray = self._ray
-        needs = {t.target_rank: self._needs(t) for t in tasks}
-        self._check_feasible(needs, _alive_nodes(ray), waited=None)
+        # tasks are keyed by position: target ranks are unique within one conversion, but the
+        # executor does not need to rely on it
+        by_key = dict(enumerate(tasks))
+        needs = {key: self._needs(task) for key, task in by_key.items()}
+        self._check_feasible(needs, by_key, _alive_nodes(ray), waited=None)
         board = ray.remote(ProgressBoard).options(num_cpus=0).remote()
         progress = _ProgressFeed(ray, board)
         remote = ray.remote(_run_on_worker)
-        refs: dict[Any, RankTask] = {}
-        shown: dict[int, int] = {}  # target rank -> bytes shown to on_bytes so far
+        keys: dict[Any, int] = {}  # object ref -> task key
+        shown: dict[int, int] = {}  # task key -> bytes shown to on_bytes so far
         pending: set = set()
         try:
             # largest ranks first, so one big rank does not run alone at the end
-            for task in sorted(tasks, key=lambda t: -t.plan.bytes_written):
-                ref = remote.options(**self._options(needs[task.target_rank])).remote(task, board, self.runner)
-                refs[ref] = task
+            for key in sorted(by_key, key=lambda k: -by_key[k].plan.bytes_written):
+                ref = remote.options(**self._options(needs[key])).remote(by_key[key], key, board, self.runner)
+                keys[ref] = key
                 pending.add(ref)
             next_check = time.monotonic() + FEASIBILITY_CHECK_INTERVAL
             lost_since: dict[str, float] = {}
             while pending:
                 ready, _ = ray.wait(list(pending), num_returns=1, timeout=POLL_INTERVAL)
                 if ready and len(pending) > 1:
-                    rest = [r for r in pending if r not in set(ready)]
+                    first = set(ready)
+                    rest = [r for r in pending if r not in first]
                     more, _ = ray.wait(rest, num_returns=len(rest), timeout=0)
                     ready = list(ready) + list(more)
                 progress.show(shown, on_bytes)
                 for ref in ready:
                     pending.discard(ref)
-                    task = refs[ref]
+                    key = keys[ref]
                     try:
                         result, report = ray.get(ref)
                     except Exception as e:
-                        raise self._failure(task, e, board) from None
+                        raise self._failure(by_key[key], key, e, board) from None
                     self._reports.append(report)
-                    extra = report.bytes_reported - shown.get(task.target_rank, 0)
+                    extra = report.bytes_reported - shown.get(key, 0)
                     if extra > 0:
-                        shown[task.target_rank] = report.bytes_reported
+                        shown[key] = report.bytes_reported
                         on_bytes(extra)
                     on_done(result)
                 if pending and time.monotonic() >= next_check:
-                    waiting = {refs[r].target_rank: needs[refs[r].target_rank] for r in pending}
-                    self._check_still_feasible(waiting, lost_since)
+                    self._check_still_feasible({keys[r]: needs[keys[r]] for r in pending}, by_key, lost_since)
                     next_check = time.monotonic() + FEASIBILITY_CHECK_INTERVAL
         except BaseException:
             self._stop(pending)
@@ -297,39 +300,40 @@ class RayExecutor:
             opts["resources"] = custom
         return opts
 
-    def _check_feasible(self, needs: dict[int, dict[str, float]], nodes: list[dict], *, waited) -> None:
-        """Refuse tasks no live node can run: Ray would queue them forever."""
-        unmet = [rank for rank, need in needs.items() if not any(_fits(need, n) for n in nodes)]
+    def _check_feasible(self, needs: dict[int, dict[str, float]], by_key: dict[int, RankTask], nodes: list[dict],
+                        *, waited: float | None) -> None:
+        """Refuse tasks no live node can run: Ray would queue them for ever."""
+        unmet = sorted((by_key[key].target_rank, key) for key, need in needs.items()
+                       if not any(_fits(need, n) for n in nodes))
         if not unmet:
             return
-        rank = min(unmet)
-        need = ", ".join(f"{k}={_amount(k, v)}" for k, v in needs[rank].items())
+        rank, key = unmet[0]
+        need = ", ".join(f"{k}={_amount(k, v)}" for k, v in needs[key].items())
         offered = "; ".join(f"{n.get('NodeManagerAddress', '?')} {_describe_resources(n.get('Resources', {}))}"
-                            for n in nodes) or "no live nodes"
-        ranks = "" if len(unmet) == 1 else f" (and {len(unmet) - 1} other rank(s))"
+                            for n in nodes) or "none"
+        others = "" if len(unmet) == 1 else f" (and {len(unmet) - 1} other rank(s))"
         how = f"for {waited:.0f} s " if waited else ""
-        raise RayExecutorError(_clip(f"target rank {rank}{ranks} needs {need}, which no live node of the Ray "
+        raise RayExecutorError(_clip(f"target rank {rank}{others} needs {need}, which no live node of the Ray "
                                      f"cluster at {self.address} has offered {how}(nodes: {offered})", 600))
 
-    def _check_still_feasible(self, waiting: dict[int, dict[str, float]], lost_since: dict[str, float]) -> None:
+    def _check_still_feasible(self, waiting: dict[int, dict[str, float]], by_key: dict[int, RankTask],
+                              lost_since: dict[str, float]) -> None:
         """A node holding a placement resource may leave while its ranks wait; give it time to return."""
         try:
             nodes = _alive_nodes(self._ray)
-        except Exception:  # the GCS is restarting; Ray itself will fail the tasks if it does not return
+        except Exception:  # the GCS is restarting; Ray itself fails the tasks if it does not return
             return
         now = time.monotonic()
-        unmet = {rank: need for rank, need in waiting.items() if not any(_fits(need, n) for n in nodes)}
-        for key in [k for k in lost_since if k not in {_need_key(n) for n in unmet.values()}]:
-            del lost_since[key]
-        expired = {}
-        for rank, need in unmet.items():
-            since = lost_since.setdefault(_need_key(need), now)
-            if now - since >= self.node_loss_grace:
-                expired[rank] = need
+        unmet = {key: need for key, need in waiting.items() if not any(_fits(need, n) for n in nodes)}
+        missing_now = {_need_key(need) for need in unmet.values()}
+        for gone in [k for k in lost_since if k not in missing_now]:
+            del lost_since[gone]
+        expired = {key: need for key, need in unmet.items()
+                   if now - lost_since.setdefault(_need_key(need), now) >= self.node_loss_grace}
         if expired:
-            self._check_feasible(expired, nodes, waited=self.node_loss_grace)
+            self._check_feasible(expired, by_key, nodes, waited=self.node_loss_grace)
 
-    def _failure(self, task: RankTask, err: Exception, board) -> ReshardError:
+    def _failure(self, task: RankTask, key: int, err: Exception, board) -> ReshardError:
         ray = self._ray
         cause = getattr(err, "cause", None)
         if isinstance(cause, RankTaskError):
@@ -337,7 +341,7 @@ class RayExecutor:
             out = RankTaskError(cause.target_rank, cause.where, cause.cause, attempts=attempts, details=cause.details)
             return out
         if isinstance(cause, BaseException):  # the worker's own code failed outside the runner
-            return RankTaskError(task.target_rank, self._last_seen(task, board),
+            return RankTaskError(task.target_rank, self._last_seen(task, key, board),
                                  _clip(f"{type(cause).__name__}: {_first_line(cause)}", MESSAGE_LIMIT))
         if isinstance(err, ray.exceptions.TaskCancelledError):
             what = "it was cancelled"
@@ -347,13 +351,13 @@ class RayExecutor:
         else:
             what = _first_line(err)
         attempts = 1 + self.max_retries
-        return RankTaskError(task.target_rank, self._last_seen(task, board), _clip(what, MESSAGE_LIMIT),
+        return RankTaskError(task.target_rank, self._last_seen(task, key, board), _clip(what, MESSAGE_LIMIT),
                              attempts=attempts if attempts > 1 else None)
 
-    def _last_seen(self, task: RankTask, board) -> str:
-        """Where the rank's last attempt started, as the workers told the progress board."""
+    def _last_seen(self, task: RankTask, key: int, board) -> str:
+        """Where the task's last attempt started, as its worker told the progress board."""
         try:
-            where = self._ray.get(board.where.remote(task.target_rank), timeout=5)
+            where = self._ray.get(board.where.remote(key), timeout=5)
         except Exception:
             where = None
         if where:
@@ -383,45 +387,6 @@ class RayExecutor:
                 ray.cancel(ref, force=True)
             except Exception:
                 pass
-
-
-# ==================================================================================== worker side
-
-
-def _run_on_worker(task: RankTask, board, runner: Runner | None) -> tuple[RankResult, TaskReport]:
-    """One attempt at one target rank, inside a Ray worker."""
-    import ray
-
-    from ..execute import run_rank_task
-
-    ctx = ray.get_runtime_context()
-    attempt = uuid.uuid4().hex[:12]
-    resource = next((k for k in ctx.get_assigned_resources() if k not in ("CPU", "memory", "GPU")), None)
-    node_id = ctx.get_node_id()
-    address = ray.util.get_node_ip_address()
-    host = socket.gethostname()
-    where = f"Ray node {address} (host {host}, node {node_id[:8]}{', ' + resource if resource else ''})"
-    _tell(board.started, task.target_rank, attempt, where)
-    reporter = _ProgressReporter(board, task.target_rank, attempt)
-    started = time.time()
-    try:
-        _remove_leftovers_of(task.out_path)
-        result = (runner or run_rank_task)(task, progress=reporter)
-    except ReshardError as e:
-        cls = TransientRankTaskError if getattr(e, "transient", False) else RankTaskError
-        raise cls(task.target_rank, where, _clip(str(e), MESSAGE_LIMIT), details=traceback.format_exc()) from None
-    except TRANSIENT_ERRORS as e:
-        raise TransientRankTaskError(task.target_rank, where, _clip(f"{type(e).__name__}: {e}", MESSAGE_LIMIT),
-                                     details=traceback.format_exc()) from None
-    except Exception as e:
-        raise RankTaskError(task.target_rank, where, _clip(f"{type(e).__name__}: {e}", MESSAGE_LIMIT),
-                            details=traceback.format_exc()) from None
-    reporter.flush()
-    report = TaskReport(task.target_rank, node_id, address, host, os.getpid(), resource, attempt, started,
-                        time.time() - started, result.size, result.bytes_read, reporter.total)
-    if not result.host:
-        result = replace(result, host=host)
-    return result, report
 
 
 class _ProgressFeed:
@@ -456,11 +421,53 @@ class _ProgressFeed:
             self._request = None
 
 
+# ==================================================================================== worker side
+
+_BUILT_IN_RESOURCES = {"CPU", "GPU", "memory", "object_store_memory"}
+
+
+def _run_on_worker(task: RankTask, key: int, board, runner: Runner | None) -> tuple[RankResult, TaskReport]:
+    """One attempt at one target rank, inside a Ray worker."""
+    import ray
+
+    from ..execute import run_rank_task
+
+    ctx = ray.get_runtime_context()
+    attempt = uuid.uuid4().hex[:12]
+    resource = next((k for k in sorted(ctx.get_assigned_resources()) if k not in _BUILT_IN_RESOURCES
+                     and not k.startswith("node:")), None)
+    node_id = ctx.get_node_id()
+    address = ray.util.get_node_ip_address()
+    host = socket.gethostname()
+    where = f"Ray node {address} (host {host}, node {node_id[:8]}{', ' + resource if resource else ''})"
+    _tell(board.started, key, attempt, where)
+    reporter = _ProgressReporter(board, key, attempt)
+    started = time.time()
+    try:
+        _remove_leftovers_of(task.out_path)
+        result = (runner or run_rank_task)(task, progress=reporter)
+    except ReshardError as e:
+        cls = TransientRankTaskError if getattr(e, "transient", False) else RankTaskError
+        raise cls(task.target_rank, where, _clip(str(e), MESSAGE_LIMIT), details=traceback.format_exc()) from None
+    except TRANSIENT_ERRORS as e:
+        raise TransientRankTaskError(task.target_rank, where, _clip(f"{type(e).__name__}: {e}", MESSAGE_LIMIT),
+                                     details=traceback.format_exc()) from None
+    except Exception as e:
+        raise RankTaskError(task.target_rank, where, _clip(f"{type(e).__name__}: {e}", MESSAGE_LIMIT),
+                            details=traceback.format_exc()) from None
+    reporter.flush()
+    report = TaskReport(task.target_rank, node_id, address, host, os.getpid(), resource, attempt, started,
+                        time.time() - started, result.size, result.bytes_read, reporter.total)
+    if not result.host:
+        result = replace(result, host=host)
+    return result, report
+
+
 class _ProgressReporter:
     """The worker's progress callback: sums bytes, sends the running total now and then."""
 
-    def __init__(self, board, rank: int, attempt: str, interval: float = PROGRESS_INTERVAL):
-        self.board, self.rank, self.attempt, self.interval = board, rank, attempt, interval
+    def __init__(self, board, key: int, attempt: str, interval: float = PROGRESS_INTERVAL):
+        self.board, self.key, self.attempt, self.interval = board, key, attempt, interval
         self.total = 0
         self._sent_at = time.monotonic()
 
@@ -471,7 +478,7 @@ class _ProgressReporter:
 
     def flush(self) -> None:
         self._sent_at = time.monotonic()
-        _tell(self.board.add, self.rank, self.attempt, self.total)
+        _tell(self.board.add, self.key, self.attempt, self.total)
 
 
 def _tell(method, *args) -> None:
@@ -510,9 +517,9 @@ def _remove_leftovers_of(out_path: str) -> int:
 
 
 class ProgressBoard:
-    """Collects every worker's running byte count and where each rank's latest attempt runs.
+    """Collects every worker's running byte count and where each task's latest attempt runs.
 
-    Keeps one number per rank, not a queue of increments, so its memory is bounded by the rank
+    Keeps one number per task, not a queue of increments, so its memory is bounded by the task
     count however often workers report; an attempt's counts replace those of earlier attempts.
     """
 
@@ -522,26 +529,26 @@ class ProgressBoard:
         self._where: dict[int, str] = {}
         self._changed: set[int] = set()
 
-    def started(self, rank: int, attempt: str, where: str) -> None:
-        self._attempt[rank] = attempt
-        self._where[rank] = where
-        self._bytes[rank] = 0
+    def started(self, key: int, attempt: str, where: str) -> None:
+        self._attempt[key] = attempt
+        self._where[key] = where
+        self._bytes[key] = 0
 
-    def add(self, rank: int, attempt: str, total: int) -> None:
-        if self._attempt.get(rank, attempt) != attempt:
+    def add(self, key: int, attempt: str, total: int) -> None:
+        if self._attempt.get(key, attempt) != attempt:
             return  # a late update of an attempt that has since been replaced
-        self._attempt[rank] = attempt
-        self._bytes[rank] = total
-        self._changed.add(rank)
+        self._attempt[key] = attempt
+        self._bytes[key] = total
+        self._changed.add(key)
 
     def drain(self) -> dict[int, int]:
-        """Ranks whose count changed since the last drain -> their latest count."""
-        out = {r: self._bytes[r] for r in self._changed}
+        """Tasks whose count changed since the last drain -> their latest count."""
+        out = {k: self._bytes[k] for k in self._changed}
         self._changed.clear()
         return out
 
-    def where(self, rank: int) -> str | None:
-        return self._where.get(rank)
+    def where(self, key: int) -> str | None:
+        return self._where.get(key)
 
 
 # ==================================================================================== helpers
