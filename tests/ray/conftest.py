@@ -1,199 +1,17 @@
-"""A real two-node Ray cluster on loopback, started once per test session and stopped afterwards.
-
-Each node is a ``ray start --block`` process in its own process group (stopped by signalling that
-group: nothing else on the machine is touched). Both nodes advertise 127.0.0.2 — Ray replaces
-127.0.0.1 by the host's network address, any other loopback address it keeps — and every port
-Ray would otherwise pick at random is chosen here from free ones, so the test can check that
-nothing listens where it should not. Node k carries the custom resource ``reshard_node_<k>``,
-standing for target node k. Small CPU counts and object stores keep it within a 2-core CI machine.
+"""The Ray tests' cluster: two nodes on loopback (see local_cluster.py), started once per
+session, with this process connected to it as a driver, and stopped afterwards.
 
 No ``__init__.py`` in this folder: as a package it would be named ``ray`` and hide the real one.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
 
-NODE_IP = "127.0.0.2"
-NODES = 2
-CPUS_PER_NODE = 2
-OBJECT_STORE_BYTES = 80 * 1024 * 1024  # Ray's minimum is 75 MiB
-WORKER_PORTS_PER_NODE = 24  # workers, actors and drivers of one node each hold one
-START_TIMEOUT = 120.0
-
-
-@dataclass
-class RayNode:
-    index: int
-    resource: str
-    process: subprocess.Popen
-    log: Path
-    ports: dict[str, int]
-    worker_ports: range
-
-
-@dataclass
-class RayTestCluster:
-    temp_dir: Path
-    gcs_port: int
-    client_port: int
-    nodes: list[RayNode] = field(default_factory=list)
-
-    @property
-    def address(self) -> str:
-        return f"{NODE_IP}:{self.gcs_port}"
-
-    @property
-    def client_address(self) -> str:
-        return f"ray://{NODE_IP}:{self.client_port}"
-
-    @property
-    def process_groups(self) -> list[int]:
-        return [n.process.pid for n in self.nodes]
-
-    def assigned_ports(self) -> set[int]:
-        out = {self.gcs_port, self.client_port}
-        for n in self.nodes:
-            out |= set(n.ports.values()) | set(n.worker_ports)
-        return out
-
-
-def _port_is_free(port: int) -> bool:
-    # bind the wildcard address: Ray's gRPC servers listen there, so a port taken on any
-    # address (another project's 127.0.0.1:port) would make them fail
-    for family, addr in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):
-        try:
-            with socket.socket(family, socket.SOCK_STREAM) as s:
-                s.bind((addr, port))
-        except OSError as e:
-            if family == socket.AF_INET6 and e.errno in (97, 99):  # no IPv6 on this machine
-                continue
-            return False
-    return True
-
-
-class _PortPicker:
-    def __init__(self) -> None:
-        self.taken: set[int] = set()
-
-    def one(self) -> int:
-        for _ in range(200):
-            with socket.socket() as s:
-                s.bind(("0.0.0.0", 0))
-                port = s.getsockname()[1]
-            if port not in self.taken and _port_is_free(port):
-                self.taken.add(port)
-                return port
-        raise RuntimeError("no free port found")
-
-    def block(self, size: int) -> range:
-        """A run of `size` consecutive free ports (Ray's worker port range)."""
-        import random
-
-        for _ in range(200):
-            start = random.randrange(20000, 30000 - size)
-            ports = range(start, start + size)
-            if not self.taken.intersection(ports) and all(_port_is_free(p) for p in ports):
-                self.taken.update(ports)
-                return ports
-        raise RuntimeError(f"no {size} consecutive free ports found")
-
-
-def _ray_cli() -> str:
-    cli = Path(sys.executable).with_name("ray")
-    return str(cli) if cli.exists() else shutil.which("ray") or "ray"
-
-
-def _environment() -> dict:
-    env = dict(os.environ)
-    env.update(RAY_USAGE_STATS_ENABLED="0", RAY_DISABLE_DOCKER_CPU_WARNING="1")
-    env.pop("RAY_ADDRESS", None)
-    return env
-
-
-def _start_node(cluster: RayTestCluster, index: int, picker: _PortPicker) -> RayNode:
-    resource = f"reshard_node_{index}"
-    ports = {"object-manager-port": picker.one(), "node-manager-port": picker.one(),
-             "dashboard-agent-listen-port": picker.one(), "dashboard-agent-grpc-port": picker.one(),
-             "runtime-env-agent-port": picker.one(), "metrics-export-port": picker.one()}
-    worker_ports = picker.block(WORKER_PORTS_PER_NODE)
-    args = [_ray_cli(), "start", "--block", f"--node-ip-address={NODE_IP}", f"--num-cpus={CPUS_PER_NODE}",
-            "--num-gpus=0", f"--object-store-memory={OBJECT_STORE_BYTES}", f"--resources={{\"{resource}\": 1000}}",
-            "--disable-usage-stats", f"--min-worker-port={worker_ports.start}",
-            f"--max-worker-port={worker_ports.stop - 1}"]
-    args += [f"--{k}={v}" for k, v in ports.items()]
-    if index == 0:
-        args += ["--head", f"--port={cluster.gcs_port}", f"--temp-dir={cluster.temp_dir}",
-                 "--include-dashboard=false", f"--ray-client-server-port={cluster.client_port}"]
-    else:
-        args += [f"--address={cluster.address}"]
-    log = cluster.temp_dir / f"node{index}.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=_environment(), start_new_session=True)
-    node = RayNode(index, resource, proc, log, ports, worker_ports)
-    cluster.nodes.append(node)
-    return node
-
-
-def _wait_started(node: RayNode, deadline: float) -> None:
-    while time.monotonic() < deadline:
-        text = node.log.read_text(errors="replace")
-        if "Ray runtime started" in text or "--block" in text and "block forever" in text:
-            return
-        if node.process.poll() is not None:
-            raise RuntimeError(f"ray start for node {node.index} exited with {node.process.returncode}:\n"
-                               + text[-3000:])
-        time.sleep(0.25)
-    raise RuntimeError(f"node {node.index} did not start within {START_TIMEOUT:.0f} s:\n"
-                       + node.log.read_text(errors="replace")[-3000:])
-
-
-def _stop(cluster: RayTestCluster) -> None:
-    """SIGTERM each node's process group, then SIGKILL what is left of it."""
-    for node in cluster.nodes:
-        _signal_group(node.process.pid, signal.SIGTERM)
-    deadline = time.monotonic() + 15
-    for node in cluster.nodes:
-        while time.monotonic() < deadline and _group_alive(node.process.pid):
-            time.sleep(0.2)
-        _signal_group(node.process.pid, signal.SIGKILL)
-        try:
-            node.process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _group_alive(pgid: int) -> bool:
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False
+from local_cluster import NODE_IP, START_TIMEOUT, ClusterStartError, start_cluster, stop_cluster
 
 
 @pytest.fixture(scope="session")
@@ -203,33 +21,20 @@ def ray_cluster():
         import ray
     except ImportError:
         pytest.skip("LOUD SKIP: the ray package is not installed (pip install -e '.[ray]'); Ray tests not run")
-    temp_dir = Path(tempfile.mkdtemp(prefix="rsj-ray-", dir="/tmp"))  # short: Ray's socket paths are limited
-    picker = _PortPicker()
-    cluster = RayTestCluster(temp_dir, picker.one(), picker.one())
     try:
-        deadline = time.monotonic() + START_TIMEOUT
-        _wait_started(_start_node(cluster, 0, picker), deadline)
-        for k in range(1, NODES):
-            _wait_started(_start_node(cluster, k, picker), deadline)
-        ray.init(address=cluster.address, logging_level="WARNING", log_to_driver=False)
-        while time.monotonic() < deadline:
-            have = ray.cluster_resources()
-            if all(have.get(n.resource) for n in cluster.nodes):
-                break
-            time.sleep(0.5)
-        else:
-            raise RuntimeError(f"nodes did not join: {ray.cluster_resources()}")
-    except Exception as e:
-        if ray.is_initialized():
-            ray.shutdown()
-        _stop(cluster)
+        cluster = start_cluster()
+    except ClusterStartError as e:
         message = f"LOUD SKIP: a Ray cluster could not be started on {NODE_IP}: {e}"
         print(message, file=sys.stderr)
         pytest.skip(message[:2000])
     try:
+        ray.init(address=cluster.address, logging_level="WARNING", log_to_driver=False)
+        deadline = time.monotonic() + START_TIMEOUT
+        while not all(ray.cluster_resources().get(n.resource) for n in cluster.nodes):
+            assert time.monotonic() < deadline, f"nodes did not join: {ray.cluster_resources()}"
+            time.sleep(0.5)
         yield cluster
     finally:
         if ray.is_initialized():
             ray.shutdown()
-        _stop(cluster)
-        shutil.rmtree(temp_dir, ignore_errors=True)
+        stop_cluster(cluster)

@@ -20,6 +20,7 @@ import pytest
 ray = pytest.importorskip("ray", reason="LOUD SKIP: the ray package is not installed (pip install -e '.[ray]')")
 
 import rank_runners  # noqa: E402  (this folder; shipped to the workers by value below)
+from local_cluster import cluster_processes  # noqa: E402
 
 from reshard_job.errors import ConfigError, ReshardError  # noqa: E402
 from reshard_job.execute import SourceFiles, run_rank_task  # noqa: E402
@@ -411,30 +412,8 @@ def _decode_address(text: str, v6: bool) -> str:
     return str(address.ipv4_mapped or address)
 
 
-def _processes_of(pgids: list[int], also: int) -> dict[int, str]:
-    """pid -> command name of the cluster's processes: its process groups, their descendants, and `also`."""
-    parent, group, names = {}, {}, {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        head, rest = stat.rsplit(")", 1)
-        fields = rest.split()
-        pid = int(entry)
-        names[pid], parent[pid], group[pid] = head.split("(", 1)[1], int(fields[1]), int(fields[2])
-    ours = {pid for pid, g in group.items() if g in pgids} | {also}
-    changed = True
-    while changed:
-        grown = ours | {pid for pid, ppid in parent.items() if ppid in ours}
-        changed, ours = grown != ours, grown
-    return {pid: names[pid] for pid in ours if pid in names}
-
-
 def test_cluster_listens_only_on_loopback_or_on_ports_it_was_given(ray_cluster):
-    processes = _processes_of(ray_cluster.process_groups, os.getpid())
+    processes = cluster_processes(ray_cluster.process_groups, also=(os.getpid(),))
     sockets = _listening_sockets()
     listeners = []  # (process, address, port)
     for pid, name in processes.items():
