@@ -14,9 +14,10 @@ Trade-offs chosen:
   from zero, never makes the bar run past 100 %: the driver shows, per rank, the most bytes any
   attempt has reached.
 - **Retries only where a retry can help.** Ray re-runs a task whose worker process or node died
-  (``max_retries``); an exception is retried only when it is transient (connection resets and
-  time-outs of remote storage, or an error marked ``transient``). A corrupt source fails at
-  once: reading it again gives the same bytes.
+  (``max_retries``). A transient failure (remote storage resetting the connection or timing
+  out, or an error marked ``transient``) is retried as often, with back-off, inside the worker:
+  Ray's own ``retry_exceptions`` would print the worker's traceback on the driver at every
+  retry. Anything else fails at once: a corrupt source reads the same on every attempt.
 - **A killed attempt leaves no file behind.** Outputs are written under a temporary name and
   renamed into place, so a killed worker never leaves a partial file under the final name; the
   next attempt of the same rank removes the temporary files earlier attempts left for that
@@ -58,6 +59,8 @@ FEASIBILITY_CHECK_INTERVAL = 5.0  # seconds between checks that waiting tasks st
 NODE_LOSS_GRACE = 60.0  # seconds a lost placement node may take to come back
 CANCEL_GRACE = 10.0  # seconds cancelled tasks get to clean up before they are killed
 CONNECT_TIMEOUT = 10.0
+TRANSIENT_BACKOFF = 1.0  # seconds before the first retry of a transient failure, doubling after
+TRANSIENT_BACKOFF_LIMIT = 30.0
 MESSAGE_LIMIT = 400  # characters of a cause quoted in an error message
 
 Runner = Callable[..., RankResult]  # runner(task, progress=callable) -> RankResult
@@ -230,7 +233,8 @@ class RayExecutor:
         try:
             # largest ranks first, so one big rank does not run alone at the end
             for key in sorted(by_key, key=lambda k: -by_key[k].plan.bytes_written):
-                ref = remote.options(**self._options(needs[key])).remote(by_key[key], key, board, self.runner)
+                ref = remote.options(**self._options(needs[key])).remote(by_key[key], key, board, self.runner,
+                                                                          self.max_retries)
                 keys[ref] = key
                 pending.add(ref)
             next_check = time.monotonic() + FEASIBILITY_CHECK_INTERVAL
@@ -292,8 +296,8 @@ class RayExecutor:
 
     def _options(self, needs: dict[str, float]) -> dict:
         custom = {k: v for k, v in needs.items() if k not in ("CPU", "memory")}
-        opts: dict[str, Any] = {"num_cpus": needs["CPU"], "max_retries": self.max_retries,
-                                "retry_exceptions": [TransientRankTaskError]}
+        # Ray retries tasks whose worker or node died; transient errors are retried in the worker
+        opts: dict[str, Any] = {"num_cpus": needs["CPU"], "max_retries": self.max_retries, "retry_exceptions": False}
         if "memory" in needs:
             opts["memory"] = int(needs["memory"])
         if custom:
@@ -337,9 +341,8 @@ class RayExecutor:
         ray = self._ray
         cause = getattr(err, "cause", None)
         if isinstance(cause, RankTaskError):
-            attempts = 1 + self.max_retries if isinstance(cause, TransientRankTaskError) else None
-            out = RankTaskError(cause.target_rank, cause.where, cause.cause, attempts=attempts, details=cause.details)
-            return out
+            return RankTaskError(cause.target_rank, cause.where, cause.cause, attempts=cause.attempts,
+                                 details=cause.details)
         if isinstance(cause, BaseException):  # the worker's own code failed outside the runner
             return RankTaskError(task.target_rank, self._last_seen(task, key, board),
                                  _clip(f"{type(cause).__name__}: {_first_line(cause)}", MESSAGE_LIMIT))
@@ -426,41 +429,62 @@ class _ProgressFeed:
 _BUILT_IN_RESOURCES = {"CPU", "GPU", "memory", "object_store_memory"}
 
 
-def _run_on_worker(task: RankTask, key: int, board, runner: Runner | None) -> tuple[RankResult, TaskReport]:
-    """One attempt at one target rank, inside a Ray worker."""
+def _run_on_worker(task: RankTask, key: int, board, runner: Runner | None,
+                   transient_retries: int) -> tuple[RankResult, TaskReport]:
+    """One target rank inside a Ray worker, retrying transient failures here.
+
+    Retrying them here rather than through Ray's ``retry_exceptions`` keeps the driver's output
+    clean: Ray prints the worker's traceback on the driver for every retry it makes.
+    """
     import ray
 
-    from ..execute import run_rank_task
-
     ctx = ray.get_runtime_context()
-    attempt = uuid.uuid4().hex[:12]
     resource = next((k for k in sorted(ctx.get_assigned_resources()) if k not in _BUILT_IN_RESOURCES
                      and not k.startswith("node:")), None)
     node_id = ctx.get_node_id()
     address = ray.util.get_node_ip_address()
     host = socket.gethostname()
     where = f"Ray node {address} (host {host}, node {node_id[:8]}{', ' + resource if resource else ''})"
-    _tell(board.started, key, attempt, where)
-    reporter = _ProgressReporter(board, key, attempt)
-    started = time.time()
+    for tries in range(1, transient_retries + 2):
+        attempt = uuid.uuid4().hex[:12]
+        _tell(board.started, key, attempt, where)
+        reporter = _ProgressReporter(board, key, attempt)
+        started = time.time()
+        try:
+            result = _attempt(task, runner, reporter)
+        except TransientRankTaskError as e:
+            if tries > transient_retries:
+                raise TransientRankTaskError(task.target_rank, where, e.cause, attempts=tries,
+                                             details=e.details) from None
+            time.sleep(min(TRANSIENT_BACKOFF_LIMIT, TRANSIENT_BACKOFF * 2 ** (tries - 1)))
+            continue
+        except RankTaskError as e:
+            raise RankTaskError(task.target_rank, where, e.cause, attempts=tries, details=e.details) from None
+        reporter.flush()
+        report = TaskReport(task.target_rank, node_id, address, host, os.getpid(), resource, attempt, started,
+                            time.time() - started, result.size, result.bytes_read, reporter.total)
+        if not result.host:
+            result = replace(result, host=host)
+        return result, report
+    raise AssertionError("unreachable")
+
+
+def _attempt(task: RankTask, runner: Runner | None, reporter) -> RankResult:
+    """Run the task once; every failure becomes a (transient or final) RankTaskError."""
+    from ..execute import run_rank_task
+
+    def fail(cls, text: str):
+        return cls(task.target_rank, "", _clip(text, MESSAGE_LIMIT), details=traceback.format_exc())
+
     try:
         _remove_leftovers_of(task.out_path)
-        result = (runner or run_rank_task)(task, progress=reporter)
+        return (runner or run_rank_task)(task, progress=reporter)
     except ReshardError as e:
-        cls = TransientRankTaskError if getattr(e, "transient", False) else RankTaskError
-        raise cls(task.target_rank, where, _clip(str(e), MESSAGE_LIMIT), details=traceback.format_exc()) from None
+        raise fail(TransientRankTaskError if getattr(e, "transient", False) else RankTaskError, str(e)) from None
     except TRANSIENT_ERRORS as e:
-        raise TransientRankTaskError(task.target_rank, where, _clip(f"{type(e).__name__}: {e}", MESSAGE_LIMIT),
-                                     details=traceback.format_exc()) from None
+        raise fail(TransientRankTaskError, f"{type(e).__name__}: {e}") from None
     except Exception as e:
-        raise RankTaskError(task.target_rank, where, _clip(f"{type(e).__name__}: {e}", MESSAGE_LIMIT),
-                            details=traceback.format_exc()) from None
-    reporter.flush()
-    report = TaskReport(task.target_rank, node_id, address, host, os.getpid(), resource, attempt, started,
-                        time.time() - started, result.size, result.bytes_read, reporter.total)
-    if not result.host:
-        result = replace(result, host=host)
-    return result, report
+        raise fail(RankTaskError, f"{type(e).__name__}: {e}") from None
 
 
 class _ProgressReporter:

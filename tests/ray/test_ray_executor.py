@@ -194,7 +194,7 @@ def test_killed_worker_is_retried_and_leaves_nothing_behind(ray_cluster, all_gol
 
 
 def test_failing_rank_is_one_line_naming_rank_node_cause_and_stops_the_rest(ray_cluster, all_golden_scenarios,
-                                                                             tmp_path):
+                                                                             tmp_path, capfd):
     sc = scenario(all_golden_scenarios, "S1_")
     out = tmp_path / "ray"
     tasks = plan_tasks(sc, out)
@@ -230,9 +230,17 @@ def test_failing_rank_is_one_line_naming_rank_node_cause_and_stops_the_rest(ray_
     while temp_files_under(out) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert files_under(out) == []
+    assert_no_traceback_printed(capfd)
 
 
-def test_transient_failure_is_retried_then_reported_with_its_attempts(ray_cluster, all_golden_scenarios, tmp_path):
+def assert_no_traceback_printed(capfd):
+    time.sleep(1)  # Ray prints cluster messages from a background thread
+    out, err = capfd.readouterr()
+    assert "Traceback" not in out + err and 'File "' not in out + err, out + err
+
+
+def test_transient_failure_is_retried_then_reported_with_its_attempts(ray_cluster, all_golden_scenarios, tmp_path,
+                                                                      capfd):
     sc = scenario(all_golden_scenarios, "S1_")
     tasks = [t for t in plan_tasks(sc, tmp_path / "ray") if t.target_rank == 0]
     signals = tmp_path / "signals"
@@ -246,6 +254,7 @@ def test_transient_failure_is_retried_then_reported_with_its_attempts(ray_cluste
     assert message.startswith("target rank 0 failed on Ray node 127.0.0.2 (")
     assert "reshard_node_0" in message and "after 3 attempts" in message
     assert "ConnectionResetError" in message and "Connection reset by peer" in message
+    assert_no_traceback_printed(capfd)
 
 
 def test_rank_no_node_can_run_is_refused_before_anything_runs(ray_cluster, all_golden_scenarios, tmp_path):
