@@ -341,21 +341,21 @@ class RayExecutor:
         ray = self._ray
         cause = getattr(err, "cause", None)
         if isinstance(cause, RankTaskError):
+            if cause.details:
+                log.debug("target rank %d, worker traceback:\n%s", cause.target_rank, cause.details)
             return RankTaskError(cause.target_rank, cause.where, cause.cause, attempts=cause.attempts,
                                  details=cause.details)
+        where = self._last_seen(task, key, board)
         if isinstance(cause, BaseException):  # the worker's own code failed outside the runner
-            return RankTaskError(task.target_rank, self._last_seen(task, key, board),
+            return RankTaskError(task.target_rank, where,
                                  _clip(f"{type(cause).__name__}: {_first_line(cause)}", MESSAGE_LIMIT))
-        if isinstance(err, ray.exceptions.TaskCancelledError):
-            what = "it was cancelled"
-        elif isinstance(err, (ray.exceptions.WorkerCrashedError, ray.exceptions.NodeDiedError,
-                              ray.exceptions.LocalRayletDiedError)):
-            what = f"its worker died on every attempt ({_first_line(err)})"
-        else:
-            what = _first_line(err)
-        attempts = 1 + self.max_retries
-        return RankTaskError(task.target_rank, self._last_seen(task, key, board), _clip(what, MESSAGE_LIMIT),
-                             attempts=attempts if attempts > 1 else None)
+        if isinstance(err, (ray.exceptions.WorkerCrashedError, ray.exceptions.NodeDiedError,
+                            ray.exceptions.LocalRayletDiedError)):
+            attempts = 1 + self.max_retries
+            return RankTaskError(task.target_rank, where, _clip(f"its worker died on every attempt "
+                                                                f"({_first_line(err)})", MESSAGE_LIMIT),
+                                 attempts=attempts)
+        return RankTaskError(task.target_rank, where, _first_line(err))
 
     def _last_seen(self, task: RankTask, key: int, board) -> str:
         """Where the task's last attempt started, as its worker told the progress board."""

@@ -87,3 +87,17 @@ class StorageKeepsResetting:
     def __call__(self, task, progress=None):
         record_attempt(self.signals, task.target_rank)
         raise ConnectionResetError(104, "Connection reset by peer (storage endpoint)")
+
+
+@dataclass(frozen=True)
+class DiesEveryTime:
+    """Every attempt's worker process dies (as if killed by the kernel's OOM killer)."""
+
+    signals: str
+
+    def __call__(self, task, progress=None):
+        import signal
+
+        record_attempt(self.signals, task.target_rank)
+        time.sleep(0.5)  # let the worker's "started on" note reach the driver's progress board
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -257,6 +257,23 @@ def test_transient_failure_is_retried_then_reported_with_its_attempts(ray_cluste
     assert_no_traceback_printed(capfd)
 
 
+def test_worker_dying_on_every_attempt_is_reported_with_its_attempts(ray_cluster, all_golden_scenarios, tmp_path):
+    sc = scenario(all_golden_scenarios, "S1_")
+    tasks = [t for t in plan_tasks(sc, tmp_path / "ray") if t.target_rank == 0]
+    signals = tmp_path / "signals"
+    signals.mkdir()
+    executor = RayExecutor(ray_cluster.address, placement={0: "reshard_node_0"}, max_retries=1,
+                           runner=rank_runners.DiesEveryTime(str(signals)))
+    with pytest.raises(RankTaskError) as info:
+        executor.run(tasks, on_bytes=lambda n: None, on_done=lambda r: None)
+    assert rank_runners.attempts(str(signals), 0) == 2
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith("target rank 0 failed on ")
+    assert "reshard_node_0" in message and "after 2 attempts: its worker died on every attempt" in message
+    assert not (tmp_path / "ray" / "rank_0" / "checkpoint_0.ckpt").exists()
+
+
 def test_rank_no_node_can_run_is_refused_before_anything_runs(ray_cluster, all_golden_scenarios, tmp_path):
     sc = scenario(all_golden_scenarios, "S1_")
     tasks = plan_tasks(sc, tmp_path / "ray")
