@@ -237,7 +237,8 @@ class RayExecutor:
                                                                           self.max_retries)
                 keys[ref] = key
                 pending.add(ref)
-            next_check = time.monotonic() + FEASIBILITY_CHECK_INTERVAL
+            check_every = min(FEASIBILITY_CHECK_INTERVAL, max(0.5, self.node_loss_grace / 2))
+            next_check = time.monotonic() + check_every
             lost_since: dict[str, float] = {}
             while pending:
                 ready, _ = ray.wait(list(pending), num_returns=1, timeout=POLL_INTERVAL)
@@ -262,7 +263,7 @@ class RayExecutor:
                     on_done(result)
                 if pending and time.monotonic() >= next_check:
                     self._check_still_feasible({keys[r]: needs[keys[r]] for r in pending}, by_key, lost_since)
-                    next_check = time.monotonic() + FEASIBILITY_CHECK_INTERVAL
+                    next_check = time.monotonic() + check_every
         except BaseException:
             self._stop(pending)
             raise
@@ -316,9 +317,9 @@ class RayExecutor:
         offered = "; ".join(f"{n.get('NodeManagerAddress', '?')} {_describe_resources(n.get('Resources', {}))}"
                             for n in nodes) or "none"
         others = "" if len(unmet) == 1 else f" (and {len(unmet) - 1} other rank(s))"
-        how = f"for {waited:.0f} s " if waited else ""
+        offers = f"has offered for the last {waited:.0f} s (a node left?)" if waited else "offers"
         raise RayExecutorError(_clip(f"target rank {rank}{others} needs {need}, which no live node of the Ray "
-                                     f"cluster at {self.address} has offered {how}(nodes: {offered})", 600))
+                                     f"cluster at {self.address} {offers} (nodes: {offered})", 600))
 
     def _check_still_feasible(self, waiting: dict[int, dict[str, float]], by_key: dict[int, RankTask],
                               lost_since: dict[str, float]) -> None:

@@ -250,6 +250,28 @@ def start_cluster() -> RayTestCluster:
     return cluster
 
 
+def add_node(cluster: RayTestCluster, index: int) -> RayNode:
+    """One more node, carrying ``reshard_node_<index>``."""
+    picker = _PortPicker()
+    picker.taken = cluster.assigned_ports()
+    node = _start_node(cluster, index, picker)
+    _wait_started(node, time.monotonic() + START_TIMEOUT)
+    return node
+
+
+def kill_node(cluster: RayTestCluster, node: RayNode) -> None:
+    """The node dies at once, as a machine that loses power: SIGKILL to all its processes."""
+    doomed = cluster_processes([node.process.pid])
+    _signal_group(node.process.pid, signal.SIGKILL)
+    for pid in doomed:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    node.process.wait(timeout=10)
+    cluster.nodes.remove(node)
+
+
 def stop_cluster(cluster: RayTestCluster) -> None:
     _stop(cluster)
     shutil.rmtree(cluster.temp_dir, ignore_errors=True)

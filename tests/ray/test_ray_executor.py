@@ -20,7 +20,7 @@ import pytest
 ray = pytest.importorskip("ray", reason="LOUD SKIP: the ray package is not installed (pip install -e '.[ray]')")
 
 import rank_runners  # noqa: E402  (this folder; shipped to the workers by value below)
-from local_cluster import cluster_processes  # noqa: E402
+from local_cluster import add_node, cluster_processes, kill_node  # noqa: E402
 
 from reshard_job.errors import ConfigError, ReshardError  # noqa: E402
 from reshard_job.execute import SourceFiles, run_rank_task  # noqa: E402
@@ -284,13 +284,55 @@ def test_rank_no_node_can_run_is_refused_before_anything_runs(ray_cluster, all_g
     assert time.monotonic() - started < 10
     message = str(info.value)
     assert "\n" not in message
-    assert message.startswith("target rank 2 (and 1 other rank(s)) needs CPU=1, reshard_node_2=1, which no live node")
-    assert ray_cluster.address in message and "reshard_node_0=1000" in message
+    assert message.startswith(f"target rank 2 (and 1 other rank(s)) needs CPU=1, reshard_node_2=1, which no live "
+                              f"node of the Ray cluster at {ray_cluster.address} offers (nodes: 127.0.0.2 {{CPU=2, ")
+    assert "reshard_node_0=1000" in message and "reshard_node_1=1000" in message
     assert not (tmp_path / "ray").exists()
 
     too_big = RayExecutor(ray_cluster.address, num_cpus_per_task=64)
     with pytest.raises(RayExecutorError, match=r"^target rank 0 \(and 3 other rank\(s\)\) needs CPU=64"):
         too_big.run(tasks, on_bytes=lambda n: None, on_done=lambda r: None)
+
+
+@pytest.mark.slow
+def test_node_lost_for_good_fails_the_run_instead_of_waiting_for_ever(ray_cluster, all_golden_scenarios, tmp_path):
+    """Ray would keep the retried task waiting for a node with the resource; the executor gives up."""
+    sc = scenario(all_golden_scenarios, "S1_")
+    tasks = [t for t in plan_tasks(sc, tmp_path / "ray") if t.target_rank == 0]
+    node = add_node(ray_cluster, 9)
+    try:
+        deadline = time.monotonic() + 60
+        while not ray.cluster_resources().get("reshard_node_9"):
+            assert time.monotonic() < deadline, "node 9 did not join"
+            time.sleep(0.5)
+        signals = tmp_path / "signals"
+        signals.mkdir()
+
+        def kill_when_held():
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and node in ray_cluster.nodes:
+                if rank_runners.held_pid(str(signals), 0):
+                    kill_node(ray_cluster, node)
+                    return
+                time.sleep(0.05)
+
+        killer = threading.Thread(target=kill_when_held, daemon=True)
+        killer.start()
+        executor = RayExecutor(ray_cluster.address, placement={0: "reshard_node_9"}, max_retries=1,
+                               node_loss_grace=3, runner=rank_runners.HoldOnce(str(signals), hold=frozenset({0})))
+        started = time.monotonic()
+        with pytest.raises(ReshardError) as info:
+            executor.run(tasks, on_bytes=lambda n: None, on_done=lambda r: None)
+        killer.join(5)
+        assert time.monotonic() - started < 150
+        message = str(info.value)
+        assert "\n" not in message and message.startswith("target rank 0 ")
+        # Ray either reports the node's death itself, or the retry waits for a node that never returns
+        assert "needs CPU=1, reshard_node_9=1, which no live node" in message and "for the last 3 s" in message \
+            or "died" in message, message
+    finally:
+        if node in ray_cluster.nodes:
+            kill_node(ray_cluster, node)
 
 
 # ============================================================================ connecting
