@@ -235,14 +235,14 @@ def _group_alive(pgid: int) -> bool:
 
 
 
-def start_cluster() -> RayTestCluster:
+def start_cluster(nodes: int = NODES) -> RayTestCluster:
     """Start the head and the other nodes; on failure, stop what started and raise ClusterStartError."""
     temp_dir = Path(tempfile.mkdtemp(prefix="rsj-ray-", dir="/tmp"))  # short: Ray's socket paths are limited
     picker = _PortPicker()
     cluster = RayTestCluster(temp_dir, picker.one(), picker.one())
     try:
         deadline = time.monotonic() + START_TIMEOUT
-        for k in range(NODES):
+        for k in range(nodes):
             _wait_started(_start_node(cluster, k, picker), deadline)
     except BaseException:
         stop_cluster(cluster)

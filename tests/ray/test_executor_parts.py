@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import pickle
+import subprocess
+import sys
 
 import pytest
 from hypothesis import given
@@ -162,3 +164,16 @@ def test_rank_errors_are_one_line_and_survive_pickling():
     assert type(back) is TransientRankTaskError and isinstance(back, ReshardError)
     assert (str(back), back.target_rank, back.attempts, back.details) == (str(err), 3, 4, "Traceback ...")
     assert str(RankTaskError(0, "node", "bad", attempts=1)) == "target rank 0 failed on node: bad"
+
+
+def test_missing_ray_says_how_to_install_it():
+    code = ("import sys; sys.modules['ray'] = None\n"
+            "from reshard_job.job.ray_executor import RayExecutor\n"
+            "try:\n    RayExecutor('auto').connect()\n"
+            "except Exception as e:\n    print(type(e).__name__, e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "ConfigError the Ray executor needs the ray package: pip install -e '.[ray]'"
+    # importing the executor module does not import Ray
+    code = "import sys, reshard_job.job.ray_executor; print('ray' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "False"
