@@ -17,6 +17,8 @@ from typing import Callable, Iterable, Mapping
 from ..errors import ConfigError
 
 DEFAULT_NODE_RESOURCE_PREFIX = "reshard_node_"
+PLACEMENT_SHARED = "shared"  # every node sees output.dir (a shared file system): run ranks anywhere
+PLACEMENT_PER_NODE = "per_node"  # rank r's file is written on the node that will load it
 UNITS_PER_TASK = 1  # of the node's custom resource; nodes are started with far more (1000)
 
 Placement = Callable[[int], "str | None"]  # target rank -> custom resource to run on (None: anywhere)
@@ -52,6 +54,44 @@ def nodes_needed(devices: int, devices_per_node: int) -> int:
     """How many target nodes a `devices`-rank target spans."""
     _check_devices_per_node(devices_per_node)
     return -(-devices // devices_per_node)
+
+
+def devices_per_node_for(devices: int, nodes: int | None, devices_per_node: int | None) -> int:
+    """``target.cluster`` settled against the target's device count: the ranks each node holds.
+
+    Either key may be left out when the other divides the device count; given both, every node
+    must be full (nodes x devices_per_node = devices), as training launchers lay ranks out.
+    """
+    if nodes is not None and (not isinstance(nodes, int) or isinstance(nodes, bool) or nodes < 1):
+        raise ConfigError(f"target.cluster.nodes must be a positive integer, got {nodes!r}")
+    if devices_per_node is None:
+        if nodes is None:
+            raise ConfigError("output.placement=per_node needs target.cluster.devices_per_node (or target.cluster.nodes)")
+        if devices % nodes:
+            raise ConfigError(f"target.devices {devices} cannot be spread evenly over target.cluster.nodes {nodes}; "
+                              f"set target.cluster.devices_per_node")
+        return devices // nodes
+    _check_devices_per_node(devices_per_node)
+    if nodes is not None and nodes * devices_per_node != devices:
+        raise ConfigError(f"target.cluster has {nodes} node(s) x {devices_per_node} device(s) = "
+                          f"{nodes * devices_per_node} devices but target.devices is {devices}")
+    if devices % devices_per_node:
+        raise ConfigError(f"target.devices {devices} is not a multiple of target.cluster.devices_per_node "
+                          f"{devices_per_node}")
+    return devices_per_node
+
+
+def placement_from_config(output_placement: str, devices: int, nodes: int | None = None,
+                          devices_per_node: int | None = None,
+                          prefix: str = DEFAULT_NODE_RESOURCE_PREFIX) -> Placement | None:
+    """What ``output.placement`` and ``target.cluster`` mean for the executor: None for shared
+    outputs (any node), else the per-node placement function."""
+    if output_placement == PLACEMENT_SHARED:
+        return None
+    if output_placement == PLACEMENT_PER_NODE:
+        return per_node_placement(devices_per_node_for(devices, nodes, devices_per_node), prefix)
+    raise ConfigError(f"output.placement must be {PLACEMENT_SHARED!r} or {PLACEMENT_PER_NODE!r}, "
+                      f"got {output_placement!r}")
 
 
 def per_node_placement(devices_per_node: int, prefix: str = DEFAULT_NODE_RESOURCE_PREFIX) -> Placement:

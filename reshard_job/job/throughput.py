@@ -32,6 +32,7 @@ class TaskReport:
     bytes_written: int  # output file size
     bytes_read: int
     bytes_reported: int  # tensor bytes streamed, as reported to the progress display
+    peak_rss: int = 0  # the worker process's peak resident memory so far, bytes
 
 
 @dataclass
@@ -46,6 +47,7 @@ class NodeThroughput:
     busy_seconds: float = 0.0
     first_start: float | None = None
     last_end: float | None = None
+    peak_rss: int = 0  # the largest worker process seen on the node
 
     @property
     def tasks(self) -> int:
@@ -70,6 +72,7 @@ class NodeThroughput:
         self.bytes_written += report.bytes_written
         self.bytes_read += report.bytes_read
         self.busy_seconds += report.seconds
+        self.peak_rss = max(self.peak_rss, report.peak_rss)
         end = report.started + report.seconds
         self.first_start = report.started if self.first_start is None else min(self.first_start, report.started)
         self.last_end = end if self.last_end is None else max(self.last_end, end)
@@ -95,9 +98,10 @@ def render(rows: list[NodeThroughput]) -> str:
             ",".join(sorted(n.resources)) or "-", f"{n.address} ({n.host})", n.node_id[:8], n.tasks,
             rank_ranges(n.ranks), human_size(n.bytes_read), human_size(n.bytes_written),
             f"{n.wall_seconds:.1f}", "-" if rate is None else f"{human_size(rate)}/s",
+            human_size(n.peak_rss) if n.peak_rss else "-",
         ])
-    return table(["node", "address", "id", "tasks", "ranks", "read", "written", "wall s", "write rate"], body,
-                 align_right=(3, 5, 6, 7, 8))
+    return table(["node", "address", "id", "tasks", "ranks", "read", "written", "wall s", "write rate",
+                  "worker peak RSS"], body, align_right=(3, 5, 6, 7, 8, 9))
 
 
 def _resource_order(resources: set[str]) -> tuple:

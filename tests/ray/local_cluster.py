@@ -102,7 +102,9 @@ class _PortPicker:
         import random
 
         for _ in range(200):
-            start = random.randrange(20000, 30000 - size)
+            # below the kernel's ephemeral ports (32768 up), above the ports Ray's client proxy
+            # gives each Ray Client its own server on (23000-23999)
+            start = random.randrange(24000, 32000 - size)
             ports = range(start, start + size)
             if not self.taken.intersection(ports) and all(_port_is_free(p) for p in ports):
                 self.taken.update(ports)
@@ -117,7 +119,9 @@ def _ray_cli() -> str:
 
 def _environment() -> dict:
     env = dict(os.environ)
-    env.update(RAY_USAGE_STATS_ENABLED="0", RAY_DISABLE_DOCKER_CPU_WARNING="1")
+    env.update(RAY_USAGE_STATS_ENABLED="0", RAY_DISABLE_DOCKER_CPU_WARNING="1",
+               # a loaded CI machine may take longer than Ray's 30 s to start a Ray Client's server
+               RAY_CLIENT_SERVER_CHECK_CHANNEL_TIMEOUT_S="180")
     env.pop("RAY_ADDRESS", None)
     return env
 

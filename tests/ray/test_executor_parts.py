@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 from reshard_job.errors import ConfigError, ReshardError
 from reshard_job.job import placement as pl
-from reshard_job.job.ray_executor import (ProgressBoard, RankTaskError, TransientRankTaskError,
-                                          _remove_leftovers_of, parse_address)
+from reshard_job.job.ray_executor import (ProgressBoard, RankTaskError, TransientRankTaskError, _first_line,
+                                          _remove_leftovers_of, memory_per_task, parse_address)
 from reshard_job.job.throughput import TaskReport, per_node, render
 from reshard_job.storage.atomic import temp_name_for
 
@@ -70,15 +70,15 @@ def test_negative_rank_is_refused():
 # ============================================================================ throughput
 
 
-def report(rank, node, resource, started, seconds, written, read=0):
-    return TaskReport(rank, node * 8, "10.0.0.1", "h", 1, resource, "a", started, seconds, written, read, written)
+def report(rank, node, resource, started, seconds, written, read=0, rss=0):
+    return TaskReport(rank, node * 8, "10.0.0.1", "h", 1, resource, "a", started, seconds, written, read, written, rss)
 
 
 def test_per_node_throughput_uses_wall_time_and_orders_nodes_by_number():
     rows = per_node([
         report(0, "b", "reshard_node_10", 100.0, 4.0, 4000),
-        report(1, "a", "reshard_node_2", 100.0, 2.0, 1000, 500),
-        report(2, "a", "reshard_node_2", 101.0, 2.0, 1000, 500),  # overlaps rank 1
+        report(1, "a", "reshard_node_2", 100.0, 2.0, 1000, 500, rss=100 << 20),
+        report(2, "a", "reshard_node_2", 101.0, 2.0, 1000, 500, rss=120 << 20),  # overlaps rank 1
         report(3, "c", None, 50.0, 1.0, 10),
     ])
     assert [sorted(r.resources) for r in rows] == [["reshard_node_2"], ["reshard_node_10"], []]
@@ -86,11 +86,46 @@ def test_per_node_throughput_uses_wall_time_and_orders_nodes_by_number():
     assert (two.tasks, two.ranks, two.bytes_written, two.bytes_read) == (2, [1, 2], 2000, 1000)
     assert (two.wall_seconds, two.busy_seconds) == (3.0, 4.0)
     assert two.write_rate == pytest.approx(2000 / 3.0)
+    assert (two.peak_rss, rows[1].peak_rss) == (120 << 20, 0)
     text = render(rows)
     lines = text.splitlines()
     assert len(lines) == 4 and lines[0].split()[:3] == ["node", "address", "id"]
     assert lines[1].startswith("reshard_node_2 ") and "1-2" in lines[1] and "666 B/s" in lines[1]
+    assert lines[1].endswith("120.0 MiB") and lines[2].endswith("-")
     assert per_node([]) == []
+
+
+def test_memory_per_task_covers_slices_staging_and_the_worker():
+    mib = 1 << 20
+    assert memory_per_task(32 * mib) == (96 + 32 + 16) * mib
+    assert memory_per_task(1024 * mib) - memory_per_task(32 * mib) == 992 * mib
+
+
+# ============================================================================ placement from config
+
+
+def test_placement_from_config():
+    assert pl.placement_from_config("shared", 16) is None
+    f = pl.placement_from_config("per_node", 16, nodes=2)
+    assert (f(7), f(8)) == ("reshard_node_0", "reshard_node_1")
+    g = pl.placement_from_config("per_node", 16, devices_per_node=4, prefix="host_")
+    assert g(15) == "host_3"
+    assert pl.placement_from_config("per_node", 16, nodes=2, devices_per_node=8)(15) == "reshard_node_1"
+
+
+@pytest.mark.parametrize("args, message", [
+    (("per_node", 16), "output.placement=per_node needs target.cluster.devices_per_node (or target.cluster.nodes)"),
+    (("per_node", 16, 3), "target.devices 16 cannot be spread evenly over target.cluster.nodes 3; set "
+                          "target.cluster.devices_per_node"),
+    (("per_node", 16, 2, 4), "target.cluster has 2 node(s) x 4 device(s) = 8 devices but target.devices is 16"),
+    (("per_node", 12, None, 8), "target.devices 12 is not a multiple of target.cluster.devices_per_node 8"),
+    (("per_node", 8, 0), "target.cluster.nodes must be a positive integer, got 0"),
+    (("nearby", 8), "output.placement must be 'shared' or 'per_node', got 'nearby'"),
+])
+def test_placement_config_errors_are_one_line(args, message):
+    with pytest.raises(ConfigError) as info:
+        pl.placement_from_config(*args)
+    assert str(info.value) == message
 
 
 # ============================================================================ addresses
@@ -177,3 +212,13 @@ def test_missing_ray_says_how_to_install_it():
     code = "import sys, reshard_job.job.ray_executor; print('ray' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False"
+
+
+def test_error_text_from_ray_becomes_one_line():
+    server_side = ConnectionAbortedError("Initialization failure from server:\nTraceback (most recent call last):\n"
+                                         '  File "proxier.py", line 1, in Datapath\n'
+                                         "RuntimeError: Proxy failed to Connect to backend!\n")
+    assert _first_line(server_side) == "Initialization failure from server: RuntimeError: Proxy failed to Connect to backend!"
+    assert _first_line(ValueError("first\nsecond")) == "first"
+    assert _first_line(ValueError()) == "ValueError"
+    assert len(_first_line(ValueError("x" * 5000))) == 400

@@ -26,7 +26,7 @@ from reshard_job.errors import ConfigError, ReshardError  # noqa: E402
 from reshard_job.execute import SourceFiles, run_rank_task  # noqa: E402
 from reshard_job.job.placement import per_node_placement  # noqa: E402
 from reshard_job.job.ray_executor import (RankTaskError, RayConnectionError, RayExecutor,  # noqa: E402
-                                          RayExecutorError)
+                                          RayExecutorError, memory_per_task)
 from reshard_job.plan import Planner  # noqa: E402
 from reshard_job.sources import discover, load_strategy  # noqa: E402
 from reshard_job.tasks import RankTask  # noqa: E402
@@ -106,8 +106,8 @@ def test_golden_scenario_through_ray_matches_local_run(ray_cluster, golden_scena
     placement = two_node_placement(tasks)
     local, local_bytes = run_locally(tasks, tmp_path / "local")
     got = Collect()
-    executor = RayExecutor(ray_cluster.address, placement=placement, num_cpus_per_task=1,
-                           memory_per_task=64 * 1024 * 1024)
+    reserved = memory_per_task(tasks[0].options.max_memory)
+    executor = RayExecutor(ray_cluster.address, placement=placement, num_cpus_per_task=1, memory_per_task=reserved)
     with executor:
         executor.run(tasks, on_bytes=got.on_bytes, on_done=got.on_done)
     assert ray.is_initialized(), "the executor joined an existing connection and must leave it open"
@@ -129,6 +129,7 @@ def test_golden_scenario_through_ray_matches_local_run(ray_cluster, golden_scena
     nodes = node_resources()
     reports = {r.target_rank: r for r in executor.reports}
     for rank, report in reports.items():
+        assert 0 < report.peak_rss <= reserved, "the worker used more memory than its task reserves"
         assert report.resource == placement(rank)
         assert nodes[report.node_id].get(placement(rank), 0) > 0, f"rank {rank} ran on a node without its resource"
     if len(tasks) > 1:
@@ -391,6 +392,7 @@ class _silent_listener:
         self.sock.close()
 
 
+@pytest.mark.slow  # Ray Client starts a server process per connection: 10-30 s on a loaded 2-core machine
 def test_ray_client_address_converts_and_disconnects(ray_cluster, all_golden_scenarios, tmp_path):
     """A driver outside the cluster (Ray Client, ray://): its own connection, closed afterwards."""
     sc = scenario(all_golden_scenarios, "S1_")
