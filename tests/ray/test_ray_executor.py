@@ -234,6 +234,28 @@ def assert_no_traceback_printed(capfd):
     assert "Traceback" not in out + err and 'File "' not in out + err, out + err
 
 
+def test_driver_failing_while_journaling_stops_the_tasks_still_running(ray_cluster, all_golden_scenarios, tmp_path):
+    """A failure on the driver's side (the journal's disk is full, Ctrl-C) stops the workers too."""
+    sc = scenario(all_golden_scenarios, "S1_")
+    out = tmp_path / "ray"
+    tasks = plan_tasks(sc, out)
+    signals = tmp_path / "signals"
+    signals.mkdir()
+    held = frozenset({0, 1, 2})
+    runner = rank_runners.HoldOnce(str(signals), hold=held, wait=frozenset({3}))
+
+    def journal(result):
+        raise OSError(28, "No space left on device")
+
+    executor = RayExecutor(ray_cluster.address, placement=two_node_placement(tasks), runner=runner)
+    with pytest.raises(OSError, match="No space left"):
+        executor.run(tasks, on_bytes=lambda n: None, on_done=journal)
+    deadline = time.monotonic() + 20
+    while temp_files_under(out) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert files_under(out) == ["rank_3/checkpoint_3.ckpt"]  # the one that finished; the others stopped
+
+
 def test_transient_failure_is_retried_then_reported_with_its_attempts(ray_cluster, all_golden_scenarios, tmp_path,
                                                                       capfd):
     sc = scenario(all_golden_scenarios, "S1_")
