@@ -425,10 +425,10 @@ class _ProgressFeed:
                 latest = {}
             self._request = None
             delta = 0
-            for rank, n in latest.items():
-                if n > shown.get(rank, 0):
-                    delta += n - shown.get(rank, 0)
-                    shown[rank] = n
+            for key, n in latest.items():
+                if n > shown.get(key, 0):
+                    delta += n - shown.get(key, 0)
+                    shown[key] = n
             if delta:
                 on_bytes(delta)
         try:
