@@ -104,10 +104,10 @@ def _log_to_file(line: str) -> None:
 
 def _write_result(ctx, result) -> None:
     from .job.callbacks import RESULT_FILE
-    from .secrets import mask_config
+    from .secrets import mask_config, mask_text
 
     doc = mask_config(result.to_json())
-    doc.update(job_num=ctx.job_num, overrides=mask_config(list(ctx.overrides)))
+    doc.update(job_num=ctx.job_num, overrides=[mask_text(o) for o in ctx.overrides])
     os.makedirs(ctx.run_dir, exist_ok=True)
     with open(os.path.join(ctx.run_dir, RESULT_FILE), "w", encoding="utf-8") as f:
         json.dump(doc, f, indent=1)

@@ -50,11 +50,17 @@ _YAML_OR_OVERRIDE = re.compile(r"^(?P<head>[ \t]*-?[ \t]*\+?(?P<name>[\w.\-]+)[ 
                                re.M)
 
 
+# key=value anywhere (Hydra joins overrides with commas in hydra.job.override_dirname)
+_INLINE = re.compile(r"(?P<head>(?P<name>[\w.+\-]+)=)(?P<value>'[^'\n]*'|\"[^\"\n]*\"|[^,\s'\"\]]+)")
+
+
 def mask_text(text: str) -> str:
     """Credentials masked in free text such as a saved YAML configuration or a command line."""
-    def line(m: re.Match) -> str:
-        secret = is_secret_key(m.group("name").rsplit(".", 1)[-1])
-        empty = m.group("value").strip() in ("null", "''", '""', "{}")
-        return m.group("head") + MASK if secret and not empty else m.group(0)
+    def secret(name: str, value: str) -> bool:
+        return is_secret_key(name.lstrip("+~").rsplit(".", 1)[-1]) and value.strip() not in ("null", "''", '""', "{}")
 
-    return _YAML_OR_OVERRIDE.sub(line, mask_url(text))
+    def line(m: re.Match) -> str:
+        return m.group("head") + MASK if secret(m.group("name"), m.group("value")) else m.group(0)
+
+    text = _YAML_OR_OVERRIDE.sub(line, mask_url(text))
+    return _INLINE.sub(line, text)

@@ -28,3 +28,10 @@ def test_saved_yaml_and_command_lines_are_masked():
     masked = mask_text(text)
     assert "AK" not in masked and "SK" not in masked and ":b@" not in masked
     assert "token: null" in masked and "match: layer.key" in masked
+
+
+def test_overrides_joined_on_one_line_are_masked_each():
+    """Hydra's override_dirname joins the command line with commas; quotes elsewhere do not hide a key."""
+    text = "a: 'x\n    override_dirname: +storage.options.secret=AK1,lineage.url='sqlite:////l.db?password=pw',x.token=T\n"
+    masked = mask_text(text)
+    assert "AK1" not in masked and "pw'" not in masked and "=T" not in masked and "x.token=***" in masked
