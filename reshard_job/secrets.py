@@ -21,7 +21,7 @@ _SECRET_KEY = re.compile(r"(pass(word|wd)?|secret|token|credential|api[_-]?key|a
 
 
 _QUERY_SECRET = re.compile(r"(?P<head>[?&](?:password|passwd|pwd|secret|token|sslpassword|"
-                           r"x-amz-security-token|x-amz-signature)=)(?P<value>[^&#\s]+)", re.I)
+                           r"x-amz-security-token|x-amz-signature)=)(?P<value>[^&#\s'\",]+)", re.I)
 
 
 def mask_url(text: str) -> str:
