@@ -1,0 +1,167 @@
+"""Hostile inputs and configurations: each ends in one line (exit 2) quickly and in bounded memory.
+
+Every case runs the job in a child process under an address-space limit, so a regression that
+would allocate gigabytes fails the test instead of taking the machine down, and under a timeout,
+so a hang fails too. The child's own peak RSS (``wait4``) is checked against the 512 MiB bound.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from reliability_helpers import (ERROR_PREFIX, S1, app_command, app_env, can_drop_dac_override, copy_s1, message_lines,
+                                 s1_args, without_dac_override)
+
+MEMORY_BOUND_MIB = 512
+ADDRESS_SPACE = 6 << 30  # a safety net well above what threads and arenas reserve
+TIMEOUT_S = 120  # generous for a loaded CI machine; the bound that matters is memory and "no hang"
+
+
+def run_bounded(cwd: Path, *args: str, drop_dac: bool = False) -> tuple[int, str, float, float]:
+    """(exit status, stderr, peak RSS MiB, seconds) of the job as a child under the limits."""
+    dac = without_dac_override() if drop_dac else None
+
+    def limits() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (ADDRESS_SPACE, ADDRESS_SPACE))
+        if dac is not None:
+            dac()
+
+    started = time.monotonic()
+    err_path = cwd / f"stderr.{time.monotonic_ns()}"
+    with open(err_path, "w") as err:
+        proc = subprocess.Popen(app_command(*args), cwd=cwd, env=app_env(), stdout=subprocess.DEVNULL, stderr=err,
+                                preexec_fn=limits)
+        deadline = started + TIMEOUT_S
+        while True:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                break
+            if time.monotonic() > deadline:
+                proc.kill()
+                proc.wait()
+                pytest.fail(f"the job hung (> {TIMEOUT_S} s): {args}")
+            time.sleep(0.05)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return proc.returncode, err_path.read_text(), usage.ru_maxrss / 1024, time.monotonic() - started
+
+
+def one_error(code: int, stderr: str, rss: float) -> str:
+    assert code == 2, stderr
+    assert "Traceback" not in stderr, stderr
+    lines = message_lines(stderr)
+    assert len(lines) == 1 and lines[0].startswith(ERROR_PREFIX), stderr
+    assert len(lines[0]) <= 2100, len(lines[0])
+    assert rss <= MEMORY_BOUND_MIB, f"peak RSS {rss:.0f} MiB"
+    return lines[0][len(ERROR_PREFIX):]
+
+
+@pytest.fixture
+def s1(tmp_path):
+    return copy_s1(tmp_path / "src")
+
+
+def test_a_fifo_strategy_file_is_refused_not_waited_on(tmp_path, s1):
+    ckpts, src, dst = s1
+    fifo = tmp_path / "strategy.ckpt"
+    os.mkfifo(fifo)
+    error = one_error(*run_bounded(tmp_path, *s1_args(ckpts, fifo, dst, tmp_path / "out"))[:3])
+    assert error == f"{fifo}: is a FIFO (named pipe), expected a regular file"
+
+
+def test_a_fifo_inside_a_pipeline_strategy_directory_is_refused(tmp_path, s1):
+    ckpts, src, dst = s1
+    stages = tmp_path / "stages"
+    stages.mkdir()
+    (stages / "stage0.ckpt").write_bytes(src.read_bytes())
+    os.mkfifo(stages / "stage1.ckpt")
+    error = one_error(*run_bounded(tmp_path, *s1_args(ckpts, stages, dst, tmp_path / "out"))[:3])
+    assert error.startswith(f"{stages / 'stage1.ckpt'}: is not a regular file")
+
+
+@pytest.mark.parametrize("device,key", [("/dev/zero", "source.strategy"), ("/dev/urandom", "target.strategy")])
+def test_devices_as_strategy_files_are_refused(tmp_path, s1, device, key):
+    ckpts, src, dst = s1
+    args = s1_args(ckpts, device if key == "source.strategy" else src, device if key == "target.strategy" else dst,
+                   tmp_path / "out")
+    error = one_error(*run_bounded(tmp_path, *args)[:3])
+    assert error == f"{device}: is a device, expected a regular file"
+
+
+def test_a_device_as_a_rank_file_is_skipped_and_named(tmp_path, s1):
+    ckpts, src, dst = s1
+    (ckpts / "rank_3" / "checkpoint_3.ckpt").unlink()
+    os.symlink("/dev/zero", ckpts / "rank_3" / "checkpoint_3.ckpt")
+    error = one_error(*run_bounded(tmp_path, *s1_args(ckpts, src, dst, tmp_path / "out"))[:3])
+    assert error == f"{ckpts}: no checkpoint file in rank directory rank_3"
+
+
+def test_a_megabyte_parameter_name_gives_a_short_error_line(tmp_path, s1):
+    from reshard_job.formats.ckpt import CheckpointWriter
+    import numpy as np
+
+    ckpts, src, dst = s1
+    huge = "p" * (1 << 20)
+    with CheckpointWriter(tmp_path / "extra.ckpt", mode=0o644) as w:
+        w.add(huge, np.zeros(2, np.float32))
+    rank8 = ckpts / "rank_8"
+    rank8.mkdir()
+    os.replace(tmp_path / "extra.ckpt", rank8 / "checkpoint_8.ckpt")
+    error = one_error(*run_bounded(tmp_path, *s1_args(ckpts, src, dst, tmp_path / "out"))[:3])
+    assert "holds 1 parameter(s) that no rank within it holds (e.g. 'ppp" in error and "…" in error
+
+
+def test_a_record_with_millions_of_dims_is_refused(tmp_path, s1):
+    from reshard_job.formats import wire
+    from reshard_job.formats.ckpt.records import tensor_header
+
+    ckpts, src, dst = s1
+    dims = [1] * 2_000_000
+    tensor = tensor_header(dims, "Float32", 4) + b"\0\0\0\0"
+    tag = b"w"
+    value = wire.len_field(1, len(tag)) + tag + wire.len_field(2, len(tensor)) + tensor
+    victim = ckpts / "rank_1" / "checkpoint_1.ckpt"
+    victim.write_bytes(wire.len_field(1, len(value)) + value)
+    error = one_error(*run_bounded(tmp_path, *s1_args(ckpts, src, dst, tmp_path / "out"))[:3])
+    assert error.startswith(f"{victim}: record at offset 0: more than 64 dims")
+
+
+@pytest.mark.skipif(not can_drop_dac_override(), reason="cannot drop root's permission override to test as a user")
+@pytest.mark.parametrize("which", ["root", "rank"])
+def test_unreadable_source_folders_are_one_line(tmp_path, s1, which):
+    ckpts, src, dst = s1
+    target = ckpts if which == "root" else ckpts / "rank_2"
+    target.chmod(0o000)
+    try:
+        error = one_error(*run_bounded(tmp_path, *s1_args(ckpts, src, dst, tmp_path / "out"), drop_dac=True)[:3])
+    finally:
+        target.chmod(0o755)
+    assert error == f"{target}: permission denied (list it)"
+
+
+@pytest.mark.parametrize("override,message", [
+    ("job.max_memory=inf", "job.max_memory: not a finite size: 'inf'"),
+    ("job.max_memory=0", "job.max_memory must lie between 1KiB and 1TiB"),
+    ("job.workers=-3", "job.workers must be an integer from 1 to 1024"),
+    ("target.prefix=" + "x" * 300, "target.prefix has 300 characters"),
+])
+def test_absurd_values_fail_before_anything_is_written(tmp_path, s1, override, message):
+    ckpts, src, dst = s1
+    out = tmp_path / "out"
+    error = one_error(*run_bounded(tmp_path, *s1_args(ckpts, src, dst, out), override)[:3])
+    assert message in error
+    assert not out.exists()
+
+
+def test_the_bounded_runner_sees_a_real_conversion_within_bounds(tmp_path, s1):
+    """The harness itself: a normal conversion passes under the same limits (so the limits are not what fails)."""
+    ckpts, src, dst = s1
+    code, stderr, rss, seconds = run_bounded(tmp_path, *s1_args(ckpts, src, dst, tmp_path / "out"))
+    assert code == 0, stderr
+    assert rss <= MEMORY_BOUND_MIB
+    assert (tmp_path / "out" / "manifest.json").exists() and S1.exists()
