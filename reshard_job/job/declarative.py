@@ -160,8 +160,16 @@ def compile_layout(layout: Mapping[str, Any], devices: int, params: Mapping[str,
         layouts[name] = ParamLayout(dev_matrix, tensor_map, step, size_k)
     if not layouts:
         raise ConfigError("target.layout.rules match none of the checkpoint's parameters")
+    notes.extend(_unmatched(rules, rule_of))
     sf = StrategyFile(layouts, [StrategyItem(NODE_NAME, 0, ())], 1)
     return CompiledLayout(sf, notes, rule_of)
+
+
+def _unmatched(rules: list[_Rule], rule_of: dict[str, int]) -> list[str]:
+    """Rules no parameter used: a preset written for other names silently replicates everything."""
+    used = set(rule_of.values())
+    return [f"target.layout.rules[{r.index}] (match {r.source!r}) matches no parameter of this checkpoint"
+            for r in rules if r.index not in used]
 
 
 def _optimizer_shard(name, shape, dims, mesh, axes, opt_axis, notes) -> tuple[int, int]:

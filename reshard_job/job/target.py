@@ -7,6 +7,7 @@ parsed from those bytes, and copied from them, so the copy is exactly what was p
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -22,6 +23,7 @@ from .declarative import compile_layout
 from .spec import TargetSpec
 
 LAYOUT_SOURCE = "target.layout"
+log = logging.getLogger("reshard_job")
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,9 @@ def settle_target(spec: TargetSpec, source: LoadedStrategy, index: Mapping[int, 
     if spec.layout is not None:
         compiled = compile_layout(spec.layout, spec.devices, global_shapes(source, index))
         compiled.strategy.path = LAYOUT_SOURCE
+        for note in compiled.notes:
+            if "matches no parameter" in note:
+                log.warning("%s", note)
         return Target(Topology.from_strategy(compiled.strategy), spec.devices, "strategy.ckpt",
                       to_protobuf_bytes(compiled.strategy), LAYOUT_SOURCE, tuple(compiled.notes))
     return Target(None, 1)
