@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Mapping
 from typing import Callable
 
 import numpy as np
@@ -25,7 +26,7 @@ from .formats.registry import open_reader, open_writer
 from .formats.tensorfile import KIND_MAP, KIND_STR, Scratch
 from .plan import ACTION_COPY, ParamPlan, RankPlan, TensorMeta
 from .storage import SourceChangedError, StorageOptions, storage_for
-from .tasks import FORMAT_CKPT, RankResult, RankTask
+from .tasks import FORMAT_CKPT, FORMAT_SAFETENSORS, RankResult, RankTask
 
 DEFAULT_MAX_MEMORY = 32 * 1024 * 1024
 COPY_BLOCK = 4 * 1024 * 1024
@@ -33,9 +34,43 @@ COPY_BLOCK = 4 * 1024 * 1024
 Progress = Callable[[int], None]
 
 
-def reader_index(reader: TensorReader) -> dict[str, TensorMeta]:
+_METAS: dict[tuple, TensorMeta] = {}
+
+
+class IndexView(Mapping):
+    """What a reader holds, as the planner sees it (name -> TensorMeta), without a copy per tensor:
+    metadata objects are shared between every tensor (and file) with the same dtype, shape and size."""
+
+    def __init__(self, reader: TensorReader):
+        self._reader = reader
+        self._describe = getattr(reader, "describe", None) or self._from_entry
+
+    def _from_entry(self, name: str) -> tuple:
+        e = self._reader.entries[name]
+        return e.dtype, tuple(e.shape), e.kind, e.nbytes
+
+    def __getitem__(self, name: str) -> TensorMeta:
+        key = self._describe(name)
+        meta = _METAS.get(key)
+        if meta is None:
+            meta = TensorMeta(*key)
+            if len(_METAS) < 100_000:
+                _METAS[key] = meta
+        return meta
+
+    def __contains__(self, name) -> bool:
+        return name in self._reader.entries
+
+    def __iter__(self):
+        return iter(self._reader.entries)
+
+    def __len__(self) -> int:
+        return len(self._reader.entries)
+
+
+def reader_index(reader: TensorReader) -> Mapping[str, TensorMeta]:
     """What a reader holds, as the planner sees it."""
-    return {name: TensorMeta(e.dtype, tuple(e.shape), e.kind, e.nbytes) for name, e in reader.entries.items()}
+    return IndexView(reader)
 
 
 class SourceFiles:

@@ -165,6 +165,11 @@ class PositionedReader:
     def names(self) -> list[str]:
         return list(self.entries)
 
+    def describe(self, name: str) -> tuple[str, tuple[int, ...], str, int]:
+        """(dtype, shape, kind, nbytes) of an entry, without building more than needed."""
+        e = self.entries[name]
+        return e.dtype, tuple(e.shape), e.kind, e.nbytes
+
     # --- raw reads ----------------------------------------------------------------------------
     def pread_into(self, offset: int, view: memoryview) -> None:
         """Fill `view` from the file at `offset`; a short file is a format error."""

@@ -15,7 +15,10 @@ bytes, locally or from an object store alike.
 from __future__ import annotations
 
 import os
+import sys
 import zlib
+from array import array
+from collections.abc import Mapping
 from math import prod
 
 import numpy as np
@@ -27,6 +30,13 @@ from .records import CRC_MAGIC, CRC_TRAILER_LEN, Record, parse_tensor_proto
 
 WINDOW = 4 * 1024 * 1024  # bytes fetched per read while walking small records
 HEAD = 64 * 1024  # bytes fetched at the start of a record larger than a window
+
+
+def _ascii(raw: bytes) -> str:
+    try:
+        return raw.decode("ascii")
+    except UnicodeDecodeError:
+        raise wire.WireError("tensor_type is not ASCII") from None
 
 
 class _Window:
@@ -56,23 +66,101 @@ class _Window:
         return self._data[rel]
 
 
+_DTYPES: dict[bytes, str] = {}  # tensor_type bytes -> interned name
+_SHAPES: dict[tuple, tuple] = {}  # interned shapes
+_KINDS = (KIND_TENSOR, KIND_STR, KIND_MAP)
+_SHARED_NAMES: list = []  # (names, positions) of recently indexed files, shared when equal
+
+
+def _intern_shape(dims: tuple) -> tuple:
+    return _SHAPES.setdefault(dims, dims) if len(_SHAPES) < 100_000 else dims
+
+
+def _fast_value(b, p: int, end: int):
+    """The common record form, straight from bytes: tag, then a TensorProto of dims, dtype, content.
+
+    Returns (tag bytes, dims tuple, dtype bytes, content offset, content length) or None when the
+    record is of another form (the general parser then handles it)."""
+    if b[p] != 0x0A or b[p + 1] >= 0x80:
+        return None
+    n = b[p + 1]
+    tag = b[p + 2:p + 2 + n]
+    p += 2 + n
+    if p >= end or b[p] != 0x12:
+        return None
+    tlen, p = wire.decode_varint(b, p + 1, end)
+    if p + tlen != end:
+        return None
+    dims = []
+    while p < end and b[p] == 0x08:
+        v = b[p + 1]
+        if v < 0x80:
+            dims.append(v)
+            p += 2
+        else:
+            v, p = wire.decode_varint(b, p + 1, end)
+            dims.append(wire.as_signed64(v))
+        if len(dims) > 64:
+            return None
+    if p + 1 >= end or b[p] != 0x12 or b[p + 1] >= 0x80:
+        return None
+    n = b[p + 1]
+    dtype = b[p + 2:p + 2 + n]
+    p += 2 + n
+    if p >= end or b[p] != 0x1A:
+        return None
+    clen, p = wire.decode_varint(b, p + 1, end)
+    if p + clen != end:
+        return None
+    return tag, tuple(dims), dtype, p, clen
+
+
+class _Entries(Mapping):
+    """The reader's entries by name (file order of last occurrence), built on access."""
+
+    def __init__(self, reader: "CheckpointReader"):
+        self._r = reader
+
+    def __getitem__(self, name: str) -> TensorEntry:
+        return self._r._entry(self._r._pos[name])
+
+    def __contains__(self, name) -> bool:
+        return name in self._r._pos
+
+    def __iter__(self):
+        return iter(self._r._pos)
+
+    def __len__(self) -> int:
+        return len(self._r._pos)
+
+
 class CheckpointReader(PositionedReader):
     """Index of a `.ckpt` file; serves tensors and boxes of tensors by positioned reads.
 
-    ``entries`` maps each parameter name to its TensorEntry, in file order; ``groups`` keeps every
+    ``entries`` maps each parameter name to its TensorEntry, in file order; ``groups`` yields every
     group of records in file order (needed to rewrite a file exactly). `source` is a path or an open
     ``storage.RandomAccess``.
     """
 
     def __init__(self, source, *, verify_crc: bool = True):
         super().__init__(source)
-        self.groups: list[TensorEntry] = []
         self.crc_stored: int | None = None
+        self._names: list[str] = []  # group names, in file order
+        self._kind = bytearray()
+        self._dtype: list[str] = []
+        self._shape: list[tuple] = []
+        self._off = array("q")  # content offset (first record)
+        self._len = array("q")  # content length (all records)
+        self._rec = array("q")  # record offset (first record)
+        self._rlen = array("q")  # record length (first record)
+        self._multi: dict[int, tuple] = {}  # group -> its Records (several chunks) or map parts
+        self._pos: dict[str, int] = {}
         try:
             self._index()
         except BaseException:
             self.close()
             raise
+        self.entries = _Entries(self)
         if verify_crc and self.crc_stored is not None:
             self.verify_crc()
 
@@ -87,18 +175,42 @@ class CheckpointReader(PositionedReader):
     def _index(self) -> None:
         if self.size == 0:
             raise self._error("empty file (0 bytes), expected MindSpore checkpoint records")
-        self._group(self._walk())
+        self._walk()
+        self._validate()
+        self._share_positions()
 
-    def _walk(self) -> list[tuple]:
+    def _validate(self) -> None:
+        """Every tensor's dtype known and its data the size its dims say, checked at open (cheaply,
+        from the columns), so a bad file is refused before anything is planned from it."""
+        by_name = dtypes.BY_NAME
+        seen = set()  # most tensors share dtype, dims and size: check each combination once
+        for i, dtype in enumerate(self._dtype):
+            kind = self._kind[i]
+            if kind == 2:  # map: parts were checked while parsing
+                continue
+            stored, dims = self._len[i], self._shape[i]
+            key = (kind, dtype, dims, stored)
+            if key in seen:
+                continue
+            seen.add(key)
+            if kind == 1:
+                if stored % 4:
+                    raise self._error(f"parameter {self._names[i]!r}: str content of {stored} bytes is not UTF-32")
+                continue
+            dt = by_name.get(dtype)
+            if dt is None or dt.storage is None or any(d < 0 for d in dims) or (
+                    stored != prod(dims) * dt.itemsize and not (dims == (0,) and stored == dt.itemsize)):
+                self._entry(i)  # the detailed error
+
+    def _walk(self) -> None:
         size = self.size
         pos = 0
         wstart, window = 0, b""
-        out = []
         while pos < size:
             if pos + HEAD > wstart + len(window) and wstart + len(window) < size:
                 wstart, window = pos, self.pread(pos, min(WINDOW, size - pos))
             rel = pos - wstart
-            if size - pos == CRC_TRAILER_LEN and window[rel : rel + 7] == CRC_MAGIC and out:
+            if size - pos == CRC_TRAILER_LEN and window[rel : rel + 7] == CRC_MAGIC and self._names:
                 self.crc_stored = int.from_bytes(window[rel + 7 : rel + 17], "big")
                 break
             if window[rel] != 0x0A:
@@ -114,14 +226,95 @@ class CheckpointReader(PositionedReader):
                 raise self._error(f"record at offset {pos} needs {vlen} bytes but the file ends after "
                                   f"{size - vstart} (file truncated?)")
             try:
-                if vend <= wstart + len(window):  # the whole record is in the window
-                    out.append(self._parse_value(window, wstart, pos, vpos, vend - wstart))
-                else:
-                    out.append(self._parse_large(pos, vstart, vend))
+                self._add(pos, window, wstart, vpos, vend)
             except wire.WireError as e:
                 raise self._error(f"record at offset {pos}: {e}") from None
             pos = vend
-        return out
+
+    def _add(self, pos: int, window, wstart: int, vpos: int, vend: int) -> None:
+        rel_end = vend - wstart
+        fast = _fast_value(window, vpos, rel_end) if rel_end <= len(window) else None
+        if fast is None:
+            if rel_end <= len(window):
+                tag, kind, rec, parts = self._parse_value(window, wstart, pos, vpos, rel_end)
+            else:
+                tag, kind, rec, parts = self._parse_large(pos, wstart + vpos, vend)
+            self._record(sys.intern(tag), kind, rec, parts)
+            return
+        tag, dims, dtype, coff, clen = fast
+        name = _DTYPES.get(dtype) or _DTYPES.setdefault(dtype, _ascii(dtype))
+        try:
+            tag = sys.intern(tag.decode("utf-8"))
+        except UnicodeDecodeError:
+            raise wire.WireError("parameter name is not valid UTF-8") from None
+        names = self._names
+        if names and names[-1] == tag or name == dtypes.STR_TYPE:  # a chunk of a large tensor; a str entry
+            kind = KIND_STR if name == dtypes.STR_TYPE else KIND_TENSOR
+            self._record(tag, kind, Record(pos, vend - pos, dims, name, wstart + coff, clen), None)
+            return
+        i = len(names)  # the common case, inline: a new one-record tensor
+        names.append(tag)
+        self._kind.append(0)
+        self._dtype.append(name)
+        self._shape.append(_SHAPES.setdefault(dims, dims) if len(_SHAPES) < 100_000 else dims)
+        self._off.append(wstart + coff)
+        self._len.append(clen)
+        self._rec.append(pos)
+        self._rlen.append(vend - pos)
+        pos_table = self._pos
+        if tag in pos_table:
+            del pos_table[tag]  # a later group replaces an earlier one, at the end
+        pos_table[tag] = i
+
+    def _record(self, tag: str, kind: str, rec: Record | None, parts: list | None) -> None:
+        """Add a record: to the current group when it continues the same tag, else as a new group."""
+        last = len(self._names) - 1
+        if last >= 0 and self._names[last] == tag:
+            if (kind == KIND_MAP) != (_KINDS[self._kind[last]] == KIND_MAP):
+                raise self._error(f"parameter {tag!r}: consecutive records mix tensor and map-tensor values")
+            if kind == KIND_MAP:
+                self._multi[last] = self._multi[last] + (parts,)
+                self._len[last] += sum(p.content_len for p in parts)
+                return
+            recs = self._multi.get(last) or (self._first_record(last),)
+            self._multi[last] = recs + (rec,)
+            self._len[last] += rec.content_len
+            self._kind[last] = _KINDS.index(kind)
+            self._dtype[last] = rec.dtype
+            self._shape[last] = _intern_shape(rec.dims)
+            return
+        i = len(self._names)
+        self._names.append(tag)
+        self._kind.append(_KINDS.index(kind))
+        if kind == KIND_MAP:
+            self._multi[i] = (parts,)
+            self._dtype.append("map")
+            self._shape.append(())
+            self._off.append(parts[0].content_offset if parts else 0)
+            self._len.append(sum(p.content_len for p in parts))
+            self._rec.append(parts[0].offset if parts else 0)
+            self._rlen.append(parts[0].length if parts else 0)
+        else:
+            self._dtype.append(rec.dtype)
+            self._shape.append(_intern_shape(rec.dims))
+            self._off.append(rec.content_offset)
+            self._len.append(rec.content_len)
+            self._rec.append(rec.offset)
+            self._rlen.append(rec.length)
+        self._pos.pop(tag, None)  # a later group replaces an earlier one, at the end
+        self._pos[tag] = i
+
+    def _first_record(self, i: int) -> Record:
+        return Record(self._rec[i], self._rlen[i], self._shape[i], self._dtype[i], self._off[i], self._len[i])
+
+    def _share_positions(self) -> None:
+        """Files of the ranks of one stage hold the same names in the same order: share one table."""
+        for names, pos in _SHARED_NAMES:
+            if len(names) == len(self._names) and names == self._names and len(pos) == len(self._pos):
+                self._names, self._pos = names, pos
+                return
+        _SHARED_NAMES.insert(0, (self._names, self._pos))
+        del _SHARED_NAMES[4:]
 
     def _parse_large(self, start: int, vstart: int, vend: int):
         """A record larger than a window: parse its head; fall back to fetching on demand."""
@@ -157,14 +350,16 @@ class CheckpointReader(PositionedReader):
                 dims, dt, c_off, c_len = parse_tensor_proto(buf, pos, pos + n, base)
                 tensor = Record(start, base + end - start, tuple(dims), dt or "", c_off, c_len)
             elif field == 3:
-                map_parts.extend(self._parse_map(buf, base, start, end, pos, pos + n))
+                map_parts.append(self._parse_map(buf, base, start, end, pos, pos + n))
             pos += n
         if tag is None:
             raise wire.WireError("record without a parameter name")
         if tensor is not None:
             kind = KIND_STR if tensor.dtype == dtypes.STR_TYPE else KIND_TENSOR
-            return tag, kind, tensor, []
-        return tag, KIND_MAP, None, map_parts
+            return tag, kind, tensor, None
+        if len(map_parts) != 1 or len(map_parts[0]) != 3:
+            raise wire.WireError(f"map parameter {tag!r}: expected 3 parts (keys, values, status) per record")
+        return tag, KIND_MAP, None, map_parts[0]
 
     def _parse_map(self, buf, base, start, rec_end, pos, end) -> list[Record]:
         parts = []
@@ -182,58 +377,63 @@ class CheckpointReader(PositionedReader):
                 pos = wire.skip_field(buf, pos, end, wt)
         return parts
 
-    def _group(self, records) -> None:
-        i = 0
-        while i < len(records):
-            tag, kind = records[i][0], records[i][1]
-            j = i
-            while j + 1 < len(records) and records[j + 1][0] == tag:
-                j += 1
-            group = records[i : j + 1]
-            if any((g[1] == KIND_MAP) != (kind == KIND_MAP) for g in group):
-                raise self._error(f"parameter {tag!r}: consecutive records mix tensor and map-tensor values")
-            if kind == KIND_MAP:
-                entry = self._map_entry(tag, group)
-            else:
-                entry = self._tensor_entry(tag, [g[2] for g in group])
-            self.groups.append(entry)
-            self.entries.pop(tag, None)  # a later group replaces an earlier one, at the end
-            self.entries[tag] = entry
-            i = j + 1
+    # --- entries ------------------------------------------------------------------------------
+    def _entry(self, i: int) -> TensorEntry:
+        """The TensorEntry of group `i`, checked (a bad dtype or size is an error only when used)."""
+        name, kind = self._names[i], _KINDS[self._kind[i]]
+        if kind == KIND_MAP:
+            parts = self._multi[i]
+            pieces = [(p.content_offset, p.content_len) for rec in parts for p in rec]
+            return TensorEntry(name, "map", (), self._len[i], pieces, KIND_MAP, extra=parts).finish()
+        recs = self._multi.get(i)
+        pieces = [(r.content_offset, r.content_len) for r in recs] if recs else [(self._off[i], self._len[i])]
+        extra = recs or (self._first_record(i),)
+        return self._tensor_entry(name, self._dtype[i], self._shape[i], self._len[i], pieces, extra)
 
-    def _tensor_entry(self, tag: str, recs: list[Record]) -> TensorEntry:
-        last = recs[-1]
-        stored = sum(r.content_len for r in recs)
-        pieces = [(r.content_offset, r.content_len) for r in recs]
-        extra = tuple(recs)  # kept to rewrite the file exactly (per-record dims and dtype)
-        if last.dtype == dtypes.STR_TYPE:
+    def _tensor_entry(self, tag: str, dtype: str, dims: tuple, stored: int, pieces, extra) -> TensorEntry:
+        if dtype == dtypes.STR_TYPE:
             if stored % 4:
                 raise self._error(f"parameter {tag!r}: str content of {stored} bytes is not UTF-32")
             return TensorEntry(tag, dtypes.STR_TYPE, (), stored, pieces, KIND_STR, extra=extra).finish()
-        if last.dtype not in dtypes.BY_NAME:
-            raise self._error(f"parameter {tag!r}: unknown dtype {last.dtype!r}")
-        if any(d < 0 for d in last.dims):
-            raise self._error(f"parameter {tag!r}: negative dimension in dims {list(last.dims)}")
-        dt = dtypes.BY_NAME[last.dtype]
-        shape = tuple(last.dims)
+        if dtype not in dtypes.BY_NAME:
+            raise self._error(f"parameter {tag!r}: unknown dtype {dtype!r}")
+        if any(d < 0 for d in dims):
+            raise self._error(f"parameter {tag!r}: negative dimension in dims {list(dims)}")
+        dt = dtypes.BY_NAME[dtype]
+        shape = dims
         if dt.storage is None:  # packed Int4: carried, not checked element-wise
-            return TensorEntry(tag, last.dtype, shape, stored, pieces, KIND_TENSOR, extra=extra).finish()
+            return TensorEntry(tag, dtype, shape, stored, pieces, KIND_TENSOR, extra=extra).finish()
         want = prod(shape) * dt.itemsize
         if shape == (0,) and stored == dt.itemsize:
             shape, want = (), dt.itemsize  # MindSpore reads dims [0] as a scalar
         if stored != want:
-            raise self._error(
-                f"parameter {tag!r}: {stored} bytes of data but dims {list(last.dims)} of {last.dtype} need {want}"
-            )
-        return TensorEntry(tag, last.dtype, shape, stored, pieces, KIND_TENSOR, extra=extra).finish()
+            raise self._error(f"parameter {tag!r}: {stored} bytes of data but dims {list(dims)} of {dtype} need {want}")
+        return TensorEntry(tag, dtype, shape, stored, pieces, KIND_TENSOR, extra=extra).finish()
 
-    def _map_entry(self, tag: str, group) -> TensorEntry:
-        per_record = [g[3] for g in group]
-        if any(len(p) != 3 for p in per_record):
-            raise self._error(f"map parameter {tag!r}: expected 3 parts (keys, values, status) per record")
-        pieces = [(p.content_offset, p.content_len) for parts in per_record for p in parts]
-        extra = tuple(per_record)  # per record: its keys, values and status parts
-        return TensorEntry(tag, "map", (), sum(n for _, n in pieces), pieces, KIND_MAP, extra=extra).finish()
+    def describe(self, name: str) -> tuple[str, tuple[int, ...], str, int]:
+        """(dtype, shape, kind, nbytes) from the columns (checked at open), no TensorEntry built."""
+        i = self._pos[name]
+        kind = _KINDS[self._kind[i]]
+        if kind != KIND_TENSOR:
+            return self._dtype[i], (), kind, self._len[i]
+        shape = self._shape[i]
+        if shape == (0,) and self._len[i] and self._dtype[i] in dtypes.BY_NAME \
+                and dtypes.BY_NAME[self._dtype[i]].itemsize == self._len[i]:
+            shape = ()  # MindSpore reads dims [0] as a scalar
+        return self._dtype[i], shape, kind, self._len[i]
+
+    def names(self) -> list[str]:
+        return list(self._pos)
+
+    @property
+    def groups(self):
+        """Every group of records in file order (a name that appears again is a group of its own)."""
+        return (self._entry(i) for i in range(len(self._names)))
+
+    def check_entries(self) -> None:
+        """Validate every entry (dtype, dims against the data) - what opening a file promises."""
+        for i in range(len(self._names)):
+            self._entry(i)
 
     @staticmethod
     def records_of(entry: TensorEntry) -> tuple[Record, ...]:
