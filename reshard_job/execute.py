@@ -190,6 +190,11 @@ def _write_param(writer, p: ParamPlan, sources: SourceFiles, max_memory: int, pr
     if p.kind == KIND_MAP:
         writer.add_map(p.name, sources.reader(p.copies[0].source_rank).map_records(p.name))
         return
+    if p.nbytes <= SMALL_TENSOR and p.action != ACTION_COPY and dtypes.BY_NAME[p.dtype].sliceable:
+        writer.add_bytes(p.name, p.dtype, p.target_shape, _small_tensor(p, sources))
+        if progress:
+            progress(p.nbytes)
+        return
     sink = writer.begin(p.name, p.dtype, p.target_shape)
     if p.action == ACTION_COPY or not dtypes.BY_NAME[p.dtype].sliceable:
         reader = sources.reader(p.copies[0].source_rank)
@@ -203,13 +208,48 @@ def _write_param(writer, p: ParamPlan, sources: SourceFiles, max_memory: int, pr
     sink.close()
 
 
-def _check_source(reader: TensorReader, p: ParamPlan, box: Box) -> None:
-    """The plan was made from this file's index; re-check in case the file changed since."""
+def _check_source(reader: TensorReader, p: ParamPlan, box: Box):
+    """The plan was made from this file's index; re-check in case the file changed since. Returns the entry."""
     if p.name not in reader:
         raise FormatError(reader.path, f"parameter {p.name!r} disappeared from the file since it was planned")
     e = reader[p.name]
     if e.dtype != p.dtype or any(b > n for (_, b), n in zip(box, e.shape)) or len(box) != len(e.shape):
         raise FormatError(reader.path, f"parameter {p.name!r} changed since it was planned")
+    return e
+
+
+SMALL_TENSOR = 256 * 1024  # assembled whole in memory and written as one record
+
+
+def _full(shape) -> tuple:
+    return tuple((0, n) for n in shape)
+
+
+def _small_tensor(p: ParamPlan, sources: SourceFiles) -> np.ndarray:
+    """A small target tensor assembled in one buffer: per-tensor overhead is what a model of many
+    small parameters pays for, so each source entry is looked up once and whole boxes are one read."""
+    storage = dtypes.BY_NAME[p.dtype].storage
+    buf = _ASSEMBLY.array(p.target_shape, storage)
+    entries: dict[int, object] = {}
+    for c in p.copies:
+        reader = sources.reader(c.source_rank)
+        entry = entries.get(c.source_rank)
+        if entry is None:
+            entry = entries[c.source_rank] = _check_source(reader, p, c.source_box)
+        elif any(b > n for (_, b), n in zip(c.source_box, entry.shape)):
+            raise FormatError(reader.path, f"parameter {p.name!r} changed since it was planned")
+        if (len(p.copies) == 1 and c.source_box == _full(entry.shape) and c.target_box == _full(p.target_shape)
+                and hasattr(reader, "read_logical")):
+            reader.read_logical(entry, 0, memoryview(buf.reshape(-1).view(np.uint8)))  # the whole tensor
+            continue
+        index = tuple(slice(a, b) for a, b in c.target_box)
+        view = buf[index] if index else buf
+        read = getattr(reader, "read_entry_box", None)
+        out = view if view.flags.c_contiguous else _STAGING.array(box_shape(c.source_box), storage)
+        got = read(entry, c.source_box, out=out) if read is not None else reader.read_box(p.name, c.source_box, out=out)
+        if out is not view:
+            view[...] = got
+    return buf.reshape(-1).view(np.uint8)
 
 
 # One assembly buffer and one staging buffer per process, reused across pieces and tensors.

@@ -141,27 +141,41 @@ def _segments_key(segments) -> str | None:
 
 
 class HashCache:
-    """Digests of files keyed by path and file identity (see the module docstring), kept in a JSON file.
+    """Digests of files keyed by path and file identity (see the module docstring).
 
-    Several jobs may share the file: saving merges with what is on disk and replaces it atomically;
-    at worst a concurrent job's new entries are lost, which only costs a re-hash later.
+    Kept as small JSON files, one per folder of checkpoints (the folder above a file's rank folder),
+    next to `path`: a job loads only the digests of its own sources, however many checkpoints the
+    user has converted before. Several jobs may share the files: saving merges with what is on disk
+    and replaces it atomically; at worst a concurrent job's new entries are lost, which only costs a
+    re-hash later.
     """
 
-    MAX_ENTRIES = 100_000
+    MAX_ENTRIES = 100_000  # per folder
 
     def __init__(self, path: str, storage_options: StorageOptions | None = None):
-        self.path = path
+        root, _ = os.path.splitext(path)
+        self.folder = root + ".d"
         self.storage_options = storage_options
-        self._entries: dict[str, dict] = self._load()
-        self._new: dict[str, dict] = {}
+        self._shards: dict[str, dict[str, dict]] = {}
+        self._new: dict[str, dict[str, dict]] = {}
 
-    def _load(self) -> dict[str, dict]:
+    def _shard(self, path: str) -> str:
+        group = os.path.dirname(os.path.dirname(path.rstrip("/")))
+        return os.path.join(self.folder, hashlib.sha256(group.encode("utf-8", "surrogateescape")).hexdigest()[:24]
+                            + ".json")
+
+    def _load(self, shard: str) -> dict[str, dict]:
         try:
-            with open(self.path, encoding="utf-8") as f:
+            with open(shard, encoding="utf-8") as f:
                 data = json.load(f)
             return data if isinstance(data, dict) else {}
         except (OSError, ValueError):
             return {}
+
+    def _entries(self, shard: str) -> dict[str, dict]:
+        if shard not in self._shards:
+            self._shards[shard] = self._load(shard)
+        return self._shards[shard]
 
     def _identity(self, path: str) -> list | None:
         try:
@@ -171,9 +185,10 @@ class HashCache:
         return list(info.identity) if info is not None and info.identity else None
 
     def get(self, request: HashRequest) -> FileDigest | None:
-        e = self._new.get(request.path) or self._entries.get(request.path)
+        shard = self._shard(request.path)
+        e = self._new.get(shard, {}).get(request.path) or self._entries(shard).get(request.path)
         if not isinstance(e, dict) or not isinstance(e.get("sha256"), str) or not isinstance(e.get("size"), int):
-            return None  # (entries of older versions lack the size: hashed again)
+            return None
         identity = self._identity(request.path)
         if identity is None or e.get("identity") != identity:
             return None
@@ -183,28 +198,29 @@ class HashCache:
         crcs = tuple(e["crcs"]) if key is not None and isinstance(e.get("crcs"), list) else None
         if key is not None and crcs is None:
             return None
-        return FileDigest(request.path, int(e.get("size", 0)), e["sha256"], crcs, tuple(identity))
+        return FileDigest(request.path, int(e["size"]), e["sha256"], crcs, tuple(identity))
 
     def put(self, digest: FileDigest, request: HashRequest) -> None:
         if not digest.identity:
             return
-        self._new[digest.path] = {"identity": list(digest.identity), "sha256": digest.sha256, "size": digest.size,
-                                  "segments": _segments_key(request.segments),
-                                  "crcs": list(digest.crcs) if digest.crcs is not None else None}
+        self._new.setdefault(self._shard(digest.path), {})[digest.path] = {
+            "identity": list(digest.identity), "sha256": digest.sha256, "size": digest.size,
+            "segments": _segments_key(request.segments),
+            "crcs": list(digest.crcs) if digest.crcs is not None else None}
 
     def save(self) -> None:
-        if not self._new:
-            return
-        merged = self._load()
-        merged.update(self._new)
-        if len(merged) > self.MAX_ENTRIES:
-            merged = dict(list(merged.items())[-self.MAX_ENTRIES:])
-        try:
-            os.makedirs(os.path.dirname(self.path) or ".", mode=0o700, exist_ok=True)
-            tmp = f"{self.path}.{os.getpid()}.tmp"
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump(merged, f)
-            os.replace(tmp, self.path)
-        except OSError:
-            pass  # a cache that cannot be written only costs time
-        self._entries, self._new = merged, {}
+        for shard, new in self._new.items():
+            merged = self._load(shard)
+            merged.update(new)
+            if len(merged) > self.MAX_ENTRIES:
+                merged = dict(list(merged.items())[-self.MAX_ENTRIES:])
+            try:
+                os.makedirs(self.folder, mode=0o700, exist_ok=True)
+                tmp = f"{shard}.{os.getpid()}.tmp"
+                with open(tmp, "w", encoding="utf-8") as f:
+                    json.dump(merged, f)
+                os.replace(tmp, shard)
+            except OSError:
+                pass  # a cache that cannot be written only costs time
+            self._shards[shard] = merged
+        self._new = {}

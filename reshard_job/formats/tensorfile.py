@@ -50,8 +50,7 @@ class Scratch:
 
     def array(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         dtype = np.dtype(dtype)
-        n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        return self.get(n).view(dtype).reshape(shape)
+        return self.get(prod(shape) * dtype.itemsize).view(dtype).reshape(shape)
 
 
 _SPANS = Scratch()
@@ -245,7 +244,11 @@ class PositionedReader:
 
     def read_box(self, name: str, box: Box, out: np.ndarray | None = None) -> np.ndarray:
         """Read one box of a tensor, touching only the bytes it needs (plus short-run spans)."""
-        entry = self.entries[name]
+        return self.read_entry_box(self.entries[name], box, out)
+
+    def read_entry_box(self, entry: TensorEntry, box: Box, out: np.ndarray | None = None) -> np.ndarray:
+        """``read_box`` for an entry already looked up (callers reading many boxes of one tensor)."""
+        name = entry.name
         storage = self._storage(entry)
         shape = entry.shape
         box = tuple((int(a), int(b)) for a, b in box)

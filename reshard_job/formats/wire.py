@@ -17,7 +17,12 @@ class WireError(ValueError):
     """Malformed protobuf bytes; the caller turns it into a FormatError naming the file."""
 
 
+_SMALL = [bytes([i]) for i in range(128)]
+
+
 def encode_varint(value: int) -> bytes:
+    if 0 <= value < 128:
+        return _SMALL[value]
     if value < 0:
         value += 1 << 64  # int64/int32 negatives are sign-extended to 64 bits
     out = bytearray()

@@ -82,15 +82,17 @@ def parse_tensor_proto(buf, pos: int, end: int, base: int = 0) -> tuple[list[int
     return dims, dtype, c_off + base, c_len
 
 
+_DTYPE_FIELDS: dict[str, bytes] = {}
+
+
 def tensor_header(dims: Iterable[int], dtype: str, content_len: int) -> bytes:
     """TensorProto bytes up to (and including) the tensor_content length prefix."""
-    out = bytearray()
-    for d in dims:
-        out += b"\x08" + wire.encode_varint(int(d))
-    t = dtype.encode("ascii")
-    out += wire.len_field(2, len(t)) + t
-    out += wire.len_field(3, content_len)
-    return bytes(out)
+    t = _DTYPE_FIELDS.get(dtype)
+    if t is None:
+        raw = dtype.encode("ascii")
+        t = _DTYPE_FIELDS.setdefault(dtype, wire.len_field(2, len(raw)) + raw)
+    enc = wire.encode_varint
+    return b"".join([b"\x08" + enc(int(d)) for d in dims] + [t, b"\x1a", enc(content_len)])
 
 
 def record_header(name: str, dims: Iterable[int], dtype: str, content_len: int) -> bytes:

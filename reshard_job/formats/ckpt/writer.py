@@ -137,9 +137,20 @@ class CheckpointWriter:
         sink.write(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
         return sink.close()
 
-    def add_bytes(self, name: str, dtype: str, dims, data: bytes, chunk_sizes: list[int] | None = None) -> str:
+    def add_bytes(self, name: str, dtype: str, dims, data, chunk_sizes: list[int] | None = None) -> str:
+        mv = memoryview(data).cast("B")
+        if chunk_sizes is None and len(mv) <= self.chunk_bytes and self._open_sink is None and len(mv):
+            # one record, header and bytes at once: the common case of the many small tensors
+            dt = dtypes.BY_NAME.get(dtype)
+            dims = tuple(int(d) for d in dims)
+            if dt is not None and dtype != dtypes.STR_TYPE and prod(dims) * dt.itemsize == len(mv):
+                self._emit(record_header(name, dims, dtype, len(mv)), record=True)
+                self._emit(mv, record=True)
+                digest = hashlib.sha256(mv).hexdigest()
+                self.tensors[name] = digest
+                return digest
         sink = self.begin(name, dtype, dims, chunk_sizes)
-        sink.write(data)
+        sink.write(mv)
         return sink.close()
 
     def add_str(self, name: str, text: str, dims=(0,)) -> str:
