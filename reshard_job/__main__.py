@@ -26,19 +26,17 @@ def _conf_dir() -> str:
     return os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf")
 
 
-def _import_hydra():
+def _hydra_app():
+    """The Hydra application, built on first use: importing Hydra is most of the start-up time, and
+    it happens after the signal handlers are in place."""
     import hydra
 
     from .job import schema
 
     schema.register()
-    return hydra
+    return hydra.main(version_base="1.3", config_path=_conf_dir(), config_name="config")(app)
 
 
-hydra = _import_hydra()
-
-
-@hydra.main(version_base="1.3", config_path=_conf_dir(), config_name="config")
 def app(cfg) -> None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
@@ -70,6 +68,9 @@ def app(cfg) -> None:
 
         FAILED.append(1)
         return
+    from .job.signals import ignore
+
+    ignore()  # the conversion is committed: a late Ctrl-C has nothing left to stop
     _scrub_saved_config(ctx.run_dir)
     _write_result(ctx, result)
     _print(run_summary(result))
@@ -160,12 +161,18 @@ def main() -> None:
 
         _print(f"reshard_job {__version__}")
         return
+    from .job.signals import Interrupted, interruptible
+
     logging.raiseExceptions = False  # a log line to a closed pipe must not print a traceback
     os.environ.setdefault(_USER_FULL_ERROR, os.environ.get("HYDRA_FULL_ERROR", "0"))
     user_full = os.environ[_USER_FULL_ERROR] == "1"
     os.environ["HYDRA_FULL_ERROR"] = "1"
     try:
-        app()
+        with interruptible():  # from the first instant: a Ctrl-C during start-up is one line too
+            _hydra_app()()
+    except Interrupted as e:  # before the job started (importing, composing the configuration)
+        print(f"reshard_job: {e}: rerun the same command to resume", file=sys.stderr)
+        sys.exit(e.exit_code)
     except (SystemExit, KeyboardInterrupt):
         raise
     except BrokenPipeError:

@@ -45,3 +45,10 @@ def interruptible():
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
+
+
+def ignore() -> None:
+    """After the result is committed there is nothing left to stop: signals no longer interrupt."""
+    if threading.current_thread() is threading.main_thread():
+        for s in EXIT_CODES:
+            signal.signal(s, signal.SIG_IGN)
