@@ -27,12 +27,12 @@ add a few KiB per shard). ``max_shard_size`` units follow ``transformers``: ``5G
 bytes, ``5GiB`` is 5·2³⁰. The shard names are always numbered, and the index is always written,
 even for one shard, so a reader has one layout to expect.
 
-Metadata. ``execute_rank`` writes MindSpore's flavour of safetensors, whose ``__metadata__`` is
-``{"format": "ms"}``. The ``safetensors`` library reads these files as they are; ``transformers``
-refuses a shard whose ``format`` is not one of ``pt``, ``tf``, ``flax``, ``mlx``, so loading
-through ``transformers`` needs the writer to be given ``{"format": "pt"}``. Tensor names are
-MindSpore's parameter names; mapping them to a ``transformers`` architecture's names is not done
-here.
+Metadata. ``execute_rank`` writes MindSpore's flavour of safetensors by default, whose
+``__metadata__`` is ``{"format": "ms"}``; ``transformers`` refuses a shard whose ``format`` is not
+one of ``pt``, ``tf``, ``flax``, ``mlx``, so every shard is written with ``EXPORT_METADATA``
+(``{"format": "pt"}``), which the ``safetensors`` library reads as well.
+Tensor names are MindSpore's parameter names; mapping them to a ``transformers`` architecture's
+names is not done here.
 """
 
 from __future__ import annotations
@@ -58,6 +58,8 @@ INCLUDE_WEIGHTS = "weights"
 INCLUDE_ALL = "all"
 INCLUDE_CHOICES = (INCLUDE_WEIGHTS, INCLUDE_ALL)
 DEFAULT_MAX_SHARD_SIZE = "5GB"
+# the shards' safetensors __metadata__: transformers loads only files whose format it knows
+EXPORT_METADATA = {"format": "pt"}
 
 TRAINING_STATE_NAMES = frozenset({
     "global_step", "learning_rate", "epoch_num", "step_num", "loss_scale", "scale_sense",
@@ -217,7 +219,8 @@ def write_export(layout: ExportLayout, sources, out_dir: str | os.PathLike, *,
     written = []
     for shard in layout.shards:
         wf = execute_rank(layout.sub_plan(shard), sources, os.path.join(out_dir, shard.file_name),
-                          fmt=FORMAT_SAFETENSORS, max_memory=max_memory, progress=progress)
+                          fmt=FORMAT_SAFETENSORS, max_memory=max_memory, progress=progress,
+                          metadata=dict(EXPORT_METADATA))
         if sorted(wf.tensors) != sorted(shard.names):  # the writer must not add or drop tensors
             raise PlanError(f"{wf.path}: wrote {len(wf.tensors)} tensors, the shard lists {len(shard.names)}")
         written.append(wf)

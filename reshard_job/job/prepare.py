@@ -22,12 +22,12 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..demo import ensure_demo
 from ..errors import ConfigError, PlanError, ReshardError
 from ..execute import SourceFiles
-from ..export import ExportLayout, plan_export
+from ..export import INDEX_FILE, ExportLayout, plan_export
 from ..formats.mindformers import MindFormersSource
 from ..formats.tensorfile import KIND_TENSOR
 from ..plan import Plan, Planner, TensorMeta
@@ -109,7 +109,10 @@ def prepare_mindformers(source: SourceSpec, target: TargetSpec, *, ranks: tuple[
     """Like ``prepare``, for a MindFormers save: layouts from its metadata.json, no strategy file.
 
     `found` and `save` (from ``sources.discover_mindformers``) may be given to convert only some
-    ranks' files (the API's per-rank path); by default every rank of the iteration is used.
+    ranks' files (the API's per-rank path); by default every rank of the iteration is used. The
+    headers were read and checked when the save was loaded, so the plan is made before any reader
+    opens, and each rank keeps only the files the plan reads (an export of the weights or a target
+    without optimizer states reads, hashes and records no opt file).
     """
     if source.strategy is not None:
         raise ConfigError(f"{source.checkpoints} is a MindFormers checkpoint folder, whose layouts come from its "
@@ -118,14 +121,22 @@ def prepare_mindformers(source: SourceSpec, target: TargetSpec, *, ranks: tuple[
         found, save = discover_mindformers(source.checkpoints, source.iteration)
     _log_mindformers(save)
     strategy = LoadedStrategy(save.topology, save.strategy, (save.metadata_path,) if save.params else ())
+    index = mindformers_index(save, found)
+    tgt = settle_target(target, strategy, index, storage)
+    try:
+        plan, missing = _plan(strategy, tgt, target, index, ranks)
+    except PlanError as e:
+        if not save.deduplicated:
+            raise
+        raise PlanError(f"{e}; this MindFormers save was written with redundancy removal (each shard stored by one "
+                        "rank), which cannot be planned yet") from None
+    export = _export_layout(target, plan)
+    found = _files_read(found, save, plan)
     readers = SourceFiles(found.files, verify_crc=False, identities=found.identities, storage=storage)
     try:
-        index = mindformers_index(save, found)
         checks = ["MindFormers metadata.json agrees with every file's header (dtypes, shapes, placement)"]
-        prepared = _settle_and_plan(source, found, strategy, readers, index, target, ranks, storage, checks,
-                                    deduplicated=save.deduplicated)
-        prepared.mindformers = save
-        return prepared
+        checks += _check_identical(readers, getattr(plan, "identical", {}) or {})
+        return Prepared(source, found, strategy, readers, index, tgt, plan, missing, checks, save, export)
     except BaseException:
         readers.close()
         raise
@@ -136,7 +147,25 @@ def mindformers_index(save: MindFormersSource, found: RankFiles) -> dict[int, di
     no file holds nothing. Only the ranks of `found` are listed (others are missing)."""
     headers = save.index()
     ranks = set(found.files) | {r for r in range(save.devices) if r not in save.rank_files}
-    return {r: dict(headers.get(r, {})) for r in sorted(ranks)}
+    return {r: dict(headers.get(r, {})) if r in found.files else {} for r in sorted(ranks)}
+
+
+def _files_read(found: RankFiles, save: MindFormersSource, plan: Plan) -> RankFiles:
+    """`found` narrowed to the ranks the plan reads and, per rank, to the files holding what it reads."""
+    names: dict[int, set[str]] = {}
+    for rp in plan.ranks:
+        for p in rp.params:
+            for c in p.copies:
+                names.setdefault(c.source_rank, set()).add(p.name)
+    files, identities = {}, {}
+    for rank, needed in sorted(names.items()):
+        if rank not in found.files:
+            continue  # missing: reported by the plan
+        keep = [i for i, f in enumerate(found.files[rank]) if needed & set(save.file_tensors[f])]
+        files[rank] = tuple(found.files[rank][i] for i in keep)
+        if rank in found.identities:
+            identities[rank] = tuple(found.identities[rank][i] for i in keep)
+    return replace(found, files=files, identities=identities)
 
 
 def _log_mindformers(save: MindFormersSource) -> None:
@@ -152,28 +181,26 @@ def _log_mindformers(save: MindFormersSource) -> None:
 
 
 def _settle_and_plan(source: SourceSpec, found: RankFiles, strategy: LoadedStrategy, readers: SourceFiles, index,
-                     target: TargetSpec, ranks, storage, checks: list[str], *, deduplicated: bool = False) -> Prepared:
+                     target: TargetSpec, ranks, storage, checks: list[str]) -> Prepared:
     tgt = settle_target(target, strategy, index, storage)
-    try:
-        plan, missing = _plan(strategy, tgt, target, index, ranks)
-    except PlanError as e:
-        if not deduplicated:
-            raise
-        raise PlanError(f"{e}; this MindFormers save was written with redundancy removal (each shard stored by one "
-                        "rank), which cannot be planned yet") from None
+    plan, missing = _plan(strategy, tgt, target, index, ranks)
     checks += _check_identical(readers, getattr(plan, "identical", {}) or {})
-    export = _export_layout(target, plan) if target.format == FORMAT_SAFETENSORS_INDEX else None
+    export = _export_layout(target, plan)
     return Prepared(source, found, strategy, readers, index, tgt, plan, missing, checks, export=export)
 
 
 def _export_layout(target: TargetSpec, plan: Plan) -> ExportLayout | None:
-    """The shards of an export; None when the full rank is not planned (``job.ranks`` excludes it)."""
-    if not plan.ranks:
+    """The shards of an export (None for other formats, or when ``job.ranks`` leaves the full rank
+    out). The full rank's plan keeps only what is exported; what is left out joins ``plan.omitted``."""
+    if target.format != FORMAT_SAFETENSORS_INDEX or not plan.ranks:
         return None
-    layout = plan_export(plan.ranks[0], max_shard_size=target.max_shard_size, include=target.include)
+    rank_plan = plan.ranks[0]
+    layout = plan_export(rank_plan, max_shard_size=target.max_shard_size, include=target.include)
+    exported = set(layout.weight_map())
+    rank_plan.params = [p for p in rank_plan.params if p.name in exported]
+    plan.omitted.extend({"name": name, "reason": f"not exported: {why}"} for name, why in layout.left_out)
     plan.notes.append(f"export: {len(layout.shards)} shard(s) of at most {layout.max_shard_size} bytes of tensor "
-                      f"data, {layout.total_size} bytes in all; {len(layout.left_out)} entr"
-                      f"{'y' if len(layout.left_out) == 1 else 'ies'} left out (target.include={target.include})")
+                      f"data, {layout.total_size} bytes in all, with {INDEX_FILE}")
     return layout
 
 
