@@ -130,7 +130,8 @@ def _target(t: schema.TargetConfig, ctx: JobContext) -> TargetSpec:
     elif layout is None and devices not in (None, 1):
         raise ConfigError(f"target.devices={devices} needs target.strategy or target.layout to say how to shard")
     if t.format not in TARGET_FORMATS:
-        raise ConfigError(f"target.format must be {', '.join(TARGET_FORMATS)}, got {t.format!r}")
+        raise ConfigError(f"target.format must be {', '.join(TARGET_FORMATS[:-1])} or {TARGET_FORMATS[-1]}, "
+                          f"got {t.format!r}")
     if t.unmapped not in UNMAPPED:
         raise ConfigError(f"target.unmapped must be {' or '.join(UNMAPPED)}, got {t.unmapped!r}")
     max_shard_size, include = _export_options(t, strategy, layout, devices)
