@@ -143,11 +143,12 @@ def prepare_mindformers(source: SourceSpec, target: TargetSpec, *, ranks: tuple[
 
 
 def mindformers_index(save: MindFormersSource, found: RankFiles) -> dict[int, dict[str, TensorMeta]]:
-    """What each rank's files hold (from the headers already read); a rank of the layouts that wrote
-    no file holds nothing. Only the ranks of `found` are listed (others are missing)."""
-    headers = save.index()
-    ranks = set(found.files) | {r for r in range(save.devices) if r not in save.rank_files}
-    return {r: dict(headers.get(r, {})) if r in found.files else {} for r in sorted(ranks)}
+    """What each rank's files in `found` hold (from the headers read when the save was loaded); a rank
+    of the layouts that wrote no file at all holds nothing. Ranks not in `found` are missing."""
+    index: dict[int, dict[str, TensorMeta]] = {r: {} for r in range(save.devices) if r not in save.rank_files}
+    for rank, files in found.files.items():
+        index[rank] = {name: meta for f in files_of(files) for name, meta in save.file_tensors[f].items()}
+    return dict(sorted(index.items()))
 
 
 def _files_read(found: RankFiles, save: MindFormersSource, plan: Plan) -> RankFiles:
