@@ -256,25 +256,38 @@ def read_index(out_dir: str | os.PathLike) -> dict[str, str]:
     return weight_map
 
 
+def check_against_index(reader, weight_map: dict[str, str], index_path: str) -> None:
+    """Every tensor of an export folder's shards (one ``MultiFileReader``) is where the index says,
+    and every tensor the index lists is there."""
+    for name in reader.names():
+        where = os.path.basename(reader.file_of(name))
+        if weight_map.get(name) != where:
+            raise FormatError(index_path, f"tensor {name!r} is in {where} but the index "
+                                          f"says {weight_map.get(name) or 'nothing about it'}")
+    absent = [n for n in weight_map if n not in reader]
+    if absent:
+        raise FormatError(index_path, f"lists tensor {absent[0]!r} in {weight_map[absent[0]]}, which lacks it")
+
+
+def export_files(out_dir: str | os.PathLike) -> tuple[str, ...]:
+    """The shard files an export folder's index names (absolute, sorted); FormatError if one is absent."""
+    out_dir = os.path.abspath(os.fspath(out_dir))
+    files = tuple(os.path.join(out_dir, f) for f in sorted(set(read_index(out_dir).values())))
+    for f in files:
+        if not os.path.isfile(f):
+            raise FormatError(os.path.join(out_dir, INDEX_FILE), f"names {os.path.basename(f)}, which is not in "
+                                                                  "the folder")
+    return files
+
+
 def open_export(out_dir: str | os.PathLike, *, verify_crc: bool = True) -> MultiFileSources:
     """An export folder as one unsharded source rank (rank 0), its files checked against the index."""
     out_dir = os.path.abspath(os.fspath(out_dir))
     weight_map = read_index(out_dir)
-    files = sorted(set(weight_map.values()))
-    sources = MultiFileSources({0: [os.path.join(out_dir, f) for f in files]}, verify_crc=verify_crc)
+    sources = MultiFileSources({0: export_files(out_dir)}, verify_crc=verify_crc)
     try:
-        reader = sources.reader(0)
-        index_path = os.path.join(out_dir, INDEX_FILE)
-        for name in reader.names():
-            where = os.path.basename(reader.file_of(name))
-            if weight_map.get(name) != where:
-                raise FormatError(index_path, f"tensor {name!r} is in {where} but the index "
-                                              f"says {weight_map.get(name) or 'nothing about it'}")
-        absent = [n for n in weight_map if n not in reader]
-        if absent:
-            raise FormatError(index_path, f"lists tensor {absent[0]!r} in {weight_map[absent[0]]}, which lacks it")
+        check_against_index(sources.reader(0), weight_map, os.path.join(out_dir, INDEX_FILE))
     except BaseException:
         sources.close()
         raise
     return sources
-

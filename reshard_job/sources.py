@@ -14,8 +14,9 @@ against file names (the last match, lexicographically, wins).
 MindFormers 2.x saves (``latest_checkpointed_iteration.txt`` + ``iteration_XXXXXXXX/`` holding
 ``metadata.json`` and ``-model-``/``-opt-`` safetensors files) are a second kind of source folder:
 ``is_mindformers_source`` tells them apart and ``discover_mindformers`` reads one iteration, giving
-every rank the tuple of files it wrote. Those are local folders only (``formats.mindformers``
-reads them with the file system).
+every rank the tuple of files it wrote. An export for inference (``model.safetensors.index.json``
+with its shards, as this tool or ``transformers`` writes it) is a third: one unsharded rank made of
+all its shards. Those two are local folders only (their readers use the file system).
 """
 
 from __future__ import annotations
@@ -186,6 +187,23 @@ def discover_mindformers(src_dir: str, iteration: int | None = None) -> tuple[Ra
         files[rank] = tuple(paths)
         identities[rank] = tuple(tuple(i.identity) if i is not None else () for i in infos)
     return RankFiles(source.root, files, "safetensors", {}, identities), source
+
+
+def is_export_source(src_dir: str | None) -> bool:
+    """Whether `src_dir` is a folder of safetensors shards with ``model.safetensors.index.json``."""
+    from .export import INDEX_FILE
+
+    return src_dir is not None and not is_url(src_dir) and os.path.isfile(os.path.join(src_dir, INDEX_FILE))
+
+
+def discover_export(src_dir: str) -> RankFiles:
+    """An export folder as one unsharded source rank: rank 0 is every shard its index names."""
+    from .export import export_files
+
+    files = export_files(absolute(src_dir))
+    storage = storage_for(files[0])
+    identities = tuple(tuple(i.identity) if (i := storage.info(f)) is not None else () for f in files)
+    return RankFiles(os.path.dirname(files[0]), {0: files}, "safetensors", {}, {0: identities})
 
 
 @dataclass(frozen=True)

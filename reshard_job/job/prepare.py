@@ -27,11 +27,12 @@ from dataclasses import dataclass, field, replace
 from ..demo import ensure_demo
 from ..errors import ConfigError, PlanError, ReshardError
 from ..execute import SourceFiles
-from ..export import INDEX_FILE, ExportLayout, plan_export
+from ..export import INDEX_FILE, ExportLayout, check_against_index, plan_export, read_index
 from ..formats.mindformers import MindFormersSource
 from ..formats.tensorfile import KIND_TENSOR
 from ..plan import Plan, Planner, TensorMeta
-from ..sources import LoadedStrategy, RankFiles, discover, discover_mindformers, is_mindformers_source, load_strategy
+from ..sources import (LoadedStrategy, RankFiles, discover, discover_export, discover_mindformers, is_export_source,
+                       is_mindformers_source, load_strategy)
 from ..storage import StorageOptions, storage_for
 from ..tasks import FORMAT_SAFETENSORS_INDEX, files_of
 from ..text import shorten
@@ -84,8 +85,26 @@ def prepare(source: SourceSpec, target: TargetSpec, *, ranks: tuple[int, ...] | 
     if source.iteration is not None:
         raise ConfigError(f"source.iteration={source.iteration} picks an iteration of a MindFormers checkpoint folder, "
                           f"but {source.checkpoints} holds no MindFormers save (set source.iteration=null)")
+    if is_export_source(source.checkpoints):
+        return _prepare_export_folder(source, target, ranks=ranks, storage=storage)
     found = discover(source.checkpoints, source.select, storage)
     return prepare_files(found, source, target, ranks=ranks, storage=storage)
+
+
+def _prepare_export_folder(source: SourceSpec, target: TargetSpec, *, ranks, storage) -> Prepared:
+    """An export for inference (shards + index) read back as one unsharded rank."""
+    if source.strategy is not None:
+        raise ConfigError(f"{source.checkpoints} holds {INDEX_FILE}: an export of the full model, which has no "
+                          f"source strategy; set source.strategy=null (got {source.strategy})")
+    prepared = prepare_files(discover_export(source.checkpoints), source, target, ranks=ranks, storage=storage)
+    try:
+        folder = prepared.found.root
+        check_against_index(prepared.readers.reader(0), read_index(folder), os.path.join(folder, INDEX_FILE))
+    except BaseException:
+        prepared.close()
+        raise
+    prepared.checks.append(f"every tensor is in the shard {INDEX_FILE} names")
+    return prepared
 
 
 def prepare_files(found: RankFiles, source: SourceSpec, target: TargetSpec, *, ranks: tuple[int, ...] | None = None,
