@@ -26,7 +26,7 @@ from .formats.registry import open_reader, open_writer
 from .formats.tensorfile import KIND_MAP, KIND_STR, Scratch
 from .plan import ACTION_COPY, ParamPlan, RankPlan, TensorMeta
 from .storage import SourceChangedError, StorageOptions, storage_for
-from .tasks import FORMAT_CKPT, FORMAT_SAFETENSORS, RankResult, RankTask, files_of
+from .tasks import FORMAT_CKPT, FORMAT_SAFETENSORS, RankResult, RankTask, files_of  # noqa: F401 (re-exported)
 
 DEFAULT_MAX_MEMORY = 32 * 1024 * 1024
 COPY_BLOCK = 4 * 1024 * 1024

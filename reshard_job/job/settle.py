@@ -147,7 +147,8 @@ def _export_options(t: schema.TargetConfig, strategy: str | None, layout: dict |
     size = parse_shard_size(t.max_shard_size)
     if t.include not in INCLUDE_CHOICES:
         raise ConfigError(f"target.include must be {' or '.join(INCLUDE_CHOICES)}, got {_show(t.include)}")
-    if t.format == FORMAT_SAFETENSORS_INDEX and (strategy is not None or layout is not None or devices not in (None, 1)):
+    sharded = strategy is not None or layout is not None or devices not in (None, 1)
+    if t.format == FORMAT_SAFETENSORS_INDEX and sharded:
         raise ConfigError("target.format=safetensors_index writes the full, unsharded model: use target=hf_export, "
                           "or set target.strategy=null target.layout=null target.devices=1")
     return size, t.include
