@@ -141,6 +141,7 @@ def prepare_mindformers(source: SourceSpec, target: TargetSpec, *, ranks: tuple[
     _log_mindformers(save)
     strategy = LoadedStrategy(save.topology, save.strategy, (save.metadata_path,) if save.params else ())
     index = mindformers_index(save, found)
+    _warn_absent(strategy, index)  # the API's per-rank path may be given some of a rank's files only
     tgt = settle_target(target, strategy, index, storage)
     try:
         plan, missing = _plan(strategy, tgt, target, index, ranks)
@@ -265,12 +266,16 @@ def _cross_check(found: RankFiles, strategy: LoadedStrategy, source: SourceSpec,
     elif extra:
         _check_extra_ranks(found, strategy, source, index, extra, storage)
         checks.append("ranks beyond the source strategy hold nothing the others lack")
+    _warn_absent(strategy, index)
+    return checks
+
+
+def _warn_absent(strategy: LoadedStrategy, index) -> None:
     absent = [n for n in strategy.topology.layouts if not any(n in names for names in index.values())]
     if absent:
         log.warning("%d parameter(s) of the source strategy are in no source checkpoint and will not be in "
                     "the outputs: %s%s", len(absent), ", ".join(repr(shorten(n, 60)) for n in absent[:5]),
                     ", ..." if len(absent) > 5 else "")
-    return checks
 
 
 def _extra_readers(found: RankFiles, ranks: list[int], storage):
