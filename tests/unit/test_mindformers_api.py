@@ -111,8 +111,8 @@ def test_by_rank_refusals_name_the_file_and_rank(tmp_path):
 @pytest.mark.parametrize("include", ["weights", "all"])
 def test_export_through_the_api_and_back_to_the_saved_layout(include, tmp_path):
     golden = json.loads((M1A / "manifest.json").read_text())
-    written = api.transform_checkpoints(M1A / "src_mindformers", tmp_path / "exp", "", output_format="safetensors_index",
-                                        max_shard_size="10KB", include=include)
+    written = api.transform_checkpoints(M1A / "src_mindformers", tmp_path / "exp", "",
+                                        output_format="safetensors_index", max_shard_size="10KB", include=include)
     shards = sorted(p.name for p in (tmp_path / "exp").glob("model-*.safetensors"))
     assert [os.path.basename(w.path) for w in written.values()] == shards + ["model.safetensors.index.json"]
     index = json.loads((tmp_path / "exp" / "model.safetensors.index.json").read_text())
