@@ -87,7 +87,7 @@ class SourceFiles:
 
     def _check_identity(self, rank: int, identity: tuple) -> None:
         want = self.identities.get(rank)
-        if want is not None and _plain(identity) != _plain(want):
+        if want is not None and not same_identity(identity, want):
             shown = self.paths[rank] if isinstance(self.paths[rank], str) else _changed_file(self.paths[rank],
                                                                                               identity, want)
             raise SourceChangedError(f"{shown}: source file of rank {rank} changed while the job was "
@@ -129,15 +129,19 @@ def current_identity(paths: str | tuple[str, ...], storage: StorageOptions | Non
 
 
 def _plain(identity) -> tuple:
-    """Identities compared as nested tuples (lists after a JSON round trip compare equal)."""
     return tuple(_plain(v) if isinstance(v, (list, tuple)) else v for v in identity)
+
+
+def same_identity(a, b) -> bool:
+    """Whether two identities (of a file, or tuples of them) are equal; lists compare as tuples."""
+    return _plain(a) == _plain(b)
 
 
 def _changed_file(paths: tuple[str, ...], identity: tuple, want: tuple) -> str:
     """The first file of a multi-file rank whose identity differs (all of them if that is unclear)."""
     if len(identity) == len(want) == len(paths):
         for path, now, then in zip(paths, identity, want):
-            if _plain(now) != _plain(then):
+            if not same_identity(now, then):
                 return path
     return ", ".join(paths)
 

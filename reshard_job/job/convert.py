@@ -21,11 +21,11 @@ import logging
 from dataclasses import dataclass, field, replace
 
 from .. import __version__
+from ..execute import current_identity, same_identity
+from ..export import EXPORT_METADATA, INDEX_FILE
 from ..formats.registry import suffix_of
 from ..lineage.records import FileRecord
 from ..plan import Plan
-from ..execute import current_identity
-from ..export import EXPORT_METADATA, INDEX_FILE
 from ..storage import SourceChangedError
 from ..tasks import FORMAT_CKPT, FORMAT_SAFETENSORS, FORMAT_SAFETENSORS_INDEX, RankResult, RankTask, WriteOptions
 from ..text import human_size
@@ -256,14 +256,10 @@ def _check_sources_unchanged(prepared: Prepared, digests: SourceDigests) -> None
     """Every source read must still be the file that was hashed, or the record would lie."""
     for r, identity in digests.identities.items():
         paths = prepared.source_paths[r]
-        if current_identity(paths, prepared.readers.storage) != _nested(identity):
+        if not same_identity(current_identity(paths, prepared.readers.storage), identity):
             shown = paths if isinstance(paths, str) else ", ".join(paths)
             raise SourceChangedError(f"{shown}: source file of rank {r} changed while the job was running; its "
                                      "outputs may mix old and new bytes, so nothing is recorded: rerun once it is stable")
-
-
-def _nested(identity) -> tuple:
-    return tuple(_nested(v) if isinstance(v, (list, tuple)) else v for v in identity)
 
 
 def _finish(spec: JobSpec, prepared: Prepared, out: OutputDir, digests: SourceDigests, fingerprint: str,
