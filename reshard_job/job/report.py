@@ -7,7 +7,7 @@ from ..text import human_size, rank_ranges, table
 
 
 def plan_report(plan: Plan, *, predicted_peak: int, missing: dict[int, list[int]] | None = None,
-                source_files: dict[int, str] | None = None, checks: list[str] = ()) -> str:
+                source_files: dict[int, str | tuple[str, ...]] | None = None, checks: list[str] = ()) -> str:
     rows = []
     for rp in plan.ranks:
         rows.append([str(rp.target_rank), rank_ranges(rp.source_ranks), str(len(rp.params)),
