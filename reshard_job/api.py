@@ -8,22 +8,39 @@ differences from MindSpore are the point of the project: any M→N pair works (M
 8→6), bfloat16 is never widened, memory stays bounded by one slice, only the boxes needed are
 read, outputs are written atomically with their sha256, and errors name the file, rank or
 parameter at fault.
+
+MindFormers 2.x saves. ``src_checkpoints_dir`` may be a MindFormers checkpoint folder (the one
+holding ``latest_checkpointed_iteration.txt``, or one ``iteration_XXXXXXXX/``) with
+``src_strategy_file=None``: its ``metadata.json`` gives the layouts. A source rank is then the
+tuple of files that rank wrote (``-model-`` and ``-opt-``): in ``transform_checkpoint_by_rank``,
+``checkpoint_files_map`` maps a rank to one file or to a tuple of files (the files of one iteration
+folder, as ``mindformers_rank_files`` lists them), and ``src_strategy_file`` is None or that
+folder's ``metadata.json``; ``rank_list_for_transform`` takes the folder or its ``metadata.json``
+as ``src_strategy_file``.
+
+Export for inference. ``output_format="safetensors_index"`` (no destination strategy) writes the
+full model into ``dst_checkpoints_dir`` as ``model-00001-of-0000N.safetensors`` shards of at most
+``max_shard_size`` bytes of tensor data plus ``model.safetensors.index.json``, loadable by the
+``safetensors`` library and by ``transformers``; ``include="weights"`` (default) leaves training
+state out, ``include="all"`` keeps it.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from typing import Mapping
 
 from .errors import ConfigError, MissingRankError
 from .execute import DEFAULT_MAX_MEMORY
+from .export import DEFAULT_MAX_SHARD_SIZE, INCLUDE_WEIGHTS, parse_shard_size
 from .formats.base import WrittenFile
 from .formats.registry import kind_of
 from .formats.strategy import merge_pipeline_strategies, merge_pipeline_strategys  # noqa: F401 (re-export)
 from .plan import UNMAPPED_OMIT, Plan, source_ranks_for
-from .sources import RankFiles, load_strategy
+from .sources import RankFiles, discover_mindformers, is_mindformers_source, load_strategy
 from .storage import absolute, storage_for
-from .tasks import FORMAT_CKPT, OUTPUT_FORMATS, RankResult, WriteOptions
+from .tasks import FORMAT_CKPT, FORMAT_SAFETENSORS_INDEX, TARGET_FORMATS, RankResult, WriteOptions, files_of
 
 __all__ = [
     "transform_checkpoints",
@@ -31,33 +48,37 @@ __all__ = [
     "rank_list_for_transform",
     "merge_pipeline_strategies",
     "merge_pipeline_strategys",
+    "mindformers_rank_files",
     "build_plan",
 ]
 
 
 def _specs(src_strategy_file, dst_strategy_file, *, src_dir=None, select="latest_step", fmt=FORMAT_CKPT,
-           unmapped=UNMAPPED_OMIT):
+           unmapped=UNMAPPED_OMIT, iteration=None, max_shard_size=DEFAULT_MAX_SHARD_SIZE, include=INCLUDE_WEIGHTS):
     from .job.spec import SourceSpec, TargetSpec
 
     source = SourceSpec(None if src_dir is None else absolute(src_dir),
-                        None if src_strategy_file is None else absolute(src_strategy_file), select)
+                        None if src_strategy_file is None else absolute(src_strategy_file), select, iteration=iteration)
     target = TargetSpec(strategy=None if dst_strategy_file is None else absolute(dst_strategy_file), format=fmt,
-                        unmapped=unmapped)
+                        unmapped=unmapped, max_shard_size=parse_shard_size(max_shard_size), include=include)
     return source, target
 
 
-def _check_format(output_format: str) -> str:
-    if output_format not in OUTPUT_FORMATS:
-        raise ConfigError(f"output_format must be 'ckpt' or 'safetensors', got {output_format!r}")
+def _check_format(output_format: str, dst_strategy_file=None) -> str:
+    if output_format not in TARGET_FORMATS:
+        raise ConfigError(f"output_format must be 'ckpt', 'safetensors' or 'safetensors_index', got {output_format!r}")
+    if output_format == FORMAT_SAFETENSORS_INDEX and dst_strategy_file is not None:
+        raise ConfigError("output_format='safetensors_index' writes the full, unsharded model: "
+                          "give dst_strategy_file=None")
     return output_format
 
 
 def _prepare(src_checkpoints_dir, src_strategy_file=None, dst_strategy_file=None, *,
-             select: str = "latest_step", unmapped: str = UNMAPPED_OMIT, target_ranks=None):
+             select: str = "latest_step", unmapped: str = UNMAPPED_OMIT, target_ranks=None, **extra):
     from .job.prepare import prepare
 
     source, target = _specs(src_strategy_file, dst_strategy_file, src_dir=src_checkpoints_dir, select=select,
-                            unmapped=unmapped)
+                            unmapped=unmapped, **extra)
     return prepare(source, target, ranks=None if target_ranks is None else tuple(target_ranks))
 
 
@@ -71,48 +92,63 @@ def build_plan(src_checkpoints_dir, src_strategy_file=None, dst_strategy_file=No
     return prepared.plan, prepared
 
 
-def _run(prepared, paths: dict[int, str], options: WriteOptions, workers: int = 1) -> dict[int, RankResult]:
-    from .job.convert import rank_tasks
+def _run(prepared, paths: dict[int, str], options: WriteOptions, workers: int = 1) -> dict[int, WrittenFile]:
+    """Run the tasks; written files by target rank, or for an export by file number (index last)."""
+    from .job.convert import rank_tasks, write_export_index
     from .job.executors import LocalExecutor
 
     if prepared.missing:
         raise MissingRankError(prepared.missing, prepared.source.checkpoints or "")
-    results: dict[int, RankResult] = {}
+    results: dict[int, WrittenFile] = {}
+
+    def done(r: RankResult) -> None:
+        results[r.part if r.part is not None else r.target_rank] = WrittenFile(r.path, r.size, r.sha256, r.tensors)
+
     tasks = rank_tasks(prepared, paths, options)
-    LocalExecutor(workers, prepared.readers).run(tasks, on_bytes=lambda n: None,
-                                                 on_done=lambda r: results.__setitem__(r.target_rank, r))
-    return results
+    LocalExecutor(workers, prepared.readers).run(tasks, on_bytes=lambda n: None, on_done=done)
+    if prepared.export is not None:
+        path = paths[len(prepared.export.shards)]
+        key, path, size, sha = write_export_index(prepared, paths, storage_for(path))
+        results[key] = WrittenFile(path, size, sha, {})
+    return dict(sorted(results.items()))
 
 
 def transform_checkpoints(src_checkpoints_dir, dst_checkpoints_dir, ckpt_prefix, src_strategy_file=None,
                           dst_strategy_file=None, process_num: int = 1, *, output_format: str = FORMAT_CKPT,
                           unmapped: str = UNMAPPED_OMIT, max_memory: int = DEFAULT_MAX_MEMORY,
-                          select: str = "latest_step") -> dict[int, WrittenFile]:
+                          select: str = "latest_step", iteration: int | None = None,
+                          max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+                          include: str = INCLUDE_WEIGHTS) -> dict[int, WrittenFile]:
     """Convert every rank of a distributed checkpoint to the destination layout.
 
     Outputs go to ``<dst>/rank_<r>/<ckpt_prefix><r>.<output_format>``. Returns the written files by
     target rank (path, size, sha256, per-tensor sha256). ``process_num`` worker processes convert
-    ranks in parallel.
+    ranks in parallel. `src_checkpoints_dir` may be a MindFormers checkpoint folder (module
+    docstring; `iteration` picks another than the latest). ``output_format="safetensors_index"``
+    exports the full model into `dst_checkpoints_dir` as shards plus an index (`max_shard_size`,
+    `include`); the result is then keyed by file number: shards 0..n-1, the index n.
     """
-    from .job.convert import output_paths
+    from .job.convert import unit_paths
 
     if not isinstance(ckpt_prefix, str):
         raise TypeError("ckpt_prefix must be a str")
-    fmt = _check_format(output_format)
+    fmt = _check_format(output_format, dst_strategy_file)
     dst_dir = absolute(dst_checkpoints_dir)
-    with _prepare(src_checkpoints_dir, src_strategy_file, dst_strategy_file, select=select,
-                  unmapped=unmapped) as prepared:
-        paths = output_paths(prepared.plan, dst_dir, ckpt_prefix, fmt, storage_for(dst_dir))
-        results = _run(prepared, paths, WriteOptions(fmt, max_memory), max(1, int(process_num or 1)))
-    return {r: WrittenFile(x.path, x.size, x.sha256, x.tensors) for r, x in sorted(results.items())}
+    with _prepare(src_checkpoints_dir, src_strategy_file, dst_strategy_file, select=select, unmapped=unmapped,
+                  fmt=fmt, iteration=iteration, max_shard_size=max_shard_size, include=include) as prepared:
+        paths = unit_paths(prepared, dst_dir, ckpt_prefix, fmt, storage_for(dst_dir))
+        if prepared.export is not None:
+            storage_for(dst_dir).makedirs(dst_dir)
+        return _run(prepared, paths, WriteOptions(fmt, max_memory), max(1, int(process_num or 1)))
 
 
-def transform_checkpoint_by_rank(rank_id, checkpoint_files_map: Mapping[int, str], save_checkpoint_file_name,
-                                 src_strategy_file=None, dst_strategy_file=None, *,
+def transform_checkpoint_by_rank(rank_id, checkpoint_files_map: Mapping[int, str | tuple[str, ...]],
+                                 save_checkpoint_file_name, src_strategy_file=None, dst_strategy_file=None, *,
                                  unmapped: str = UNMAPPED_OMIT, max_memory: int = DEFAULT_MAX_MEMORY) -> WrittenFile:
     """Convert one destination rank from the given source files ({global source rank: path}).
 
-    The output format follows the file name (``.ckpt`` or ``.safetensors``).
+    The output format follows the file name (``.ckpt`` or ``.safetensors``). For a MindFormers
+    save, a rank maps to a file or a tuple of files of one iteration folder (module docstring).
     """
     from .job.prepare import prepare_files
 
@@ -124,18 +160,66 @@ def transform_checkpoint_by_rank(rank_id, checkpoint_files_map: Mapping[int, str
     fmt = kind_of(name)
     if fmt is None:
         raise ConfigError(f"save_checkpoint_file_name {name} must end with .ckpt or .safetensors")
-    files = {int(r): absolute(p) for r, p in checkpoint_files_map.items()}
-    for r, p in files.items():
-        info = storage_for(p).info(p)
-        if info is None or not info.is_file:
-            raise ConfigError(f"checkpoint file of source rank {r} not found: {p}")
-    kinds = {kind_of(p) or FORMAT_CKPT for p in files.values()}
+    files = {int(r): tuple(absolute(p) for p in files_of(ps)) for r, ps in checkpoint_files_map.items()}
+    for r, paths in files.items():
+        for p in paths:
+            info = storage_for(p).info(p)
+            if info is None or not info.is_file:
+                raise ConfigError(f"checkpoint file of source rank {r} not found: {p}")
+    folder = _mindformers_folder(files, src_strategy_file)
+    if folder is not None:
+        return _by_rank_mindformers(rank_id, files, folder, name, fmt, dst_strategy_file, unmapped, max_memory)
+    if any(len(paths) != 1 for paths in files.values()):
+        raise ConfigError("checkpoint_files_map gives several files for a rank, which only a MindFormers save "
+                          "(an iteration folder with metadata.json) has")
+    kinds = {kind_of(paths[0]) or FORMAT_CKPT for paths in files.values()}
     source, target = _specs(src_strategy_file, dst_strategy_file, unmapped=unmapped)
-    found = RankFiles(os.path.dirname(os.path.commonprefix(list(files.values()))) or "/", files,
-                      kinds.pop() if len(kinds) == 1 else FORMAT_CKPT)
+    found = RankFiles(os.path.dirname(os.path.commonprefix([p[0] for p in files.values()])) or "/",
+                      {r: p[0] for r, p in files.items()}, kinds.pop() if len(kinds) == 1 else FORMAT_CKPT)
     with prepare_files(found, source, target, ranks=(rank_id,)) as prepared:
-        result = _run(prepared, {rank_id: name}, WriteOptions(fmt, max_memory))[rank_id]
-    return WrittenFile(result.path, result.size, result.sha256, result.tensors)
+        return _run(prepared, {rank_id: name}, WriteOptions(fmt, max_memory))[rank_id]
+
+
+def _mindformers_folder(files: dict[int, tuple[str, ...]], src_strategy_file) -> str | None:
+    """The iteration folder when the files are a MindFormers save's (all in one folder holding
+    metadata.json); src_strategy_file must then be None or that metadata.json."""
+    folders = {os.path.dirname(os.path.realpath(p)) for paths in files.values() for p in paths}
+    if len(folders) != 1:
+        return None
+    folder = folders.pop()
+    metadata = os.path.join(folder, "metadata.json")
+    if not os.path.isfile(metadata):
+        return None
+    if src_strategy_file is not None and os.path.realpath(absolute(src_strategy_file)) != metadata:
+        raise ConfigError(f"the checkpoint files are a MindFormers save ({folder}), whose layouts come from its "
+                          f"metadata.json: give src_strategy_file=None or {metadata}")
+    return folder
+
+
+def _by_rank_mindformers(rank_id: int, files: dict[int, tuple[str, ...]], folder: str, name: str, fmt: str,
+                         dst_strategy_file, unmapped: str, max_memory: int) -> WrittenFile:
+    from .job.prepare import prepare_mindformers
+
+    found, save = discover_mindformers(folder)
+    given: dict[int, tuple[str, ...]] = {}
+    for r, paths in sorted(files.items()):
+        own = {os.path.basename(p): p for p in save.rank_files.get(r, ())}
+        stray = [p for p in paths if os.path.basename(p) not in own]
+        if stray:
+            raise ConfigError(f"{stray[0]}: not a file of source rank {r} in {folder} (metadata.json gives it "
+                              f"{', '.join(sorted(own)) or 'no file'}); see mindformers_rank_files")
+        given[r] = tuple(own[os.path.basename(p)] for p in paths)
+    identities = {r: tuple(found.identities[r][save.rank_files[r].index(p)] for p in given[r]) for r in given}
+    found = replace(found, files=given, identities=identities)
+    source, target = _specs(None, dst_strategy_file, src_dir=folder, unmapped=unmapped)
+    with prepare_mindformers(source, target, ranks=(rank_id,), found=found, save=save) as prepared:
+        return _run(prepared, {rank_id: name}, WriteOptions(fmt, max_memory))[rank_id]
+
+
+def mindformers_rank_files(src_checkpoints_dir, iteration: int | None = None) -> dict[int, tuple[str, ...]]:
+    """The files each rank of a MindFormers save wrote ({storage rank: (model file, opt file)}), as
+    ``transform_checkpoint_by_rank`` takes them; the latest iteration unless `iteration` is given."""
+    return dict(discover_mindformers(absolute(src_checkpoints_dir), iteration)[0].files)
 
 
 def rank_list_for_transform(rank_id, src_strategy_file=None, dst_strategy_file=None, *,
@@ -146,10 +230,19 @@ def rank_list_for_transform(rank_id, src_strategy_file=None, dst_strategy_file=N
     MindSpore's list, and enough on its own."""
     if not isinstance(rank_id, int) or isinstance(rank_id, bool):
         raise TypeError("rank_id must be an int")
-    src = load_strategy(None if src_strategy_file is None else absolute(src_strategy_file))
     if src_strategy_file is None:
         return [0]
+    src_topology = _source_topology(absolute(src_strategy_file))
     dst = load_strategy(None if dst_strategy_file is None else absolute(dst_strategy_file))
-    return source_ranks_for(src.topology, dst.topology if dst_strategy_file is not None else None, rank_id,
+    return source_ranks_for(src_topology, dst.topology if dst_strategy_file is not None else None, rank_id,
                             unmapped=unmapped)
+
+
+def _source_topology(src_strategy: str):
+    """A strategy file's (or per-stage folder's) topology; a MindFormers folder's or metadata.json's layouts."""
+    if os.path.basename(src_strategy) == "metadata.json" and os.path.isfile(src_strategy):
+        return discover_mindformers(os.path.dirname(src_strategy))[1].topology
+    if is_mindformers_source(src_strategy):
+        return discover_mindformers(src_strategy)[1].topology
+    return load_strategy(src_strategy).topology
 

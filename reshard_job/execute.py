@@ -22,11 +22,12 @@ from .errors import FormatError, PlanError
 from .formats import dtypes
 from .formats.base import TensorDecl, TensorReader, WrittenFile
 from .formats.boxes import Box, box_shape, intersect, split_rows
+from .formats.multifile import MultiFileReader
 from .formats.registry import open_reader, open_writer
 from .formats.tensorfile import KIND_MAP, KIND_STR, Scratch
 from .plan import ACTION_COPY, ParamPlan, RankPlan, TensorMeta
 from .storage import SourceChangedError, StorageOptions, storage_for
-from .tasks import FORMAT_CKPT, FORMAT_SAFETENSORS, RankResult, RankTask
+from .tasks import FORMAT_CKPT, FORMAT_SAFETENSORS, RankResult, RankTask, files_of  # noqa: F401 (re-exported)
 
 DEFAULT_MAX_MEMORY = 32 * 1024 * 1024
 COPY_BLOCK = 4 * 1024 * 1024
@@ -76,14 +77,17 @@ def reader_index(reader: TensorReader) -> Mapping[str, TensorMeta]:
 class SourceFiles:
     """The source checkpoint files by global rank, opened lazily, read-only, through their storage.
 
-    `identities` (rank -> ``FileInfo.identity``) are what the job saw when it hashed the files: a
-    file that no longer matches is refused when opened and when ``check_unchanged`` is called
-    after the last read, so bytes that changed under the job never reach a recorded output.
+    A rank is one file, or a tuple of files read together as that rank (a MindFormers rank's
+    ``-model-`` and ``-opt-`` files) through ``MultiFileReader``. `identities` (rank ->
+    ``FileInfo.identity``, for a tuple of files the tuple of their identities) are what the job
+    saw when it hashed the files: a file that no longer matches is refused when opened and when
+    ``check_unchanged`` is called after the last read, so bytes that changed under the job never
+    reach a recorded output.
     """
 
-    def __init__(self, paths: dict[int, str], *, verify_crc: bool = True, identities: dict[int, tuple] | None = None,
-                 storage: StorageOptions | None = None):
-        self.paths = dict(paths)
+    def __init__(self, paths: dict[int, str | tuple[str, ...]], *, verify_crc: bool = True,
+                 identities: dict[int, tuple] | None = None, storage: StorageOptions | None = None):
+        self.paths = {r: p if isinstance(p, str) else tuple(p) for r, p in paths.items()}
         self.verify_crc = verify_crc
         self.identities = dict(identities or {})
         self.storage = storage
@@ -94,28 +98,44 @@ class SourceFiles:
         if r is None:
             if rank not in self.paths:
                 raise PlanError(f"source rank {rank} has no checkpoint file")
-            path = self.paths[rank]
+            entry = self.paths[rank]
+            raws = [self._open(path) for path in files_of(entry)]
             try:
-                raw = storage_for(path, self.storage).open_read(path)
-            except FileNotFoundError:
-                raise FormatError(path, "file not found (it was there when the job started)") from None
-            self._check_identity(rank, raw.identity)
-            r = open_reader(raw, verify_crc=self.verify_crc)
+                identity = raws[0].identity if isinstance(entry, str) else tuple(tuple(f.identity) for f in raws)
+                self._check_identity(rank, identity)
+            except BaseException:
+                for raw in raws:
+                    raw.close()
+                raise
+            if isinstance(entry, str):
+                r = open_reader(raws[0], verify_crc=self.verify_crc)
+            else:
+                r = MultiFileReader(raws, verify_crc=self.verify_crc)
             self._readers[rank] = r
         return r
 
+    def _open(self, path: str):
+        try:
+            return storage_for(path, self.storage).open_read(path)
+        except FileNotFoundError:
+            raise FormatError(path, "file not found (it was there when the job started)") from None
+
     def _check_identity(self, rank: int, identity: tuple) -> None:
         want = self.identities.get(rank)
-        if want is not None and tuple(identity) != tuple(want):
-            raise SourceChangedError(f"{self.paths[rank]}: source file of rank {rank} changed while the job was "
+        if want is not None and not same_identity(identity, want):
+            shown = self.paths[rank] if isinstance(self.paths[rank], str) else _changed_file(self.paths[rank],
+                                                                                              identity, want)
+            raise SourceChangedError(f"{shown}: source file of rank {rank} changed while the job was "
                                      "running (size, time or inode differ); rerun once it is stable")
+
+    def current_identity(self, rank: int) -> tuple:
+        """A rank's identity as its storage reports it now (``()`` for a file that is gone)."""
+        return current_identity(self.paths[rank], self.storage)
 
     def check_unchanged(self) -> None:
         """Raise SourceChangedError if a file read so far changed since it was hashed."""
         for rank in self._readers:
-            path = self.paths[rank]
-            info = storage_for(path, self.storage).info(path)
-            self._check_identity(rank, info.identity if info is not None else ())
+            self._check_identity(rank, self.current_identity(rank))
 
     def index(self) -> dict[int, dict[str, TensorMeta]]:
         return {rank: reader_index(self.reader(rank)) for rank in sorted(self.paths)}
@@ -130,6 +150,35 @@ class SourceFiles:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def current_identity(paths: str | tuple[str, ...], storage: StorageOptions | None = None) -> tuple:
+    """The identity of one source rank's file, or the tuple of its files' identities, as stored now."""
+    def one(path: str) -> tuple:
+        info = storage_for(path, storage).info(path)
+        return tuple(info.identity) if info is not None else ()
+
+    if isinstance(paths, str):
+        return one(paths)
+    return tuple(one(p) for p in paths)
+
+
+def _plain(identity) -> tuple:
+    return tuple(_plain(v) if isinstance(v, (list, tuple)) else v for v in identity)
+
+
+def same_identity(a, b) -> bool:
+    """Whether two identities (of a file, or tuples of them) are equal; lists compare as tuples."""
+    return _plain(a) == _plain(b)
+
+
+def _changed_file(paths: tuple[str, ...], identity: tuple, want: tuple) -> str:
+    """The first file of a multi-file rank whose identity differs (all of them if that is unclear)."""
+    if len(identity) == len(want) == len(paths):
+        for path, now, then in zip(paths, identity, want):
+            if not same_identity(now, then):
+                return path
+    return ", ".join(paths)
 
 
 def execute_rank(
@@ -170,7 +219,7 @@ def run_rank_task(task: RankTask, *, sources: SourceFiles | None = None,
     try:
         opts = task.options
         written = execute_rank(task.plan, readers, task.out_path, fmt=opts.format, max_memory=opts.max_memory,
-                               crc=opts.crc, progress=progress)
+                               crc=opts.crc, progress=progress, metadata=opts.metadata)
         readers.check_unchanged()
     except BaseException:
         if not own:
@@ -180,7 +229,7 @@ def run_rank_task(task: RankTask, *, sources: SourceFiles | None = None,
     if own:
         readers.close()
     return RankResult(task.target_rank, written.path, written.size, written.sha256, dict(written.tensors),
-                      task.plan.bytes_read, time.monotonic() - started, socket.gethostname())
+                      task.plan.bytes_read, time.monotonic() - started, socket.gethostname(), task.part)
 
 
 def _write_param(writer, p: ParamPlan, sources: SourceFiles, max_memory: int, progress: Progress | None) -> None:

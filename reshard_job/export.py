@@ -27,12 +27,12 @@ add a few KiB per shard). ``max_shard_size`` units follow ``transformers``: ``5G
 bytes, ``5GiB`` is 5·2³⁰. The shard names are always numbered, and the index is always written,
 even for one shard, so a reader has one layout to expect.
 
-Metadata. ``execute_rank`` writes MindSpore's flavour of safetensors, whose ``__metadata__`` is
-``{"format": "ms"}``. The ``safetensors`` library reads these files as they are; ``transformers``
-refuses a shard whose ``format`` is not one of ``pt``, ``tf``, ``flax``, ``mlx``, so loading
-through ``transformers`` needs the writer to be given ``{"format": "pt"}``. Tensor names are
-MindSpore's parameter names; mapping them to a ``transformers`` architecture's names is not done
-here.
+Metadata. ``execute_rank`` writes MindSpore's flavour of safetensors by default, whose
+``__metadata__`` is ``{"format": "ms"}``; ``transformers`` refuses a shard whose ``format`` is not
+one of ``pt``, ``tf``, ``flax``, ``mlx``, so every shard is written with ``EXPORT_METADATA``
+(``{"format": "pt"}``), which the ``safetensors`` library reads as well.
+Tensor names are MindSpore's parameter names; mapping them to a ``transformers`` architecture's
+names is not done here.
 """
 
 from __future__ import annotations
@@ -58,6 +58,8 @@ INCLUDE_WEIGHTS = "weights"
 INCLUDE_ALL = "all"
 INCLUDE_CHOICES = (INCLUDE_WEIGHTS, INCLUDE_ALL)
 DEFAULT_MAX_SHARD_SIZE = "5GB"
+# the shards' safetensors __metadata__: transformers loads only files whose format it knows
+EXPORT_METADATA = {"format": "pt"}
 
 TRAINING_STATE_NAMES = frozenset({
     "global_step", "learning_rate", "epoch_num", "step_num", "loss_scale", "scale_sense",
@@ -217,7 +219,8 @@ def write_export(layout: ExportLayout, sources, out_dir: str | os.PathLike, *,
     written = []
     for shard in layout.shards:
         wf = execute_rank(layout.sub_plan(shard), sources, os.path.join(out_dir, shard.file_name),
-                          fmt=FORMAT_SAFETENSORS, max_memory=max_memory, progress=progress)
+                          fmt=FORMAT_SAFETENSORS, max_memory=max_memory, progress=progress,
+                          metadata=dict(EXPORT_METADATA))
         if sorted(wf.tensors) != sorted(shard.names):  # the writer must not add or drop tensors
             raise PlanError(f"{wf.path}: wrote {len(wf.tensors)} tensors, the shard lists {len(shard.names)}")
         written.append(wf)
@@ -253,25 +256,38 @@ def read_index(out_dir: str | os.PathLike) -> dict[str, str]:
     return weight_map
 
 
+def check_against_index(reader, weight_map: dict[str, str], index_path: str) -> None:
+    """Every tensor of an export folder's shards (one ``MultiFileReader``) is where the index says,
+    and every tensor the index lists is there."""
+    for name in reader.names():
+        where = os.path.basename(reader.file_of(name))
+        if weight_map.get(name) != where:
+            raise FormatError(index_path, f"tensor {name!r} is in {where} but the index "
+                                          f"says {weight_map.get(name) or 'nothing about it'}")
+    absent = [n for n in weight_map if n not in reader]
+    if absent:
+        raise FormatError(index_path, f"lists tensor {absent[0]!r} in {weight_map[absent[0]]}, which lacks it")
+
+
+def export_files(out_dir: str | os.PathLike) -> tuple[str, ...]:
+    """The shard files an export folder's index names (absolute, sorted); FormatError if one is absent."""
+    out_dir = os.path.abspath(os.fspath(out_dir))
+    files = tuple(os.path.join(out_dir, f) for f in sorted(set(read_index(out_dir).values())))
+    for f in files:
+        if not os.path.isfile(f):
+            raise FormatError(os.path.join(out_dir, INDEX_FILE), f"names {os.path.basename(f)}, which is not in "
+                                                                  "the folder")
+    return files
+
+
 def open_export(out_dir: str | os.PathLike, *, verify_crc: bool = True) -> MultiFileSources:
     """An export folder as one unsharded source rank (rank 0), its files checked against the index."""
     out_dir = os.path.abspath(os.fspath(out_dir))
     weight_map = read_index(out_dir)
-    files = sorted(set(weight_map.values()))
-    sources = MultiFileSources({0: [os.path.join(out_dir, f) for f in files]}, verify_crc=verify_crc)
+    sources = MultiFileSources({0: export_files(out_dir)}, verify_crc=verify_crc)
     try:
-        reader = sources.reader(0)
-        index_path = os.path.join(out_dir, INDEX_FILE)
-        for name in reader.names():
-            where = os.path.basename(reader.file_of(name))
-            if weight_map.get(name) != where:
-                raise FormatError(index_path, f"tensor {name!r} is in {where} but the index "
-                                              f"says {weight_map.get(name) or 'nothing about it'}")
-        absent = [n for n in weight_map if n not in reader]
-        if absent:
-            raise FormatError(index_path, f"lists tensor {absent[0]!r} in {weight_map[absent[0]]}, which lacks it")
+        check_against_index(sources.reader(0), weight_map, os.path.join(out_dir, INDEX_FILE))
     except BaseException:
         sources.close()
         raise
     return sources
-

@@ -10,21 +10,30 @@ MindSpore's ``<prefix>-<epoch>_<step>`` names (MindFormers' ``<prefix>_rank_<r>-
 too) and takes the highest (epoch, step); ranks whose chosen saves are of different steps are
 refused, since their shards do not belong together. Any other value is a glob pattern matched
 against file names (the last match, lexicographically, wins).
+
+MindFormers 2.x saves (``latest_checkpointed_iteration.txt`` + ``iteration_XXXXXXXX/`` holding
+``metadata.json`` and ``-model-``/``-opt-`` safetensors files) are a second kind of source folder:
+``is_mindformers_source`` tells them apart and ``discover_mindformers`` reads one iteration, giving
+every rank the tuple of files it wrote. An export for inference (``model.safetensors.index.json``
+with its shards, as this tool or ``transformers`` writes it) is a third: one unsharded rank made of
+all its shards. Those two are local folders only (their readers use the file system).
 """
 
 from __future__ import annotations
 
 import fnmatch
+import os
 import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .errors import ConfigError, PlanError
 from .formats.registry import CHECKPOINT_SUFFIXES, kind_of
-from .storage import StorageOptions, absolute, storage_for
+from .storage import StorageOptions, absolute, is_url, storage_for
 from .text import shorten
 
 if TYPE_CHECKING:
+    from .formats.mindformers import MindFormersSource
     from .formats.strategy import StrategyFile
     from .topology import Topology
 
@@ -38,10 +47,12 @@ STRATEGY_MAX_BYTES = 1 << 30  # a strategy file for a huge model is tens of MB; 
 @dataclass(frozen=True)
 class RankFiles:
     root: str
-    files: dict[int, str]  # global rank -> chosen file (absolute path or URL)
+    # global rank -> chosen file (absolute path or URL), or the files read together as that rank
+    files: dict[int, str | tuple[str, ...]]
     format: str  # "ckpt" | "safetensors"
     ignored: dict[int, list[str]] = field(default_factory=dict)  # rank -> other candidate files not chosen
-    identities: dict[int, tuple] = field(default_factory=dict)  # rank -> FileInfo.identity when listed
+    # rank -> FileInfo.identity when listed (for a tuple of files, the tuple of their identities)
+    identities: dict[int, tuple] = field(default_factory=dict)
 
 
 def step_of(name: str) -> tuple[int, int] | None:
@@ -146,6 +157,53 @@ def _check_same_step(found: RankFiles, storage) -> None:
         f"{', ...' if len(behind) > 8 else ''}); copy the missing saves, or pick one step for all ranks with "
         "source.select='<glob>' (e.g. '*-1_100.ckpt')"
     )
+
+
+def is_mindformers_source(src_dir: str | None) -> bool:
+    """Whether `src_dir` is a MindFormers 2.x save (its root or one iteration folder), not rank folders."""
+    if src_dir is None or is_url(src_dir):
+        return False
+    from .formats.mindformers import is_mindformers_checkpoint
+
+    if not is_mindformers_checkpoint(src_dir):
+        return False
+    try:  # a folder of rank_<r>/ directories is MindSpore's layout, whatever else it holds
+        return not any(RANK_DIR.match(n) and os.path.isdir(os.path.join(src_dir, n)) for n in os.listdir(src_dir))
+    except OSError:
+        return False
+
+
+def discover_mindformers(src_dir: str, iteration: int | None = None) -> tuple[RankFiles, "MindFormersSource"]:
+    """One iteration of a MindFormers save: every storage rank's files (model file, opt file), with
+    their identities, and the parsed save (layouts from metadata.json, every file's header checked)."""
+    from .formats.mindformers import load_mindformers
+
+    source = load_mindformers(absolute(src_dir), iteration)
+    storage = storage_for(source.folder)
+    files: dict[int, str | tuple[str, ...]] = {}
+    identities: dict[int, tuple] = {}
+    for rank, paths in sorted(source.rank_files.items()):
+        infos = [storage.info(p) for p in paths]
+        files[rank] = tuple(paths)
+        identities[rank] = tuple(tuple(i.identity) if i is not None else () for i in infos)
+    return RankFiles(source.root, files, "safetensors", {}, identities), source
+
+
+def is_export_source(src_dir: str | None) -> bool:
+    """Whether `src_dir` is a folder of safetensors shards with ``model.safetensors.index.json``."""
+    from .export import INDEX_FILE
+
+    return src_dir is not None and not is_url(src_dir) and os.path.isfile(os.path.join(src_dir, INDEX_FILE))
+
+
+def discover_export(src_dir: str) -> RankFiles:
+    """An export folder as one unsharded source rank: rank 0 is every shard its index names."""
+    from .export import export_files
+
+    files = export_files(absolute(src_dir))
+    storage = storage_for(files[0])
+    identities = tuple(tuple(i.identity) if (i := storage.info(f)) is not None else () for f in files)
+    return RankFiles(os.path.dirname(files[0]), {0: files}, "safetensors", {}, {0: identities})
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,15 @@ from .storage import StorageOptions
 
 FORMAT_CKPT = "ckpt"
 FORMAT_SAFETENSORS = "safetensors"
-OUTPUT_FORMATS = (FORMAT_CKPT, FORMAT_SAFETENSORS)
+OUTPUT_FORMATS = (FORMAT_CKPT, FORMAT_SAFETENSORS)  # formats of one target file
+# the full model as size-bounded safetensors shards plus model.safetensors.index.json (export.py)
+FORMAT_SAFETENSORS_INDEX = "safetensors_index"
+TARGET_FORMATS = OUTPUT_FORMATS + (FORMAT_SAFETENSORS_INDEX,)
+
+
+def files_of(paths: str | tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    """The files of one source rank, whether it is one file or several."""
+    return (paths,) if isinstance(paths, str) else tuple(paths)
 
 
 @dataclass(frozen=True)
@@ -25,19 +33,23 @@ class WriteOptions:
     format: str = FORMAT_CKPT  # "ckpt" | "safetensors"
     max_memory: int = 32 * 1024 * 1024  # bound on in-flight tensor buffers
     crc: bool = False  # MindSpore's CRC (ckpt trailer / safetensors crc_num)
+    # safetensors __metadata__ to write instead of MindSpore's {"format": "ms"} (e.g. {"format": "pt"},
+    # which transformers requires); None: the format's own
+    metadata: dict[str, str] | None = field(default=None, hash=False)
 
 
 @dataclass(frozen=True)
 class RankTask:
     target_rank: int
     plan: RankPlan
-    sources: dict[int, str]  # source rank -> file path or URL (only the ranks this task reads)
+    sources: dict[int, str | tuple[str, ...]]  # source rank -> its file(s), path or URL (only ranks read)
     out_path: str
     options: WriteOptions = field(default_factory=WriteOptions)
     # source rank -> FileInfo.identity seen when the job hashed it; a source whose identity
     # differs when the task reads it has changed under the job, and the task fails
     source_identities: dict[int, tuple] = field(default_factory=dict)
     storage: StorageOptions = field(default_factory=StorageOptions)
+    part: int | None = None  # which file of the target rank (an export's shard number); None: its only file
 
 
 @dataclass(frozen=True)
@@ -50,3 +62,4 @@ class RankResult:
     bytes_read: int = 0
     seconds: float = 0.0
     host: str = ""  # the machine that wrote the file
+    part: int | None = None  # as in the task

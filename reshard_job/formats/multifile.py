@@ -21,7 +21,7 @@ from __future__ import annotations
 import bisect
 import os
 from dataclasses import replace
-from typing import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -30,38 +30,60 @@ from .boxes import Box
 from .safetensors import SafetensorsReader
 from .tensorfile import TensorEntry
 
+if TYPE_CHECKING:
+    from ..storage import RandomAccess
+
 
 class MultiFileReader:
     """The tensors of several safetensors files, read as one rank's file (names unique across them)."""
 
-    def __init__(self, paths: Iterable[str | os.PathLike], *, verify_crc: bool = True):
-        self.paths: tuple[str, ...] = tuple(os.fspath(p) for p in paths)
-        if not self.paths:
+    def __init__(self, sources: Iterable["str | os.PathLike | RandomAccess"], *, verify_crc: bool = True):
+        """`sources`: paths (opened read-only through ``reshard_job.storage``) or open
+        ``storage.RandomAccess`` files, which are then closed with this reader."""
+        sources = list(sources)
+        if not sources:
             raise ValueError("MultiFileReader needs at least one file")
         self._readers: list[SafetensorsReader] = []
         self._bases: list[int] = []
-        self._sizes: list[int] = []
         self._owner: dict[str, int] = {}
         self.entries: dict[str, TensorEntry] = {}
         try:
             base = 0
-            for i, path in enumerate(self.paths):
-                reader = SafetensorsReader(path, verify_crc=verify_crc)
+            for i, source in enumerate(sources):
+                reader = SafetensorsReader(source, verify_crc=verify_crc)
                 self._readers.append(reader)
                 self._bases.append(base)
-                self._sizes.append(os.path.getsize(path))
                 for name, entry in reader.entries.items():
                     if name in self._owner:
                         raise FormatError(
-                            path, f"tensor {name!r} is also in {self.paths[self._owner[name]]}; "
-                                  "files read as one rank must not hold the same tensor twice")
+                            reader.path, f"tensor {name!r} is also in {self._readers[self._owner[name]].path}; "
+                                         "files read as one rank must not hold the same tensor twice")
                     self._owner[name] = i
                     self.entries[name] = _shifted(entry, base)
-                base += self._sizes[-1]
+                base += reader.size
         except BaseException:
             self.close()
+            for source in sources[len(self._readers):]:  # opened by the caller, never handed to a reader
+                if not isinstance(source, (str, os.PathLike)):
+                    source.close()
             raise
+        self.paths: tuple[str, ...] = tuple(r.path for r in self._readers)
         self.path = _display_path(self.paths)
+
+    @property
+    def readers(self) -> tuple[SafetensorsReader, ...]:
+        """One reader per file, in the order given (for per-file work: hashing, CRC checks)."""
+        return tuple(self._readers)
+
+    @property
+    def size(self) -> int:
+        """Bytes of all files together."""
+        return sum(r.size for r in self._readers)
+
+    @property
+    def identity(self) -> tuple:
+        """The files' storage identities, in order (what the job compares to see a change)."""
+        return tuple(tuple(r.identity) for r in self._readers)
 
     # --- mapping ------------------------------------------------------------------------------
     def __contains__(self, name: str) -> bool:
@@ -99,6 +121,11 @@ class MultiFileReader:
     def read_raw(self, name: str) -> bytes:
         return self._reader_of(name).read_raw(name)
 
+    def read_logical(self, entry: TensorEntry, offset: int, view: memoryview) -> None:
+        """Bytes `offset`.. of a tensor's logical content into `view` (entry as listed in ``entries``)."""
+        owner = self._reader_of(entry.name)
+        owner.read_logical(owner.entries[entry.name], offset, view)
+
     def pread(self, offset: int, nbytes: int) -> bytes:
         """Bytes at `offset` of the concatenated address space (see the module docstring)."""
         i = bisect.bisect_right(self._bases, offset) - 1
@@ -106,7 +133,7 @@ class MultiFileReader:
             raise FormatError(self.path, f"offset {offset} is outside the files")
         reader = self._readers[i]
         within = offset - self._bases[i]
-        if within + nbytes > self._sizes[i]:
+        if within + nbytes > reader.size:
             raise FormatError(reader.path, f"a read of {nbytes} bytes at byte {within} runs past the end of the file")
         return reader.pread(within, nbytes)
 

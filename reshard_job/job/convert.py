@@ -5,20 +5,29 @@ verify (``completed (already done)``); an interrupted one resumes, keeping the j
 still verify. Each finished rank is journaled as it lands. Before the manifest is written, every
 source the tasks read is checked to be unchanged since it was hashed, so what the manifest and
 the lineage record name is what the outputs were made from.
+
+Units of output. Each output file is journaled under an integer key: the target rank, or for an
+export (``target.format=safetensors_index``) the file's number: shards ``0..n-1`` (written by rank
+tasks whose ``part`` is that number) and the index ``n`` (written here once every shard is done).
+Every export file belongs to target rank 0, the one full rank, and is recorded so in the manifest
+(``rank`` 0, ``part`` the key) and in lineage. Manifest entries name each file relative to the
+output directory (``file``), so a moved directory still verifies whatever its layout.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .. import __version__
+from ..execute import current_identity, same_identity
+from ..export import EXPORT_METADATA, INDEX_FILE
 from ..formats.registry import suffix_of
 from ..lineage.records import FileRecord
 from ..plan import Plan
-from ..storage import SourceChangedError, storage_for
-from ..tasks import RankResult, RankTask, WriteOptions
+from ..storage import SourceChangedError
+from ..tasks import FORMAT_CKPT, FORMAT_SAFETENSORS, FORMAT_SAFETENSORS_INDEX, RankResult, RankTask, WriteOptions
 from ..text import human_size
 from .executors import Executor, LocalExecutor, default_workers
 from .integrity import SourceDigests
@@ -52,21 +61,43 @@ def output_paths(plan: Plan, out_dir: str, prefix: str, fmt: str, storage) -> di
             for rp in plan.ranks}
 
 
+def unit_paths(prepared: Prepared, out_dir: str, prefix: str, fmt: str, storage) -> dict[int, str]:
+    """Every output file by its key (module docstring): target ranks, or an export's shards and index."""
+    layout = prepared.export
+    if layout is None:
+        return output_paths(prepared.plan, out_dir, prefix, FORMAT_CKPT if fmt == FORMAT_SAFETENSORS_INDEX else fmt,
+                            storage)
+    paths = {i: storage.join(out_dir, shard.file_name) for i, shard in enumerate(layout.shards)}
+    paths[len(layout.shards)] = storage.join(out_dir, INDEX_FILE)
+    return paths
+
+
 def rank_tasks(prepared: Prepared, paths: dict[int, str], options: WriteOptions,
                identities: dict[int, tuple] | None = None, storage=None) -> list[RankTask]:
-    """One self-contained task per target rank to produce (the API and the job alike)."""
+    """One self-contained task per output file to produce (the API and the job alike): per target
+    rank, or per shard of an export (an export's index is written by the caller)."""
     from ..storage import StorageOptions
 
     identities = identities if identities is not None else prepared.readers.identities
-    out = []
-    for rp in prepared.plan.ranks:
-        if rp.target_rank not in paths:
-            continue
+    storage = storage or StorageOptions()
+
+    def task(rp, out_path: str, part: int | None, opts: WriteOptions) -> RankTask:
         ranks = rp.source_ranks
-        out.append(RankTask(rp.target_rank, rp, {r: prepared.source_paths[r] for r in ranks}, paths[rp.target_rank],
-                            options, {r: identities[r] for r in ranks if r in identities},
-                            storage or StorageOptions()))
-    return out
+        return RankTask(rp.target_rank, rp, {r: prepared.source_paths[r] for r in ranks}, out_path, opts,
+                        {r: identities[r] for r in ranks if r in identities}, storage, part)
+
+    if prepared.export is not None:
+        shard_options = replace(options, format=FORMAT_SAFETENSORS, metadata=dict(EXPORT_METADATA))
+        return [task(prepared.export.sub_plan(shard), paths[i], i, shard_options)
+                for i, shard in enumerate(prepared.export.shards) if i in paths]
+    return [task(rp, paths[rp.target_rank], None, options) for rp in prepared.plan.ranks if rp.target_rank in paths]
+
+
+def write_export_index(prepared: Prepared, paths: dict[int, str], storage) -> tuple[int, str, int, str]:
+    """Write an export's model.safetensors.index.json (after its shards); (key, path, size, sha256)."""
+    key = len(prepared.export.shards)
+    size, sha = storage.write_bytes(paths[key], prepared.export.index_bytes(), mode=0o444)
+    return key, paths[key], size, sha
 
 
 def convert(spec: JobSpec, prepared: Prepared, out: OutputDir, digests: SourceDigests,
@@ -88,31 +119,43 @@ def convert(spec: JobSpec, prepared: Prepared, out: OutputDir, digests: SourceDi
     if removed:
         log.info("removed %d temporary file(s) left by an interrupted run", removed)
     strategy_out = _write_target_strategy(out, prepared)
-    paths = output_paths(prepared.plan, out.path, spec.target.prefix, spec.target.format, out.storage)
+    paths = unit_paths(prepared, out.path, spec.target.prefix, spec.target.format, out.storage)
     kept = out.reusable(paths) if resume else {}
     if kept:
-        log.info("resuming: keeping %d target file(s) that verify: ranks %s", len(kept), sorted(kept))
+        log.info("resuming: keeping %d target file(s) that verify: %s %s", len(kept),
+                 "files" if prepared.export is not None else "ranks", sorted(kept))
     written = {r: _entry_as_file(out, e) for r, e in kept.items()}
     _run_ranks(spec, prepared, out, digests, paths, kept, written, executor)
+    if prepared.export is not None and len(prepared.export.shards) not in kept:
+        _journal_index(prepared, out, paths, written)
     _check_sources_unchanged(prepared, digests)
     return _finish(spec, prepared, out, digests, fingerprint, strategy_out, written, recorder)
 
 
 # ---------------------------------------------------------------------------------- pieces
 def _source_strategy(spec: JobSpec, prepared: Prepared, digests: SourceDigests) -> dict | None:
-    if prepared.source.strategy is None:
+    """The source strategy file(s) read; for a MindFormers save, its metadata.json (which holds the layouts)."""
+    path = prepared.source.strategy
+    if path is None and prepared.mindformers is not None and digests.strategies:
+        path = prepared.mindformers.metadata_path
+    if path is None:
         return None
     files = [{"path": d.path, "size": d.size, "sha256": d.sha256} for d in digests.strategies]
-    out = {"path": prepared.source.strategy, "files": files}
-    if len(files) == 1 and files[0]["path"] == prepared.source.strategy:
+    out = {"path": path, "files": files}
+    if len(files) == 1 and files[0]["path"] == path:
         out.update(size=files[0]["size"], sha256=files[0]["sha256"])
+    if prepared.mindformers is not None:
+        out["kind"] = "mindformers_metadata"
     return out
 
 
 def _target_key(spec: JobSpec, prepared: Prepared) -> dict:
     t = spec.target
-    return {"devices": prepared.target.devices, "format": t.format, "prefix": t.prefix, "unmapped": t.unmapped,
-            "crc": t.crc, "ranks": list(spec.run.ranks) if spec.run.ranks is not None else None}
+    key = {"devices": prepared.target.devices, "format": t.format, "prefix": t.prefix, "unmapped": t.unmapped,
+           "crc": t.crc, "ranks": list(spec.run.ranks) if spec.run.ranks is not None else None}
+    if t.format == FORMAT_SAFETENSORS_INDEX:
+        key.update(max_shard_size=t.max_shard_size, include=t.include)
+    return key
 
 
 def _input_records(digests: SourceDigests) -> list[FileRecord]:
@@ -144,8 +187,10 @@ def _record_reuse(out: OutputDir, manifest: dict, listed: list[JournalEntry], re
     from ..hashing import digest_file
 
     m = digest_file(out.manifest_path)
-    outputs = [FileRecord(out.storage.join(out.path, e.path), e.sha256, e.size, "target_checkpoint", e.rank)
-               for e in listed]
+    # the target rank of each file, as its manifest entry says (an export's files are all rank 0's)
+    ranks = [f.get("rank", e.rank) for f, e in zip(manifest.get("target", {}).get("files", []), listed)]
+    outputs = [FileRecord(out.storage.join(out.path, e.path), e.sha256, e.size, "target_checkpoint", rank)
+               for e, rank in zip(listed, ranks)]
     strat = (manifest.get("target") or {}).get("strategy")
     if strat:
         path = out.storage.join(out.path, out.storage.basename(strat["path"]))
@@ -153,8 +198,8 @@ def _record_reuse(out: OutputDir, manifest: dict, listed: list[JournalEntry], re
     outputs.append(FileRecord(out.manifest_path, m.sha256, m.size, "manifest"))
     run_id = recorder.complete(outputs)
     return Outputs(STATUS_REUSED, out.path, out.manifest_path, m.sha256, run_id,
-                   [{"rank": e.rank, "path": out.storage.join(out.path, e.path), "size": e.size, "sha256": e.sha256}
-                    for e in listed])
+                   [{"rank": rank, "path": out.storage.join(out.path, e.path), "size": e.size, "sha256": e.sha256}
+                    for e, rank in zip(listed, ranks)])
 
 
 def _write_target_strategy(out: OutputDir, prepared: Prepared) -> dict | None:
@@ -178,17 +223,15 @@ def _run_ranks(spec: JobSpec, prepared: Prepared, out: OutputDir, digests: Sourc
     workers = min(spec.run.workers or default_workers(len(tasks)), max(1, len(tasks)))
     executor = executor or LocalExecutor(workers, prepared.readers)
     total = sum(t.plan.bytes_written for t in tasks)
-    bar = Progress(total, len(tasks), enabled=spec.run.progress, desc="converting")
-    log.info("converting %d target rank(s) with %d worker(s): %s to write", len(tasks), workers, human_size(total))
+    what = "converting" if prepared.export is None else "exporting"
+    bar = Progress(total, len(tasks), enabled=spec.run.progress, desc=what)
+    log.info("%s %d %s with %d worker(s): %s to write", what, len(tasks),
+             "target rank(s)" if prepared.export is None else "shard(s) of target rank 0", workers, human_size(total))
 
     def on_done(result: RankResult) -> None:
-        info = out.storage.info(result.path)
-        entry = JournalEntry(result.target_rank, out.relative(result.path), result.size, result.sha256,
-                             tuple(info.identity) if info is not None else (), result.tensors)
-        out.journal.append(entry)
-        written[result.target_rank] = {"path": result.path, "size": result.size, "sha256": result.sha256,
-                                       "tensors": result.tensors}
-        bar.rank_done(result.target_rank, result.size)
+        key = result.part if result.part is not None else result.target_rank
+        _journal(out, written, key, result.path, result.size, result.sha256, result.tensors)
+        bar.rank_done(result.target_rank, result.size, note="" if result.part is None else out.relative(result.path))
 
     try:
         executor.run(tasks, on_bytes=bar.add_bytes, on_done=on_done)
@@ -196,27 +239,39 @@ def _run_ranks(spec: JobSpec, prepared: Prepared, out: OutputDir, digests: Sourc
         bar.close()
 
 
+def _journal(out: OutputDir, written: dict, key: int, path: str, size: int, sha256: str, tensors: dict) -> None:
+    """One output file landed: journal it at once (a crash loses only files in flight)."""
+    info = out.storage.info(path)
+    out.journal.append(JournalEntry(key, out.relative(path), size, sha256,
+                                    tuple(info.identity) if info is not None else (), tensors))
+    written[key] = {"path": path, "size": size, "sha256": sha256, "tensors": tensors}
+
+
+def _journal_index(prepared: Prepared, out: OutputDir, paths: dict[int, str], written: dict) -> None:
+    key, path, size, sha = write_export_index(prepared, paths, out.storage)
+    _journal(out, written, key, path, size, sha, {})
+
+
 def _check_sources_unchanged(prepared: Prepared, digests: SourceDigests) -> None:
     """Every source read must still be the file that was hashed, or the record would lie."""
     for r, identity in digests.identities.items():
-        path = prepared.source_paths[r]
-        info = storage_for(path, prepared.readers.storage).info(path)
-        if info is None or tuple(info.identity) != tuple(identity):
-            raise SourceChangedError(f"{path}: source file of rank {r} changed while the job was running; its "
+        paths = prepared.source_paths[r]
+        if not same_identity(current_identity(paths, prepared.readers.storage), identity):
+            shown = paths if isinstance(paths, str) else ", ".join(paths)
+            raise SourceChangedError(f"{shown}: source file of rank {r} changed while the job was running; its "
                                      "outputs may mix old and new bytes, so nothing is recorded: rerun once it is stable")
 
 
 def _finish(spec: JobSpec, prepared: Prepared, out: OutputDir, digests: SourceDigests, fingerprint: str,
             strategy_out: dict | None, written: dict, recorder) -> Outputs:
     run_id = recorder.run_id
-    target_files = [{"rank": r, "path": written[r]["path"], "size": written[r]["size"],
-                     "sha256": written[r]["sha256"]} for r in sorted(written)]
+    target_files = [_target_file(prepared, out, key, written[key]) for key in sorted(written)]
     manifest = build_manifest(
         run_id=run_id or "", tool_version=__version__, fingerprint=fingerprint, config=spec.config,
         source=_source_section(spec, prepared, digests),
         target={"devices": prepared.target.devices, "format": spec.target.format, "prefix": spec.target.prefix,
                 "ranks": list(spec.run.ranks) if spec.run.ranks else None, "strategy": strategy_out,
-                "files": target_files},
+                "files": target_files, **_export_section(prepared)},
         tensors={str(r): written[r]["tensors"] for r in sorted(written)},
         plan_summary=_plan_summary(prepared), checks=prepared.checks + ["sources unchanged since hashed"])
     m_size, m_sha = out.write_manifest(manifest)
@@ -228,11 +283,35 @@ def _finish(spec: JobSpec, prepared: Prepared, out: OutputDir, digests: SourceDi
     return Outputs(STATUS_COMPLETED, out.path, out.manifest_path, m_sha, run_id, target_files)
 
 
+def _export_section(prepared: Prepared) -> dict:
+    layout = prepared.export
+    if layout is None:
+        return {}
+    return {"export": {"index": INDEX_FILE, "max_shard_size": layout.max_shard_size, "total_size": layout.total_size,
+                       "shards": [s.file_name for s in layout.shards],
+                       "left_out": [{"name": n, "reason": why} for n, why in layout.left_out]}}
+
+
+def _target_file(prepared: Prepared, out: OutputDir, key: int, w: dict) -> dict:
+    """A manifest entry of one output file (module docstring: keys, ranks and parts)."""
+    entry = {"rank": key, "path": w["path"], "size": w["size"], "sha256": w["sha256"], "file": out.relative(w["path"])}
+    if prepared.export is not None:
+        entry.update(rank=prepared.export.target_rank, part=key)
+    return entry
+
+
 def _source_section(spec: JobSpec, prepared: Prepared, digests: SourceDigests) -> dict:
     topo = prepared.strategy.topology
-    return {"checkpoints": prepared.source.checkpoints, "select": prepared.source.select, "devices": topo.devices,
-            "stage_devices": topo.stage_devices, "stages": topo.num_stages,
-            "strategy": _source_strategy(spec, prepared, digests), "files": digests.files}
+    section = {"checkpoints": prepared.source.checkpoints, "select": prepared.source.select, "devices": topo.devices,
+               "stage_devices": topo.stage_devices, "stages": topo.num_stages,
+               "strategy": _source_strategy(spec, prepared, digests), "files": digests.files}
+    save = prepared.mindformers
+    if save is not None:
+        section.pop("select")
+        section["mindformers"] = {"folder": save.folder, "iteration": save.iteration,
+                                  "rank_files": {str(r): list(f) for r, f in sorted(prepared.source_paths.items())},
+                                  "not_in_metadata": sorted(save.extras())}
+    return section
 
 
 def _plan_summary(prepared: Prepared) -> dict:

@@ -4,6 +4,10 @@ Each needed source file is hashed (sha256, for the manifest, the lineage record 
 fingerprint), and in the same read the CRCs its format carries are checked: a `.ckpt` CRC32
 trailer, MindSpore safetensors' ``crc_num`` (chained over the tensors in name order). The file's
 identity while it was hashed goes to the rank tasks, which refuse a file that changed since.
+
+A source rank made of several files (a MindFormers rank's model and opt files) is hashed file by
+file: each is an input of its own, listed with its rank, and the rank's identity is the tuple of
+its files' identities.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from dataclasses import dataclass
 from ..errors import FormatError
 from ..formats.ckpt import CRC_TRAILER_LEN, CheckpointReader
 from ..formats.crc32 import chain_crc
+from ..formats.multifile import MultiFileReader
 from ..formats.safetensors import SafetensorsReader
 from ..hashing import FileDigest, HashCache, HashRequest, default_cache_path, digest_files
 from ..storage import StorageOptions
@@ -22,31 +27,44 @@ from .progress import Progress
 
 @dataclass(frozen=True)
 class SourceDigests:
-    files: list[dict]  # [{"rank", "path", "size", "sha256"}] of every source checkpoint read
+    files: list[dict]  # [{"rank", "path", "size", "sha256"}] of every source checkpoint file read
     strategies: list[FileDigest]  # the source strategy file(s)
-    identities: dict[int, tuple]  # rank -> identity while hashed
+    identities: dict[int, tuple]  # rank -> identity while hashed (a tuple of them for a multi-file rank)
 
 
 def hash_sources(prepared: Prepared, *, use_cache: bool = True, progress: bool | None = None,
                  storage: StorageOptions | None = None) -> SourceDigests:
     needed = sorted(prepared.plan.source_ranks)
-    requests = [_request(prepared.readers.reader(r)) for r in needed]
+    parts = [(r, reader) for r in needed for reader in _file_readers(prepared.readers.reader(r))]
+    requests = [_request(reader) for _, reader in parts]
     cache = HashCache(default_cache_path(), storage) if use_cache else None
-    todo = sum(prepared.readers.reader(r).size for r, q in zip(needed, requests)
-               if cache is None or cache.get(q) is None)
-    bar = Progress(todo, len(needed), enabled=progress, desc="hashing sources")
+    todo = sum(reader.size for (_, reader), q in zip(parts, requests) if cache is None or cache.get(q) is None)
+    bar = Progress(todo, len(parts), enabled=progress, desc="hashing sources")
     try:
         digests = digest_files(requests, threads=2, progress=bar.add_bytes, cache=cache, storage_options=storage)
-        for r, d in zip(needed, digests):
-            _check_crcs(prepared.readers.reader(r), d)
+        for (_, reader), d in zip(parts, digests):
+            _check_crcs(reader, d)
             bar.step_done()
     finally:
         bar.close()
     strategies = digest_files([HashRequest(p) for p in prepared.strategy.files], threads=1, storage_options=storage)
     if cache is not None:
         cache.save()
-    files = [{"rank": r, "path": d.path, "size": d.size, "sha256": d.sha256} for r, d in zip(needed, digests)]
-    return SourceDigests(files, strategies, {r: d.identity for r, d in zip(needed, digests)})
+    files = [{"rank": r, "path": d.path, "size": d.size, "sha256": d.sha256} for (r, _), d in zip(parts, digests)]
+    return SourceDigests(files, strategies, _identities(prepared, parts, digests))
+
+
+def _file_readers(reader) -> tuple:
+    """The per-file readers of one source rank (one, or one per file of a multi-file rank)."""
+    return tuple(reader.readers) if isinstance(reader, MultiFileReader) else (reader,)
+
+
+def _identities(prepared: Prepared, parts, digests: list[FileDigest]) -> dict[int, tuple]:
+    """rank -> identity while hashed: the file's, or for a rank of several files the tuple of theirs."""
+    by_rank: dict[int, list[tuple]] = {}
+    for (r, _), d in zip(parts, digests):
+        by_rank.setdefault(r, []).append(tuple(d.identity))
+    return {r: ids[0] if isinstance(prepared.source_paths[r], str) else tuple(ids) for r, ids in by_rank.items()}
 
 
 def _request(reader) -> HashRequest:

@@ -206,7 +206,10 @@ class OutputDir:
 
     @staticmethod
     def _rel_listed(f: dict) -> str:
-        """A manifest's file as ``rank_<r>/<name>``, however the directory was moved since."""
+        """A manifest's file relative to the directory (its ``file``, else ``rank_<r>/<name>``), however
+        the directory was moved since."""
+        if isinstance(f.get("file"), str) and f["file"] and not f["file"].startswith(("/", "..")):
+            return f["file"]
         p = f["path"].rstrip("/")
         head, name = p.rsplit("/", 1) if "/" in p else ("", p)
         return f"{head.rsplit('/', 1)[-1]}/{name}" if head else name
@@ -216,8 +219,8 @@ class OutputDir:
         identities = {e.rank: e.identity for e in self.journal.read()[1]}
         out = []
         for f in manifest.get("target", {}).get("files", []):
-            out.append(JournalEntry(f["rank"], self._rel_listed(f), f["size"], f["sha256"],
-                                    identities.get(f["rank"], ())))
+            key = f["part"] if isinstance(f.get("part"), int) else f["rank"]  # an export's files: their number
+            out.append(JournalEntry(key, self._rel_listed(f), f["size"], f["sha256"], identities.get(key, ())))
         return out
 
     def uncommit(self, fingerprint: str, entries: list[JournalEntry]) -> None:

@@ -4,6 +4,17 @@ Shared by the batch job and the Python API. Everything here reads; nothing is wr
 cross-checks run before any output exists, so inputs that disagree (a strategy of another
 network, rank folders that are shards of a model but come without its strategy, ranks beyond
 the strategy that hold parameters no other rank has) end the job here with one line.
+
+Two kinds of source folder: MindSpore's ``rank_<r>/`` folders with a strategy file, and a
+MindFormers 2.x save, detected from the folder itself, whose ``metadata.json`` takes the place of
+the strategy file (it is hashed and recorded like one). A MindFormers rank is the tuple of files
+it wrote, and its index lists exactly what those files hold: a rank that stored nothing (a
+redundancy-removed save) is in the index with nothing, so the planner sees which rank holds which
+slice instead of taking the rank's file for missing.
+
+An export for inference (``target.format=safetensors_index``) is planned as one full target rank,
+then split into shards here (``export.plan_export``), so the plan report, the checks and the job's
+output bookkeeping know every shard before anything is written.
 """
 
 from __future__ import annotations
@@ -11,15 +22,19 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..demo import ensure_demo
 from ..errors import ConfigError, PlanError, ReshardError
 from ..execute import SourceFiles
+from ..export import INDEX_FILE, ExportLayout, check_against_index, plan_export, read_index
+from ..formats.mindformers import MindFormersSource
 from ..formats.tensorfile import KIND_TENSOR
 from ..plan import Plan, Planner, TensorMeta
-from ..sources import LoadedStrategy, RankFiles, discover, load_strategy
+from ..sources import (LoadedStrategy, RankFiles, discover, discover_export, discover_mindformers, is_export_source,
+                       is_mindformers_source, load_strategy)
 from ..storage import StorageOptions, storage_for
+from ..tasks import FORMAT_SAFETENSORS_INDEX, files_of
 from ..text import shorten
 from .spec import SourceSpec, TargetSpec
 from .target import Target, settle_target
@@ -39,10 +54,17 @@ class Prepared:
     plan: Plan
     missing: dict[int, list[int]] = field(default_factory=dict)
     checks: list[str] = field(default_factory=list)  # the cross-checks that ran
+    mindformers: MindFormersSource | None = None  # the save, when the source is a MindFormers folder
+    export: ExportLayout | None = None  # the shards, for target.format=safetensors_index
 
     @property
-    def source_paths(self) -> dict[int, str]:
+    def source_paths(self) -> dict[int, str | tuple[str, ...]]:
+        """Source rank -> its file, or the tuple of files read together as that rank."""
         return self.readers.paths
+
+    def source_files(self) -> list[str]:
+        """Every source checkpoint file, flat."""
+        return [f for paths in self.source_paths.values() for f in files_of(paths)]
 
     def close(self) -> None:
         self.readers.close()
@@ -58,8 +80,31 @@ def prepare(source: SourceSpec, target: TargetSpec, *, ranks: tuple[int, ...] | 
             storage: StorageOptions | None = None, demo_root: str | None = None) -> Prepared:
     """Sources found and indexed, target settled, inputs cross-checked, the plan made."""
     source = _with_demo(source, demo_root)
+    if is_mindformers_source(source.checkpoints):
+        return prepare_mindformers(source, target, ranks=ranks, storage=storage)
+    if source.iteration is not None:
+        raise ConfigError(f"source.iteration={source.iteration} picks an iteration of a MindFormers checkpoint folder, "
+                          f"but {source.checkpoints} holds no MindFormers save (set source.iteration=null)")
+    if is_export_source(source.checkpoints):
+        return _prepare_export_folder(source, target, ranks=ranks, storage=storage)
     found = discover(source.checkpoints, source.select, storage)
     return prepare_files(found, source, target, ranks=ranks, storage=storage)
+
+
+def _prepare_export_folder(source: SourceSpec, target: TargetSpec, *, ranks, storage) -> Prepared:
+    """An export for inference (shards + index) read back as one unsharded rank."""
+    if source.strategy is not None:
+        raise ConfigError(f"{source.checkpoints} holds {INDEX_FILE}: an export of the full model, which has no "
+                          f"source strategy; set source.strategy=null (got {source.strategy})")
+    prepared = prepare_files(discover_export(source.checkpoints), source, target, ranks=ranks, storage=storage)
+    try:
+        folder = prepared.found.root
+        check_against_index(prepared.readers.reader(0), read_index(folder), os.path.join(folder, INDEX_FILE))
+    except BaseException:
+        prepared.close()
+        raise
+    prepared.checks.append(f"every tensor is in the shard {INDEX_FILE} names")
+    return prepared
 
 
 def prepare_files(found: RankFiles, source: SourceSpec, target: TargetSpec, *, ranks: tuple[int, ...] | None = None,
@@ -71,13 +116,113 @@ def prepare_files(found: RankFiles, source: SourceSpec, target: TargetSpec, *, r
     try:
         index = readers.index()
         checks = _cross_check(found, strategy, source, index, storage)
-        tgt = settle_target(target, strategy, index, storage)
-        plan, missing = _plan(strategy, tgt, target, index, ranks)
-        checks += _check_identical(readers, getattr(plan, "identical", {}) or {})
-        return Prepared(source, found, strategy, readers, index, tgt, plan, missing, checks)
+        return _settle_and_plan(source, found, strategy, readers, index, target, ranks, storage, checks)
     except BaseException:
         readers.close()
         raise
+
+
+def prepare_mindformers(source: SourceSpec, target: TargetSpec, *, ranks: tuple[int, ...] | None = None,
+                        storage: StorageOptions | None = None, found: RankFiles | None = None,
+                        save: MindFormersSource | None = None) -> Prepared:
+    """Like ``prepare``, for a MindFormers save: layouts from its metadata.json, no strategy file.
+
+    `found` and `save` (from ``sources.discover_mindformers``) may be given to convert only some
+    ranks' files (the API's per-rank path); by default every rank of the iteration is used. The
+    headers were read and checked when the save was loaded, so the plan is made before any reader
+    opens, and each rank keeps only the files the plan reads (an export of the weights or a target
+    without optimizer states reads, hashes and records no opt file).
+    """
+    if source.strategy is not None:
+        raise ConfigError(f"{source.checkpoints} is a MindFormers checkpoint folder, whose layouts come from its "
+                          f"metadata.json; set source.strategy=null (got {source.strategy})")
+    if found is None or save is None:
+        found, save = discover_mindformers(source.checkpoints, source.iteration)
+    _log_mindformers(save)
+    strategy = LoadedStrategy(save.topology, save.strategy, (save.metadata_path,) if save.params else ())
+    index = mindformers_index(save, found)
+    _warn_absent(strategy, index)  # the API's per-rank path may be given some of a rank's files only
+    tgt = settle_target(target, strategy, index, storage)
+    try:
+        plan, missing = _plan(strategy, tgt, target, index, ranks)
+    except PlanError as e:
+        if not save.deduplicated:
+            raise
+        raise PlanError(f"{e}; this MindFormers save was written with redundancy removal (each shard stored by one "
+                        "rank), which cannot be planned yet") from None
+    export = _export_layout(target, plan)
+    found = _files_read(found, save, plan)
+    readers = SourceFiles(found.files, verify_crc=False, identities=found.identities, storage=storage)
+    try:
+        checks = ["MindFormers metadata.json agrees with every file's header (dtypes, shapes, placement)"]
+        checks += _check_identical(readers, getattr(plan, "identical", {}) or {})
+        return Prepared(source, found, strategy, readers, index, tgt, plan, missing, checks, save, export)
+    except BaseException:
+        readers.close()
+        raise
+
+
+def mindformers_index(save: MindFormersSource, found: RankFiles) -> dict[int, dict[str, TensorMeta]]:
+    """What each rank's files in `found` hold (from the headers read when the save was loaded); a rank
+    of the layouts that wrote no file at all holds nothing. Ranks not in `found` are missing."""
+    index: dict[int, dict[str, TensorMeta]] = {r: {} for r in range(save.devices) if r not in save.rank_files}
+    for rank, files in found.files.items():
+        index[rank] = {name: meta for f in files_of(files) for name, meta in save.file_tensors[f].items()}
+    return dict(sorted(index.items()))
+
+
+def _files_read(found: RankFiles, save: MindFormersSource, plan: Plan) -> RankFiles:
+    """`found` narrowed to the ranks the plan reads and, per rank, to the files holding what it reads."""
+    names: dict[int, set[str]] = {}
+    for rp in plan.ranks:
+        for p in rp.params:
+            for c in p.copies:
+                names.setdefault(c.source_rank, set()).add(p.name)
+    files, identities = {}, {}
+    for rank, needed in sorted(names.items()):
+        if rank not in found.files:
+            continue  # missing: reported by the plan
+        keep = [i for i, f in enumerate(found.files[rank]) if needed & set(save.file_tensors[f])]
+        files[rank] = tuple(found.files[rank][i] for i in keep)
+        if rank in found.identities:
+            identities[rank] = tuple(found.identities[rank][i] for i in keep)
+    return replace(found, files=files, identities=identities)
+
+
+def _log_mindformers(save: MindFormersSource) -> None:
+    where = f"iteration {save.iteration}" if save.iteration is not None else "the folder itself"
+    log.info("MindFormers checkpoint: %s (%s), %d rank(s), %d parameter(s) in metadata.json%s", save.folder, where,
+             len(save.rank_files), len(save.params), ", redundancy removed" if save.deduplicated else "")
+    extras = save.extras()
+    if extras:
+        log.info("tensors outside metadata.json, copied whole as MindSpore does: %s", ", ".join(sorted(extras)[:8]))
+    if save.unreferenced:
+        log.warning("%s: %d .safetensors file(s) that metadata.json never names are ignored: %s", save.folder,
+                    len(save.unreferenced), ", ".join(os.path.basename(f) for f in save.unreferenced[:4]))
+
+
+def _settle_and_plan(source: SourceSpec, found: RankFiles, strategy: LoadedStrategy, readers: SourceFiles, index,
+                     target: TargetSpec, ranks, storage, checks: list[str]) -> Prepared:
+    tgt = settle_target(target, strategy, index, storage)
+    plan, missing = _plan(strategy, tgt, target, index, ranks)
+    checks += _check_identical(readers, getattr(plan, "identical", {}) or {})
+    export = _export_layout(target, plan)
+    return Prepared(source, found, strategy, readers, index, tgt, plan, missing, checks, export=export)
+
+
+def _export_layout(target: TargetSpec, plan: Plan) -> ExportLayout | None:
+    """The shards of an export (None for other formats, or when ``job.ranks`` leaves the full rank
+    out). The full rank's plan keeps only what is exported; what is left out joins ``plan.omitted``."""
+    if target.format != FORMAT_SAFETENSORS_INDEX or not plan.ranks:
+        return None
+    rank_plan = plan.ranks[0]
+    layout = plan_export(rank_plan, max_shard_size=target.max_shard_size, include=target.include)
+    exported = set(layout.weight_map())
+    rank_plan.params = [p for p in rank_plan.params if p.name in exported]
+    plan.omitted.extend({"name": name, "reason": f"not exported: {why}"} for name, why in layout.left_out)
+    plan.notes.append(f"export: {len(layout.shards)} shard(s) of at most {layout.max_shard_size} bytes of tensor "
+                      f"data, {layout.total_size} bytes in all, with {INDEX_FILE}")
+    return layout
 
 
 def _with_demo(source: SourceSpec, demo_root: str | None) -> SourceSpec:
@@ -88,7 +233,7 @@ def _with_demo(source: SourceSpec, demo_root: str | None) -> SourceSpec:
     checkpoints, strategy = ensure_demo(demo_root)
     log.info("no source.checkpoints given: using the built-in demo (MLP 784-512-512-10 on 8 ranks) at %s",
              checkpoints)
-    return SourceSpec(checkpoints, strategy, source.select, source.unsharded)
+    return SourceSpec(checkpoints, strategy, source.select, source.unsharded, source.iteration)
 
 
 def _usable_ranks(found: RankFiles, strategy: LoadedStrategy, source: SourceSpec) -> dict[int, str]:
@@ -99,7 +244,8 @@ def _usable_ranks(found: RankFiles, strategy: LoadedStrategy, source: SourceSpec
                     "ies" if len(extra) > 1 else "y", ", ".join(f"rank_{r}" for r in extra[:16]), devices)
     for rank, others in sorted(found.ignored.items())[:8]:
         if rank < devices:
-            log.info("rank_%d: using %s, ignoring %s", rank, os.path.basename(found.files[rank]), ", ".join(others))
+            log.info("rank_%d: using %s, ignoring %s", rank, os.path.basename(str(found.files[rank])),
+                     ", ".join(others))
     return {r: p for r, p in found.files.items() if r < devices}
 
 
@@ -120,12 +266,16 @@ def _cross_check(found: RankFiles, strategy: LoadedStrategy, source: SourceSpec,
     elif extra:
         _check_extra_ranks(found, strategy, source, index, extra, storage)
         checks.append("ranks beyond the source strategy hold nothing the others lack")
+    _warn_absent(strategy, index)
+    return checks
+
+
+def _warn_absent(strategy: LoadedStrategy, index) -> None:
     absent = [n for n in strategy.topology.layouts if not any(n in names for names in index.values())]
     if absent:
         log.warning("%d parameter(s) of the source strategy are in no source checkpoint and will not be in "
                     "the outputs: %s%s", len(absent), ", ".join(repr(shorten(n, 60)) for n in absent[:5]),
                     ", ..." if len(absent) > 5 else "")
-    return checks
 
 
 def _extra_readers(found: RankFiles, ranks: list[int], storage):

@@ -7,7 +7,7 @@ from ..text import human_size, rank_ranges, table
 
 
 def plan_report(plan: Plan, *, predicted_peak: int, missing: dict[int, list[int]] | None = None,
-                source_files: dict[int, str] | None = None, checks: list[str] = ()) -> str:
+                source_files: dict[int, str | tuple[str, ...]] | None = None, checks: list[str] = ()) -> str:
     rows = []
     for rp in plan.ranks:
         rows.append([str(rp.target_rank), rank_ranges(rp.source_ranks), str(len(rp.params)),
@@ -32,7 +32,7 @@ def plan_report(plan: Plan, *, predicted_peak: int, missing: dict[int, list[int]
     for note in plan.notes:
         lines.append(f"Note: {note}")
     if source_files:
-        shown = [f"rank {r}: {p.rstrip('/').rsplit('/', 1)[-1]}" for r, p in sorted(source_files.items())[:8]]
+        shown = [f"rank {r}: {_names(p)}" for r, p in sorted(source_files.items())[:8]]
         more = f", ... ({len(source_files)} ranks)" if len(source_files) > 8 else ""
         lines.append("Source files: " + ", ".join(shown) + more)
     for check in checks:
@@ -43,6 +43,14 @@ def plan_report(plan: Plan, *, predicted_peak: int, missing: dict[int, list[int]
     else:
         lines.append("Missing source files: none")
     return "\n".join(lines)
+
+
+def _names(paths: str | tuple[str, ...]) -> str:
+    """A rank's file name, or ``{a, b}`` for the files read together as one rank."""
+    def name(p: str) -> str:
+        return p.rstrip("/").rsplit("/", 1)[-1]
+
+    return name(paths) if isinstance(paths, str) else "{" + ", ".join(name(p) for p in paths) + "}"
 
 
 def run_summary(result) -> str:

@@ -109,11 +109,11 @@ def _open_output(spec: JobSpec, prepared: Prepared) -> OutputDir:
     source = prepared.source
     source_dirs = [source.checkpoints] + ([source.strategy] if prepared.strategy.files and
                                           source.strategy not in prepared.strategy.files else [])
-    source_files = list(prepared.source_paths.values()) + list(prepared.strategy.files)
+    source_files = prepared.source_files() + list(prepared.strategy.files)
     out.check_not_source(source_dirs, source_files)
-    from .convert import output_paths
+    from .convert import unit_paths
 
-    planned = list(output_paths(prepared.plan, out.path, spec.target.prefix, spec.target.format, storage).values())
+    planned = list(unit_paths(prepared, out.path, spec.target.prefix, spec.target.format, storage).values())
     planned += [out.manifest_path] + [storage.join(out.path, n) for n in ("strategy.ckpt", "strategy.json")]
     out.check_planned(planned, source_files, source_dirs)
     out.check_writable()
@@ -124,7 +124,11 @@ def _open_output(spec: JobSpec, prepared: Prepared) -> OutputDir:
 def _plan_json(prepared: Prepared) -> dict:
     doc = prepared.plan.to_json()
     doc["checks"] = list(prepared.checks)
+    # rank -> its file, or the list of files read together as that rank (a MindFormers rank)
     doc["source_files"] = {str(r): p for r, p in sorted(prepared.source_paths.items())}
+    if prepared.export is not None:
+        doc["export"] = prepared.export.index_document() | {
+            "left_out": [{"name": n, "reason": why} for n, why in prepared.export.left_out]}
     return doc
 
 

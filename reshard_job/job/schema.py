@@ -31,6 +31,9 @@ class SourceConfig:
     select: str = "latest_step"
     # several rank folders without source.strategy: true says they are copies of one whole model
     unsharded: bool = False
+    # a MindFormers checkpoint folder: which iteration_XXXXXXXX/ to read; null = the one
+    # latest_checkpointed_iteration.txt names
+    iteration: Optional[int] = None
 
 
 @dataclass
@@ -59,10 +62,15 @@ class TargetConfig:
     strategy: Optional[str] = MISSING
     layout: Optional[LayoutConfig] = None
     prefix: str = "checkpoint_"
-    format: str = "ckpt"  # ckpt | safetensors
+    # ckpt | safetensors | safetensors_index (the full model as size-bounded safetensors shards plus
+    # model.safetensors.index.json, for inference: see target=hf_export)
+    format: str = "ckpt"
     # parameters in the source strategy but not the target one: omit (default) | full
     unmapped: str = "omit"
     crc: bool = False  # append MindSpore's CRC32 trailer to .ckpt outputs
+    # safetensors_index only: bound on one shard's tensor bytes (5GB = 5e9 bytes, 4GiB = 4*2^30)
+    max_shard_size: Any = "5GB"
+    include: str = "weights"  # safetensors_index only: weights (no optimizer/training state) | all
 
 
 @dataclass

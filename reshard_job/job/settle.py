@@ -18,7 +18,7 @@ from typing import Any, Mapping
 
 from ..errors import ConfigError
 from ..storage import StorageOptions, absolute, is_url
-from ..tasks import OUTPUT_FORMATS
+from ..tasks import FORMAT_SAFETENSORS_INDEX, TARGET_FORMATS
 from . import schema
 from ..secrets import mask_config
 from .spec import (MODE_CONVERT, MODE_PLAN, JobContext, JobSpec, LineageSpec, OutputSpec, RunSpec, SourceSpec,
@@ -28,6 +28,7 @@ MAX_DEVICES = 1 << 20  # documented ceiling on device counts and rank ids
 MAX_WORKERS = 1024
 MIN_MEMORY, MAX_MEMORY = 1024, 1 << 40
 MAX_PREFIX = 200  # characters; a file name must stay within 255 bytes with the rank and suffix
+MAX_ITERATION = 10**15  # MindFormers iteration numbers (folder names hold 8 digits or more)
 SELECT_RULES = ("latest_step", "last")
 UNMAPPED = ("omit", "full")
 
@@ -105,9 +106,11 @@ def _source(s: schema.SourceConfig, ctx: JobContext) -> SourceSpec:
         raise ConfigError("source.strategy is set but source.checkpoints is not")
     if not isinstance(s.select, str) or not s.select.strip():
         raise ConfigError(f"source.select must be {' or '.join(SELECT_RULES)} or a glob, got {s.select!r}")
+    iteration = _bounded_int(s.iteration, "source.iteration", 0, MAX_ITERATION, optional=True,
+                             none_means="null for the latest")
     return SourceSpec(absolute(s.checkpoints, ctx.launch_dir) if s.checkpoints is not None else None,
                       absolute(s.strategy, ctx.launch_dir) if s.strategy is not None else None,
-                      s.select, bool(s.unsharded))
+                      s.select, bool(s.unsharded), iteration)
 
 
 def _target(t: schema.TargetConfig, ctx: JobContext) -> TargetSpec:
@@ -126,11 +129,29 @@ def _target(t: schema.TargetConfig, ctx: JobContext) -> TargetSpec:
         raise ConfigError("target.layout needs target.devices")
     elif layout is None and devices not in (None, 1):
         raise ConfigError(f"target.devices={devices} needs target.strategy or target.layout to say how to shard")
-    if t.format not in OUTPUT_FORMATS:
-        raise ConfigError(f"target.format must be {' or '.join(OUTPUT_FORMATS)}, got {t.format!r}")
+    if t.format not in TARGET_FORMATS:
+        raise ConfigError(f"target.format must be {', '.join(TARGET_FORMATS[:-1])} or {TARGET_FORMATS[-1]}, "
+                          f"got {t.format!r}")
     if t.unmapped not in UNMAPPED:
         raise ConfigError(f"target.unmapped must be {' or '.join(UNMAPPED)}, got {t.unmapped!r}")
-    return TargetSpec(strategy, layout, devices, _prefix(t.prefix), t.format, t.unmapped, bool(t.crc))
+    max_shard_size, include = _export_options(t, strategy, layout, devices)
+    return TargetSpec(strategy, layout, devices, _prefix(t.prefix), t.format, t.unmapped, bool(t.crc),
+                      max_shard_size, include)
+
+
+def _export_options(t: schema.TargetConfig, strategy: str | None, layout: dict | None,
+                    devices: int | None) -> tuple[int, str]:
+    """target.max_shard_size in bytes and target.include; an export is one full model, never sharded."""
+    from ..export import INCLUDE_CHOICES, parse_shard_size
+
+    size = parse_shard_size(t.max_shard_size)
+    if t.include not in INCLUDE_CHOICES:
+        raise ConfigError(f"target.include must be {' or '.join(INCLUDE_CHOICES)}, got {_show(t.include)}")
+    sharded = strategy is not None or layout is not None or devices not in (None, 1)
+    if t.format == FORMAT_SAFETENSORS_INDEX and sharded:
+        raise ConfigError("target.format=safetensors_index writes the full, unsharded model: use target=hf_export, "
+                          "or set target.strategy=null target.layout=null target.devices=1")
+    return size, t.include
 
 
 def _layout(layout: Any) -> dict | None:

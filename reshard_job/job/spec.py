@@ -52,6 +52,7 @@ class SourceSpec:
     strategy: str | None = None  # file, per-stage directory, or None (unsharded)
     select: str = "latest_step"
     unsharded: bool = False  # several rank folders without a strategy are copies of one whole model
+    iteration: int | None = None  # of a MindFormers save; None: the one latest_checkpointed_iteration.txt names
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,8 @@ class TargetSpec:
     format: str = FORMAT_CKPT
     unmapped: str = "omit"
     crc: bool = False
+    max_shard_size: int = 5 * 10**9  # format safetensors_index: bound on a shard's tensor bytes
+    include: str = "weights"  # format safetensors_index: weights | all (training state too)
 
 
 @dataclass(frozen=True)

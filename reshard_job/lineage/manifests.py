@@ -71,13 +71,23 @@ def read_listing(directory: str) -> OutputListing:
         if not isinstance(path, str) or not isinstance(digest, str) or not looks_like_sha256(digest):
             raise LineageError(f"{manifest_path}: not a reshard_job manifest (bad entry for {str(path)[:80]!r})")
 
-    written_into = _directory_written_into([entry for entry in written])
+    written_into = _recorded_directory(target) or _directory_written_into([entry for entry in written])
     files = tuple(ListedFile(path=_where_now(path, written_into, directory), kind=kind, rank=rank, size=size,
                              sha256=digest.lower())
                   for path, kind, rank, size, digest in written)
     run_id = manifest.get("run_id") if isinstance(manifest.get("run_id"), str) else None
     return OutputListing(directory=directory, manifest_path=manifest_path, manifest_sha256=hashlib.sha256(data).hexdigest(),
                          manifest_size=len(data), run_id=run_id or None, files=files)
+
+
+def _recorded_directory(target: dict) -> str | None:
+    """Where the files were written, from an entry that names its path relative to it (``file``);
+    needed where files do not sit in ``rank_<r>/`` folders (an export's shards)."""
+    for entry in target.get("files") or []:
+        relative, path = entry.get("file"), entry.get("path")
+        if isinstance(relative, str) and relative and isinstance(path, str) and path.endswith(os.sep + relative):
+            return path[: -len(relative) - 1]
+    return None
 
 
 def _directory_written_into(written: list[tuple]) -> str | None:

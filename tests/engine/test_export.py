@@ -178,7 +178,7 @@ def test_export_loads_and_its_index_is_valid(scenario, tmp_path):
     seen = {}
     for name in shard_names:
         with safe_open(str(tmp_path / name), framework="numpy") as f:
-            assert f.metadata() == {"format": "ms"}  # what execute_rank writes today
+            assert f.metadata() == {"format": "pt"}  # what transformers requires
             for tensor in f.keys():
                 assert tensor not in seen, f"{tensor} in {seen.get(tensor)} and {name}"
                 seen[tensor] = name

@@ -159,7 +159,7 @@ def test_full_traceback_only_with_hydra_full_error(tmp_path):
 
 def test_help_and_cfg_job_work_as_in_hydra(tmp_path):
     res = run_app(tmp_path, "--help")
-    assert res.returncode == 0 and "target: demo_mlp, megatron, single, strategy" in res.stdout
+    assert res.returncode == 0 and "target: demo_mlp, hf_export, megatron, single, strategy" in res.stdout
     res = run_app(tmp_path, "--cfg", "job", "target.devices=8")
     assert res.returncode == 0
     assert "devices: 8" in res.stdout and "mp: ${target.devices}" in res.stdout

@@ -58,7 +58,7 @@ def test_a_preset_that_leaves_a_key_open_makes_it_required(tmp_path, group, pres
     ("target.devices=4294967296", "target.devices must be an integer from 1 to 1048576"),
     ("target.prefix=" + "p" * 300, "target.prefix has 300 characters; at most 200"),
     ("target.prefix=a/b", "target.prefix must be the start of a file name (no '/'), got 'a/b'"),
-    ("target.format=npz", "target.format must be ckpt or safetensors, got 'npz'"),
+    ("target.format=npz", "target.format must be ckpt, safetensors or safetensors_index, got 'npz'"),
     ("target.unmapped=keep", "target.unmapped must be omit or full, got 'keep'"),
     ("job.mode=dry", "job.mode must be 'convert' or 'plan', got 'dry'"),
     ("job.ranks=[-1]", "job.ranks entries must be an integer from 0"),
