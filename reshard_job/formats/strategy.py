@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass, field
 
 from ..errors import StrategyFormatError
+from ..text import bounded_list, quoted
 from . import schema
 from ..storage.atomic import write_bytes_atomic
 
@@ -23,6 +24,13 @@ JSON_SUFFIX = ".json"
 FORMAT_PROTOBUF = "protobuf"
 FORMAT_JSON = "json"
 MERGED_KEY = re.compile(r"^(\d+)-(.+)$", re.S)
+
+# Ceilings on what a strategy may declare. Real clusters have thousands to tens of thousands of
+# devices; these are far above that and far below sizes whose mere enumeration would hang or
+# exhaust memory. Every count or index taken from a strategy is checked against them before it
+# sizes a loop or an allocation.
+MAX_DEVICES = 2**20  # devices of one pipeline stage, and of all stages together
+MAX_STAGES = 2**20  # pipeline stages (a stage number must be below it)
 
 AxisEntry = int | tuple[int, ...]
 
@@ -164,7 +172,9 @@ def parse_protobuf_strategy(data: bytes, path: str | None = None) -> StrategyFil
         )
     bad = next((it.node_name for it in msg.parallel_strategy_item if not isinstance(it.node_name, str)), None)
     if bad is not None:
-        raise StrategyFormatError(path, f"operator name {bad!r} is not valid UTF-8")
+        raise StrategyFormatError(path, f"operator name {quoted(bad)} is not valid UTF-8")
+    for it in msg.parallel_strategy_item:
+        _check_stage(int(it.parallel_strategys.stage), path, f"operator {quoted(it.node_name)}")
     items = [
         StrategyItem(
             it.node_name,
@@ -174,6 +184,11 @@ def parse_protobuf_strategy(data: bytes, path: str | None = None) -> StrategyFil
         for it in msg.parallel_strategy_item
     ]
     return StrategyFile(layouts, items, int(msg.current_stage), FORMAT_PROTOBUF, path)
+
+
+def _check_stage(stage: int, path, where: str) -> None:
+    if not 0 <= stage < MAX_STAGES:
+        raise StrategyFormatError(path, f"{where}: pipeline stage {stage} is out of range (0..{MAX_STAGES - 1})")
 
 
 def _dev_matrix(dims: tuple[int, ...], path, name) -> tuple[int, ...]:
@@ -237,13 +252,15 @@ def parse_json_strategy(data: bytes, path: str | None = None) -> StrategyFile:
         )
     items = []
     for node, d in raw_items.items():
-        if not isinstance(d, dict) or not isinstance(d.get("stage", 0), int):
-            raise StrategyFormatError(path, f"operator {node!r}: strategy item must be an object with an integer 'stage'")
+        stage = d.get("stage", 0) if isinstance(d, dict) else None
+        if not isinstance(stage, int) or isinstance(stage, bool):
+            raise StrategyFormatError(path, f"operator {quoted(node)}: strategy item must be an object with an integer 'stage'")
+        _check_stage(stage, path, f"operator {quoted(node)}")
         strategies = d.get("parallel_strategy", [])
         if not isinstance(strategies, list):
             raise StrategyFormatError(path, f"operator {node!r}: parallel_strategy must be a list")
         items.append(
-            StrategyItem(node, d.get("stage", 0), tuple(_int_list(s, path, f"operator {node!r}: strategy") for s in strategies))
+            StrategyItem(node, stage, tuple(_int_list(s, path, f"operator {quoted(node)}: strategy") for s in strategies))
         )
     stage = obj.get("current_stage", 1)
     return StrategyFile(layouts, items, stage if isinstance(stage, int) else 1, FORMAT_JSON, path)
@@ -347,14 +364,26 @@ def merge_pipeline_strategies(src_strategy_dir: str | os.PathLike, dst_strategy_
 
 
 def merge_strategy_files(files: list[StrategyFile]) -> StrategyFile:
-    """Merge parsed per-stage files (pure): stage-prefixed layouts, stages in increasing order."""
+    """Merge parsed per-stage files (pure): stage-prefixed layouts, stages in increasing order.
+
+    A file's stage is that of its operators, which must all agree (a per-stage file describes one
+    stage); the stages found must be exactly ``0..k-1``. Stage numbers that lie (two files
+    claiming one stage with different layouts, a gap, an operator of another stage) are errors:
+    taken at their word they would put layouts on the wrong ranks.
+    """
     by_stage: dict[int, StrategyFile] = {}
     for sf in files:
         if sf.merged:
             raise StrategyFormatError(sf.path, "is already a merged pipeline strategy; pass the per-stage files only")
         if not sf.items:
             raise StrategyFormatError(sf.path, "has no operator strategy items, so its pipeline stage is unknown")
-        stage = sf.file_stage
+        claimed = sorted({it.stage for it in sf.items})
+        if len(claimed) > 1:
+            raise StrategyFormatError(
+                sf.path, f"its operators claim pipeline stages {bounded_list(claimed)}; a per-stage strategy file "
+                         "belongs to one stage"
+            )
+        stage = claimed[0]
         seen = by_stage.get(stage)
         if seen is None:
             by_stage[stage] = sf
@@ -363,11 +392,11 @@ def merge_strategy_files(files: list[StrategyFile]) -> StrategyFile:
                 sf.path, f"claims pipeline stage {stage}, like {seen.path}, but its layouts differ"
             )
     stages = sorted(by_stage)
-    missing = sorted(set(range(max(stages) + 1)) - set(stages))
+    missing = missing_stages(stages)
     if missing:
         raise StrategyFormatError(
             os.path.dirname(files[0].path or "") or None,
-            f"pipeline stage file(s) missing for stage(s) {missing}: found stages {stages}",
+            f"pipeline stage file(s) missing for stage(s) {bounded_list(missing)}: found stages {bounded_list(stages)}",
         )
     layouts: dict[str, ParamLayout] = {}
     items: list[StrategyItem] = []
@@ -377,6 +406,21 @@ def merge_strategy_files(files: list[StrategyFile]) -> StrategyFile:
         for name, lay in sf.layouts.items():
             layouts[f"{stage}-{name}"] = lay
     return StrategyFile(layouts, items, 1, files[0].format, None)
+
+
+def missing_stages(stages: list[int], limit: int = 8) -> list[int]:
+    """Up to `limit` numbers of ``0..max(stages)`` absent from the sorted `stages`, found from the
+    gaps between them (never by listing ``range(max(stages))``, which a hostile file makes huge)."""
+    out: list[int] = []
+    expected = 0
+    for s in stages:
+        while expected < s and len(out) < limit:
+            out.append(expected)
+            expected += 1
+        if len(out) >= limit:
+            break
+        expected = s + 1
+    return out
 
 
 merge_pipeline_strategys = merge_pipeline_strategies  # MindSpore's spelling
