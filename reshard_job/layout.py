@@ -20,6 +20,12 @@ Boxes are computed in *units*: dimension ``i`` of a layout is cut into ``divisor
 (the split factor, times ``k`` on dimension 0), so a rank's block is one unit index per dimension.
 Working in units keeps the planning independent of the actual tensor sizes, which lets the same
 copy pattern serve every parameter with the same pair of layouts.
+
+Cost: every query is arithmetic on one rank's coordinates, O(number of device axes); nothing
+enumerates the devices of a stage. The inverse query (which rank of an optimizer chunk holds a
+given block, ``rank_holding``) is computed from the block's digits, so a declared device matrix
+of a million devices costs no more than one of eight. Device matrices are bounded by
+``MAX_DEVICES`` devices and ``MAX_AXES`` axes, checked before anything else.
 """
 
 from __future__ import annotations
@@ -30,7 +36,8 @@ from math import prod
 
 from .errors import LayoutError
 from .formats.boxes import Box
-from .formats.strategy import ParamLayout
+from .formats.strategy import MAX_AXES, MAX_DEVICES, ParamLayout
+from .text import bounded_list, quoted, shorten
 
 
 def coords(rank: int, dev_matrix: tuple[int, ...]) -> tuple[int, ...]:
@@ -67,7 +74,7 @@ class Layout:
     @staticmethod
     def replicated(ndim: int, devices: int = 1) -> "Layout":
         """Every rank holds the whole tensor (no strategy, or a fully replicated parameter)."""
-        return Layout((devices,), tuple(() for _ in range(ndim)), 1)
+        return _replicated(ndim, devices)
 
     @staticmethod
     def from_recorded(pl: ParamLayout, ndim: int, stage_devices: int | None = None, name: str = "?") -> "Layout":
@@ -85,10 +92,17 @@ class Layout:
 
     @staticmethod
     def _build(pl: ParamLayout, ndim: int, stage_devices: int | None, name: str) -> "Layout":
+        where = f"parameter {quoted(name)}"
+        if not pl.dev_matrix or len(pl.dev_matrix) > MAX_AXES or any(int(d) < 1 for d in pl.dev_matrix):
+            raise LayoutError(f"{where}: device matrix {bounded_list(pl.dev_matrix)} must be 1 to {MAX_AXES} "
+                              "positive sizes")
         dev = tuple(int(d) for d in pl.dev_matrix)
-        where = f"parameter {name!r}"
-        if not dev or any(d < 1 for d in dev):
-            raise LayoutError(f"{where}: device matrix {list(dev)} must be non-empty positive sizes")
+        devices = 1
+        for d in dev:  # checked as it grows: a hostile product is never computed in full
+            devices *= d
+            if devices > MAX_DEVICES:
+                raise LayoutError(f"{where}: device matrix {bounded_list(dev)} declares more than "
+                                  f"{MAX_DEVICES} devices")
         if len(pl.tensor_map) != ndim:
             raise LayoutError(
                 f"{where}: tensor map {_show_map(pl.tensor_map)} has {len(pl.tensor_map)} entries "
@@ -106,7 +120,7 @@ class Layout:
                 if not 0 <= m < n:
                     raise LayoutError(
                         f"{where}: tensor map {_show_map(pl.tensor_map)} names device axis {m}, "
-                        f"but device matrix {list(dev)} has axes 0..{n - 1}"
+                        f"but device matrix {bounded_list(dev)} has axes 0..{n - 1}"
                     )
                 p = n - 1 - m
                 if p in used:
@@ -114,11 +128,10 @@ class Layout:
                 used.add(p)
                 positions.append(p)
             dim_axes.append(tuple(positions))
-        devices = prod(dev)
         if stage_devices is not None and devices != stage_devices:
             if devices > stage_devices or stage_devices % devices:
                 raise LayoutError(
-                    f"{where}: device matrix {list(dev)} covers {devices} devices, "
+                    f"{where}: device matrix {bounded_list(dev)} covers {devices} devices, "
                     f"which does not divide the {stage_devices} devices of its stage"
                 )
             factor = stage_devices // devices
@@ -136,7 +149,7 @@ class Layout:
             if k < 1 or replicas % k:
                 raise LayoutError(
                     f"{where}: optimizer shard size {size} does not divide the {replicas} replicas "
-                    f"of device matrix {list(dev)} with tensor map {_show_map(pl.tensor_map)}"
+                    f"of device matrix {bounded_list(dev)} with tensor map {_show_map(pl.tensor_map)}"
                 )
         elif size not in (0, 1, -1) and step == 0:
             raise LayoutError(
@@ -145,12 +158,20 @@ class Layout:
             )
         return Layout(dev, tuple(dim_axes), k)
 
+    def __hash__(self) -> int:
+        return self._hash
+
+    @cached_property
+    def _hash(self) -> int:
+        # layouts key the planner's caches, once per parameter and target rank: hash them once
+        return hash((self.dev_matrix, self.dim_axes, self.opt_shard))
+
     # ------------------------------------------------------------------------------ properties
     @property
     def ndim(self) -> int:
         return len(self.dim_axes)
 
-    @property
+    @cached_property
     def devices(self) -> int:
         return prod(self.dev_matrix)
 
@@ -175,9 +196,13 @@ class Layout:
     def replicas(self) -> int:
         return self.devices // prod(self.split) if self.dim_axes else self.devices
 
-    @property
+    @cached_property
     def is_sharded(self) -> bool:
         return any(d > 1 for d in self.divisors)
+
+    @cached_property
+    def _origin(self) -> tuple[int, ...]:
+        return (0,) * len(self.dim_axes)
 
     # ------------------------------------------------------------------------------ rank math
     def replica_index(self, rank: int) -> int:
@@ -192,6 +217,8 @@ class Layout:
 
     def block(self, rank: int) -> tuple[int, ...]:
         """The rank's unit index in every dimension."""
+        if not self.is_sharded:
+            return self._origin
         c = coords(rank, self.dev_matrix)
         out = [mixed_radix([c[p] for p in axes], [self.dev_matrix[p] for p in axes]) for axes in self.dim_axes]
         if out and self.opt_shard > 1:
@@ -202,7 +229,7 @@ class Layout:
         for i, (n, d) in enumerate(zip(global_shape, self.divisors)):
             if n % d:
                 raise LayoutError(
-                    f"parameter {name!r}: dimension {i} of size {n} cannot be split into {d} equal parts"
+                    f"parameter {quoted(name)}: dimension {i} of size {n} cannot be split into {d} equal parts"
                 )
 
     def local_shape(self, global_shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -217,17 +244,51 @@ class Layout:
         return tuple((b * u, (b + 1) * u) for b, u in zip(self.block(rank), unit))
 
     @cached_property
-    def chunk_members(self) -> dict[int, dict[tuple[int, ...], int]]:
-        """chunk -> {block -> the one rank of that chunk holding it}; the blocks of a chunk tile the tensor."""
-        members: dict[int, dict[tuple[int, ...], int]] = {}
-        for q in range(self.devices):
-            members.setdefault(self.chunk(q), {}).setdefault(self.block(q), q)
-        return members
+    def _weights(self) -> tuple[int, ...]:
+        """W_p = prod(dev_matrix[p+1:]): how far one step on position p moves the rank."""
+        out, w = [], 1
+        for d in reversed(self.dev_matrix):
+            out.append(w)
+            w *= d
+        return tuple(reversed(out))
+
+    def rank_holding(self, chunk: int, block: tuple[int, ...]) -> int:
+        """The rank of optimizer chunk `chunk` that holds `block` (one unit index per dimension).
+
+        The inverse of ``(chunk(q), block(q))``, computed from the digits: the block's model-parallel
+        index of each dimension gives the coordinates on that dimension's positions, and the
+        replica index ``chunk * k + part`` (``part`` = the optimizer part of dimension 0) gives the
+        coordinates on the unused positions. The blocks of one chunk tile the tensor, so every
+        block has exactly one holder in every chunk.
+        """
+        k = self.opt_shard
+        digits = [0] * len(self.dev_matrix)
+        part = 0
+        for i, axes in enumerate(self.dim_axes):
+            b = block[i]
+            if i == 0 and k > 1:
+                b, part = divmod(b, k)
+            for p in reversed(axes):
+                b, digits[p] = divmod(b, self.dev_matrix[p])
+        u = chunk * k + part
+        for p in reversed(self.unused_positions):
+            u, digits[p] = divmod(u, self.dev_matrix[p])
+        return sum(c * w for c, w in zip(digits, self._weights))
+
+    @property
+    def chunks(self) -> int:
+        """Number of optimizer chunks: sets of ranks that together hold one full copy."""
+        return self.replicas // self.opt_shard
 
     def describe(self) -> str:
         axes = [("*" if not a else "(" + ",".join(str(len(self.dev_matrix) - 1 - p) for p in a) + ")") for a in self.dim_axes]
         opt = f", optimizer shards {self.opt_shard}" if self.opt_shard > 1 else ""
-        return f"dev {list(self.dev_matrix)} map [{', '.join(axes)}]{opt}"
+        return shorten(f"dev {list(self.dev_matrix)} map [{', '.join(axes)}]{opt}", 160)
+
+
+@lru_cache(maxsize=256)
+def _replicated(ndim: int, devices: int) -> Layout:
+    return Layout((devices,), tuple(() for _ in range(ndim)), 1)
 
 
 @lru_cache(maxsize=4096)
@@ -236,4 +297,4 @@ def _shared_layout(pl: ParamLayout, ndim: int, stage_devices: int | None) -> Lay
 
 
 def _show_map(tensor_map) -> str:
-    return "[" + ", ".join(str(list(e)) if isinstance(e, tuple) else str(e) for e in tensor_map) + "]"
+    return shorten("[" + ", ".join(str(list(e)) if isinstance(e, tuple) else str(e) for e in tensor_map) + "]", 120)

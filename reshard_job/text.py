@@ -69,5 +69,5 @@ def quoted(name: object, limit: int = 96) -> str:
 def bounded_list(values: Sequence[Any], limit: int = 8) -> str:
     """A list for a one-line message, cut after `limit` items: ``[0, 1, 2, …]``."""
     values = list(values[:limit + 1]) if isinstance(values, (list, tuple)) else list(values)
-    shown = ", ".join(str(v) for v in values[:limit])
+    shown = ", ".join(shorten(v, 24) for v in values[:limit])
     return f"[{shown}{', …' if len(values) > limit else ''}]"

@@ -14,9 +14,10 @@ import json
 import os
 import re
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from ..errors import StrategyFormatError
-from ..text import bounded_list, quoted
+from ..text import bounded_list, quoted, shorten
 from . import schema
 from ..storage.atomic import write_bytes_atomic
 
@@ -31,6 +32,7 @@ MERGED_KEY = re.compile(r"^(\d+)-(.+)$", re.S)
 # sizes a loop or an allocation.
 MAX_DEVICES = 2**20  # devices of one pipeline stage, and of all stages together
 MAX_STAGES = 2**20  # pipeline stages (a stage number must be below it)
+MAX_AXES = 64  # entries of a device matrix, of a tensor map, of one multi-axis tensor-map entry
 
 AxisEntry = int | tuple[int, ...]
 
@@ -47,6 +49,15 @@ class ParamLayout:
     indices_offset: tuple[int, ...] = ()
     field: int = 0
     tensor_shape: tuple[int, ...] | None = None  # JSON only; informational
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    @cached_property
+    def _hash(self) -> int:
+        # layouts key caches once per parameter: hash each one once
+        return hash((self.dev_matrix, self.tensor_map, self.opt_shard_step, self.opt_shard_size,
+                     self.param_split_shape, self.indices_offset, self.field, self.tensor_shape))
 
     @property
     def nested(self) -> bool:
@@ -147,29 +158,30 @@ def parse_protobuf_strategy(data: bytes, path: str | None = None) -> StrategyFil
     if not msg.parallel_layout_item and not msg.parallel_strategy_item:
         raise StrategyFormatError(path, "no parameter layouts or operator strategies: not a strategy file")
     layouts: dict[str, ParamLayout] = {}
+    shared: dict[ParamLayout, ParamLayout] = {}
     for item in msg.parallel_layout_item:
         name = item.param_name
         if not isinstance(name, str):  # proto2 strings holding invalid UTF-8 come back as bytes
-            raise StrategyFormatError(path, f"parameter name {name!r} is not valid UTF-8")
+            raise StrategyFormatError(path, f"parameter name {quoted(name)} is not valid UTF-8")
         pl = item.parallel_layouts
         if not pl.dev_matrix:
-            raise StrategyFormatError(path, f"parameter {name!r}: layout has no dev_matrix")
+            raise StrategyFormatError(path, f"parameter {quoted(name)}: layout has no dev_matrix")
         if not pl.tensor_map:
-            raise StrategyFormatError(path, f"parameter {name!r}: layout has no tensor_map")
+            raise StrategyFormatError(path, f"parameter {quoted(name)}: layout has no tensor_map")
         maps = [tuple(t.dim) for t in pl.tensor_map]
         if len(maps) == 1:
             tensor_map: tuple = maps[0]
         else:  # one TensorMap per dimension (multi-axis); the empty pad entry of 1-D tensors drops out
             tensor_map = tuple(m for m in maps if m)
-        layouts[name] = ParamLayout(
+        layouts[name] = _interned(shared, ParamLayout(
             dev_matrix=_dev_matrix(tuple(pl.dev_matrix[0].dim), path, name),
-            tensor_map=tensor_map,
+            tensor_map=_tensor_map(tensor_map, path, name),
             opt_shard_step=int(pl.opt_weight_shard_step),
             opt_shard_size=int(pl.opt_weight_shard_size),
             param_split_shape=tuple(pl.param_split_shape[0].dim) if pl.param_split_shape else (),
             indices_offset=tuple(pl.indices_offset[0].dim) if pl.indices_offset else (),
             field=int(pl.field),
-        )
+        ))
     bad = next((it.node_name for it in msg.parallel_strategy_item if not isinstance(it.node_name, str)), None)
     if bad is not None:
         raise StrategyFormatError(path, f"operator name {quoted(bad)} is not valid UTF-8")
@@ -186,20 +198,39 @@ def parse_protobuf_strategy(data: bytes, path: str | None = None) -> StrategyFil
     return StrategyFile(layouts, items, int(msg.current_stage), FORMAT_PROTOBUF, path)
 
 
+def _interned(shared: dict, layout: ParamLayout) -> ParamLayout:
+    """Equal layouts as one object: a model of 300,000 parameters has a handful of layouts."""
+    return shared.setdefault(layout, layout)
+
+
 def _check_stage(stage: int, path, where: str) -> None:
     if not 0 <= stage < MAX_STAGES:
         raise StrategyFormatError(path, f"{where}: pipeline stage {stage} is out of range (0..{MAX_STAGES - 1})")
 
 
 def _dev_matrix(dims: tuple[int, ...], path, name) -> tuple[int, ...]:
+    where = f"parameter {quoted(name)}: dev_matrix {bounded_list(dims)}"
+    if len(dims) > MAX_AXES:
+        raise StrategyFormatError(path, f"{where} has {len(dims)} axes, more than {MAX_AXES}")
     if any(d < 1 for d in dims):
-        raise StrategyFormatError(path, f"parameter {name!r}: dev_matrix {list(dims)} must hold positive device counts")
+        raise StrategyFormatError(path, f"{where} must hold positive device counts")
+    devices = 1
+    for d in dims:
+        devices *= d
+        if devices > MAX_DEVICES:
+            raise StrategyFormatError(path, f"{where} declares more than {MAX_DEVICES} devices")
     return dims
+
+
+def _tensor_map(entries: tuple, path, name) -> tuple:
+    if len(entries) > MAX_AXES or any(isinstance(e, tuple) and len(e) > MAX_AXES for e in entries):
+        raise StrategyFormatError(path, f"parameter {quoted(name)}: tensor_map has more than {MAX_AXES} entries")
+    return entries
 
 
 def _int_list(value, path, what) -> tuple[int, ...]:
     if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        raise StrategyFormatError(path, f"{what} must be a list of integers, got {value!r}")
+        raise StrategyFormatError(path, f"{what} must be a list of integers, got {shorten(repr(value), 80)}")
     return tuple(value)
 
 
@@ -219,8 +250,9 @@ def parse_json_strategy(data: bytes, path: str | None = None) -> StrategyFile:
     if not raw_layouts and not raw_items:
         raise StrategyFormatError(path, "no parameter layouts or operator strategies: not a strategy file")
     layouts: dict[str, ParamLayout] = {}
+    shared: dict[ParamLayout, ParamLayout] = {}
     for name, d in raw_layouts.items():
-        where = f"parameter {name!r}"
+        where = f"parameter {quoted(name)}"
         if not isinstance(d, dict):
             raise StrategyFormatError(path, f"{where}: layout must be an object")
         for key in ("dev_matrix", "tensor_map", "field", "opt_weight_shard_step", "opt_weight_shard_size"):
@@ -236,20 +268,20 @@ def parse_json_strategy(data: bytes, path: str | None = None) -> StrategyFile:
             elif isinstance(e, int) and not isinstance(e, bool):
                 entries.append(e)
             else:
-                raise StrategyFormatError(path, f"{where}: tensor_map entries must be integers, got {e!r}")
+                raise StrategyFormatError(path, f"{where}: tensor_map entries must be integers, got {shorten(repr(e), 80)}")
         for key in ("field", "opt_weight_shard_step", "opt_weight_shard_size"):
             if not isinstance(d[key], int) or isinstance(d[key], bool):
-                raise StrategyFormatError(path, f"{where}: {key} must be an integer, got {d[key]!r}")
-        layouts[name] = ParamLayout(
+                raise StrategyFormatError(path, f"{where}: {key} must be an integer, got {shorten(repr(d[key]), 80)}")
+        layouts[name] = _interned(shared, ParamLayout(
             dev_matrix=_dev_matrix(_int_list(d["dev_matrix"], path, f"{where}: dev_matrix"), path, name),
-            tensor_map=tuple(entries),
+            tensor_map=_tensor_map(tuple(entries), path, name),
             opt_shard_step=d["opt_weight_shard_step"],
             opt_shard_size=d["opt_weight_shard_size"],
             param_split_shape=_int_list(d.get("param_split_shape", []), path, f"{where}: param_split_shape"),
             indices_offset=_int_list(d.get("indices_offset", []), path, f"{where}: indices_offset"),
             field=d["field"],
             tensor_shape=_int_list(d["tensor_shape"], path, f"{where}: tensor_shape") if "tensor_shape" in d else None,
-        )
+        ))
     items = []
     for node, d in raw_items.items():
         stage = d.get("stage", 0) if isinstance(d, dict) else None
@@ -258,7 +290,7 @@ def parse_json_strategy(data: bytes, path: str | None = None) -> StrategyFile:
         _check_stage(stage, path, f"operator {quoted(node)}")
         strategies = d.get("parallel_strategy", [])
         if not isinstance(strategies, list):
-            raise StrategyFormatError(path, f"operator {node!r}: parallel_strategy must be a list")
+            raise StrategyFormatError(path, f"operator {quoted(node)}: parallel_strategy must be a list")
         items.append(
             StrategyItem(node, stage, tuple(_int_list(s, path, f"operator {quoted(node)}: strategy") for s in strategies))
         )
@@ -408,7 +440,7 @@ def merge_strategy_files(files: list[StrategyFile]) -> StrategyFile:
     return StrategyFile(layouts, items, 1, files[0].format, None)
 
 
-def missing_stages(stages: list[int], limit: int = 8) -> list[int]:
+def missing_stages(stages: list[int], limit: int = 9) -> list[int]:
     """Up to `limit` numbers of ``0..max(stages)`` absent from the sorted `stages`, found from the
     gaps between them (never by listing ``range(max(stages))``, which a hostile file makes huge)."""
     out: list[int] = []
