@@ -30,9 +30,11 @@ of a million devices costs no more than one of eight. Device matrices are bounde
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
-from math import prod
+from math import comb, prod
 
 from .errors import LayoutError
 from .formats.boxes import Box
@@ -85,6 +87,8 @@ class Layout:
         Most parameters share a few layouts, so valid ones are built once and shared (which also
         shares their cached rank tables); an invalid one is rebuilt to name the parameter.
         """
+        if len(pl.tensor_map) != ndim and is_flattened(pl):  # a JSON multi-axis map (see unflatten)
+            pl = unflatten(pl, ndim, stage_devices=stage_devices, name=name)
         try:
             return _shared_layout(pl, ndim, stage_devices)
         except LayoutError:
@@ -275,6 +279,16 @@ class Layout:
             u, digits[p] = divmod(u, self.dev_matrix[p])
         return sum(c * w for c, w in zip(digits, self._weights))
 
+    @cached_property
+    def blocks_key(self) -> tuple:
+        """What decides the block every rank holds: equal for layouts whose ranks hold the same
+        blocks (they may differ in axes of size 1, or in how the replicas are ordered)."""
+        weights = self._weights
+        dims = tuple(tuple((self.dev_matrix[p], weights[p]) for p in axes if self.dev_matrix[p] > 1)
+                     for axes in self.dim_axes)
+        unused = tuple((self.dev_matrix[p], weights[p]) for p in self.unused_positions if self.dev_matrix[p] > 1)
+        return self.devices, dims, self.opt_shard, unused if self.opt_shard > 1 else ()
+
     @property
     def chunks(self) -> int:
         """Number of optimizer chunks: sets of ranks that together hold one full copy."""
@@ -298,3 +312,107 @@ def _shared_layout(pl: ParamLayout, ndim: int, stage_devices: int | None) -> Lay
 
 def _show_map(tensor_map) -> str:
     return shorten("[" + ", ".join(str(list(e)) if isinstance(e, tuple) else str(e) for e in tensor_map) + "]", 120)
+
+
+# ============================================================================ JSON's flattened maps
+#
+# MindSpore's JSON writer records a dimension split over several device axes as several entries:
+# the dimension becomes sub-dimensions [d(a1), ..., d(a(m-1)), rest] mapped to [a1, ..., am], and
+# `tensor_shape` holds the sub-dimensions' sizes (the "extended" shape). A [32, 64] weight laid
+# out as (("dp", "mp"), None) is recorded `tensor_map [2, 0, -1]`, `tensor_shape [2, 16, 64]`,
+# where the protobuf file of the same layout holds `[[2, 0], -1]`.
+#
+# Folding it back needs the tensor's number of dimensions, which only the checkpoint tells, so it
+# is done where layouts meet tensors (the planner), not when the file is read. Two neighbouring
+# entries may belong to one dimension only if both name an axis and the first one's size is its
+# axis's size; among the ways to merge such neighbours into the right number of dimensions, the
+# one whose global shape agrees with the checkpoint's local shape (or a known global shape) is
+# taken. Distinct foldings that agree with the tensor equally are refused as ambiguous.
+
+MAX_FOLDINGS = 4096  # ways to fold one map tried at most (a map has at most MAX_AXES entries)
+
+
+def is_flattened(pl: ParamLayout) -> bool:
+    """A JSON layout that may hold multi-axis dimensions as several entries (flat map, and one
+    extended-shape entry per map entry)."""
+    return (pl.tensor_shape is not None and len(pl.tensor_shape) == len(pl.tensor_map)
+            and not any(isinstance(e, tuple) for e in pl.tensor_map))
+
+
+def _mergeable(pl: ParamLayout) -> list[int]:
+    """Boundaries j (between entries j and j+1) that may lie inside one multi-axis dimension."""
+    dev, tm, ts = pl.dev_matrix, pl.tensor_map, pl.tensor_shape
+    n = len(dev)
+    return [j for j in range(len(tm) - 1)
+            if tm[j] != -1 and tm[j + 1] != -1 and 0 <= tm[j] < n and ts[j] == dev[n - 1 - tm[j]]]
+
+
+def folded_ndims(pl: ParamLayout) -> range:
+    """The numbers of dimensions a recorded layout can describe: its map's length, and for a
+    flattened JSON map down to as many merges as its neighbours allow."""
+    if not is_flattened(pl):
+        return range(len(pl.tensor_map), len(pl.tensor_map) + 1)
+    return range(len(pl.tensor_map) - len(_mergeable(pl)), len(pl.tensor_map) + 1)
+
+
+def unflatten(pl: ParamLayout, ndim: int, *, stage_devices: int | None = None, local_shape=None,
+              global_shape=None, name: str = "?") -> ParamLayout:
+    """The layout `pl` records, with a flattened JSON map folded into `ndim` dimensions (nested
+    entries for multi-axis ones) and ``tensor_shape`` the tensor's global shape. Layouts that need
+    no folding are returned as they are."""
+    tm, ts = pl.tensor_map, pl.tensor_shape
+    if len(tm) == ndim or not is_flattened(pl) or len(tm) < ndim:
+        return pl
+    where = f"parameter {quoted(name)}"
+    merges = len(tm) - ndim
+    eligible = _mergeable(pl)
+    what = (f"{where}: JSON tensor map {_show_map(tm)} with tensor_shape {bounded_list(ts)} (multi-axis dimensions "
+            f"recorded flattened)")
+    if len(eligible) < merges or comb(len(eligible), merges) > MAX_FOLDINGS:
+        raise LayoutError(f"{what} does not fold into the {ndim} dimension(s) of the checkpoint tensor")
+    found: dict[tuple, ParamLayout] = {}
+    for cut in itertools.combinations(eligible, merges):
+        groups, start = [], 0
+        for j in range(len(tm)):
+            if j not in cut:
+                groups.append(range(start, j + 1))
+                start = j + 1
+        entries = tuple(tuple(tm[j] for j in g) if len(g) > 1 else tm[g[0]] for g in groups)
+        shape = tuple(prod(ts[j] for j in g) for g in groups)
+        if global_shape is not None and tuple(global_shape) != shape:
+            continue
+        candidate = dataclasses.replace(pl, tensor_map=entries, tensor_shape=shape)
+        try:
+            layout = Layout.from_recorded(candidate, ndim, stage_devices, name)
+        except LayoutError:
+            continue
+        if local_shape is not None and (layout.global_shape(tuple(local_shape)) != shape
+                                        or any(n % d for n, d in zip(shape, layout.divisors))):
+            continue
+        found.setdefault((layout.blocks_key, shape), candidate)
+    if len(found) == 1:
+        return next(iter(found.values()))
+    against = f" (local shape {bounded_list(local_shape)})" if local_shape is not None else ""
+    if not found:
+        raise LayoutError(f"{what} does not fold into the {ndim} dimension(s) of the checkpoint tensor{against}")
+    raise LayoutError(f"{what} folds into {ndim} dimension(s) in {len(found)} ways that fit the tensor{against}; "
+                      "give the strategy as protobuf (.ckpt), which records multi-axis dimensions unambiguously")
+
+
+def common_ndim(layouts: list[ParamLayout]) -> int:
+    """The number of dimensions of a tensor known only from recorded layouts (the first one's and
+    the other side's): the largest all of them can describe whose foldings agree on the global
+    shape where it is recorded. Used where no checkpoint tells (rank lists from strategies alone)."""
+    first = layouts[0]
+    candidates = set(folded_ndims(first))
+    for other in layouts[1:]:
+        candidates &= set(folded_ndims(other))
+    for ndim in sorted(candidates, reverse=True):
+        try:
+            shapes = {unflatten(pl, ndim).tensor_shape for pl in layouts if pl.tensor_shape is not None}
+        except LayoutError:
+            continue
+        if len(shapes) <= 1:
+            return ndim
+    return len(first.tensor_map)  # nothing fits: building the layout names the mismatch
+

@@ -25,6 +25,15 @@ Choices, and how they relate to MindSpore 2.10's converter (spec §5–§7):
   when no source strategy is given) and cut for the target; MindSpore copies them unchanged.
 * **Parameters in neither strategy** (``global_step``, ``learning_rate``) are copied unchanged from
   source local rank ``r mod F`` of the lowest stage holding them, as MindSpore does.
+* **Redundancy-removed saves** (``save_checkpoint(..., remove_redundancy=True)`` keeps each
+  distinct block on one rank): a block is read from MindSpore's replica when its file holds it,
+  else from another rank holding the same block. Only a block no file holds is refused, naming it.
+* **Parameters shared by pipeline stages** (an embedding tied to the output layer) are one tensor
+  laid out alike in each stage: read once (from the lowest stage, as MindSpore does), their other
+  copies listed in ``Plan.identical``. Different layouts in different stages are refused.
+* **JSON multi-axis maps**, which MindSpore's JSON writer records flattened with the extended
+  ``tensor_shape``, are folded back here (``layout.unflatten``): only the checkpoint tells a
+  tensor's number of dimensions.
 * **Optimizer states a strategy leaves out** (MindSpore records trainable parameters only by
   default) are laid out like their parameter (``adam_m.w`` like ``w``), in the source when their
   local shapes match the parameter's, in the target when it lists no optimizer state at all.
@@ -33,10 +42,10 @@ Choices, and how they relate to MindSpore 2.10's converter (spec §5–§7):
 Trust: a source strategy that does not describe the checkpoints must never plan into a wrong
 checkpoint (MindSpore then writes wrong shapes and exits normally). The planner cross-checks what
 it can see in the index before any output (``CHECK_*``, recorded in ``Plan.checks``): the
-strategy lays out names the files hold; every laid-out parameter sits in the ranks of the stages
-the strategy places it in, on every available rank of them, with one shape per stage and one
-global shape across stages (and the JSON ``tensor_shape``); a parameter and its optimizer states
-have the same global shape. What only the bytes can show is left to the job as plain data:
+strategy lays out names the files hold; every laid-out parameter sits only in ranks of the stages
+the strategy places it in, every block of it held by some rank, with one shape and one global
+shape (and the JSON ``tensor_shape``); a parameter and its optimizer states have the same global
+shape. What only the bytes can show is left to the job as plain data:
 ``Plan.identical`` lists, per tensor, groups of source ranks read that must hold identical bytes
 (replicas of one block, and every holder of a tensor the strategy does not lay out, which is how
 a rank-local slice taken for a whole tensor is caught). A wrong strategy that agrees with all of
@@ -65,7 +74,7 @@ from .errors import LayoutError, MissingRankError, PlanError
 from .formats import dtypes
 from .formats.boxes import Box, box_size, full_box
 from .formats.strategy import ParamLayout
-from .layout import Layout
+from .layout import Layout, common_ndim, is_flattened, unflatten
 from .text import bounded_list, quoted, rank_ranges, shorten
 from .topology import Topology, optimizer_base
 
@@ -501,8 +510,8 @@ def _scale(pattern: Pattern, global_shape: tuple[int, ...]):
 # What the planner checks before any output (recorded in ``Plan.checks``, and so in the manifest).
 CHECK_NAMES = "the source strategy lays out parameters the checkpoints hold"
 CHECK_STAGES = "laid-out parameters are held only by ranks of the pipeline stages the strategy places them in"
-CHECK_COMPLETE = "every available source rank of a stage holds that stage's laid-out parameters"
-CHECK_SHAPES = "local shapes and dtypes agree within each stage and give one global shape across stages"
+CHECK_COMPLETE = "every block of a laid-out parameter is held by some source rank"
+CHECK_SHAPES = "local shapes and dtypes agree on every rank, and a parameter shared by stages has one layout"
 CHECK_TENSOR_SHAPE = "global shapes equal the strategy's recorded tensor_shape"
 CHECK_OPTIMIZER = "optimizer states and their parameters have the same global shape"
 CHECK_WHOLE = "parameters the source strategy does not lay out have one shape and dtype on every rank"
@@ -528,6 +537,7 @@ class _ParamSource:
     follows: str | None = None  # laid out like this parameter (an optimizer state the strategy leaves out)
     tensor: _Tensor | None = None  # shared by its ParamPlans
     group: int = -1  # parameters of one group are planned alike (same layouts, shape, holders)
+    partial: bool = False  # laid out, but not every rank of its stages holds it (redundancy removed)
 
     @property
     def in_dst(self) -> bool:
@@ -585,7 +595,9 @@ class Planner:
         self._chunks: dict[tuple[int, int], tuple[int, ...]] = {}
         self._bodies: dict[tuple, _Body] = {}
         self._copies: dict[tuple, tuple[Copy, ...]] = {}
-        self._placements: dict[tuple, list] = {}
+        self._placed: set[tuple] = set()
+        self._covered: set[tuple] = set()
+        self._block_holders: dict[tuple, dict] = {}
         self._target_keys: dict[tuple, tuple] = {}
         self._global_shapes: dict[tuple, tuple[Layout, tuple]] = {}
         self._unlisted = 0  # needed source ranks left out of cut-short copy patterns
@@ -698,14 +710,12 @@ class Planner:
     def _same_local_shapes(self, name: str, base: str, holders: tuple[int, ...]) -> bool:
         return all(base in self.index[r] and self.index[r][base].shape == self.index[r][name].shape for r in holders)
 
-    def _stage_holders(self, name: str, holders: tuple[int, ...], stages: tuple[int, ...]):
-        """[(stage, its ranks holding the parameter)] for the parameter's stages that have files at
-        hand, after checking that it sits in exactly the ranks of its stages. Parameters with the
-        same holders and stages (nearly all of them) share the result."""
+    def _check_placement(self, name: str, holders: tuple[int, ...], stages: tuple[int, ...]) -> None:
+        """A laid-out parameter sits only in ranks of the stages the strategy places it in
+        (checked once per distinct holder set)."""
         key = (holders, stages)
-        hit = self._placements.get(key)
-        if hit is not None:
-            return hit
+        if key in self._placed:
+            return
         F = self.src.stage_devices
         for g in holders:
             if g // F not in stages:
@@ -715,66 +725,78 @@ class Planner:
                     f"{bounded_list(stages)} only; was source.strategy saved with these checkpoints, with the right "
                     "stage number in each per-stage file?"
                 )
-        out = []
-        for stage in stages:
-            available = self._stage_files.get(stage, ())
-            if not available:
-                continue  # none of this stage's files is at hand: it is not read from
-            in_stage = tuple(g for g in holders if g // F == stage)
-            if not in_stage:
-                raise PlanError(
-                    f"parameter {quoted(name)} is in the source strategy for pipeline stage {stage}, but no "
-                    f"checkpoint of that stage (ranks {rank_ranges(available)}) holds it; {REMEDY}"
-                )
-            if len(in_stage) < len(available):
-                absent = [g for g in available if g not in in_stage]
-                raise PlanError(
-                    f"parameter {quoted(name)} is in the source strategy (stage {stage}) but missing from the "
-                    f"checkpoint of source rank{'s' if len(absent) > 1 else ''} {bounded_list(absent)}; "
-                    "use the files of one save, saved with this strategy"
-                )
-            out.append((stage, in_stage))
-        self._placements[key] = out
-        return out
+        self._placed.add(key)
+
+    def _source_layout(self, rec: ParamLayout, local_shape: tuple[int, ...], name: str):
+        """(layout, global shape, layout as recorded with a JSON multi-axis map folded) of a
+        recorded source layout for a tensor of `local_shape`."""
+        key = (rec, local_shape)
+        known = self._global_shapes.get(key)
+        if known is None:
+            F = self.src.stage_devices
+            rec = unflatten(rec, len(local_shape), stage_devices=F, local_shape=local_shape, name=name)
+            layout = Layout.from_recorded(rec, len(local_shape), F, name)
+            known = self._global_shapes[key] = (layout, self._intern(layout.global_shape(local_shape)), rec)
+        return known
 
     def _laid_out_source(self, name: str, holders: tuple[int, ...], per_stage: Mapping[int, ParamLayout],
                          follows: str | None) -> _ParamSource:
+        """A parameter the source strategy lays out, in one stage or (tied, e.g. an embedding shared
+        by the first and last stage) in several with one layout: one global tensor, read once."""
         F = self.src.stage_devices
-        first = None  # (stage, meta, layout, global shape, rank) of the stage read from
-        for stage, in_stage in self._stage_holders(name, holders, tuple(sorted(per_stage))):
-            meta = self.index[in_stage[0]][name]
-            self._check_same_everywhere(name, in_stage, meta, laid_out=True)
-            if meta.kind != "tensor":
-                raise PlanError(f"parameter {quoted(name)}: a {meta.kind} entry cannot have a layout in the strategy")
-            rec = per_stage[stage]
-            key = (rec, meta.shape)
-            known = self._global_shapes.get(key)
-            if known is None:
-                layout = Layout.from_recorded(rec, len(meta.shape), F, name)
-                known = self._global_shapes[key] = (layout, self._intern(layout.global_shape(meta.shape)))
-            layout, global_shape = known
+        stages = tuple(sorted(per_stage))
+        self._check_placement(name, holders, stages)
+        meta = self.index[holders[0]][name]
+        if meta.kind != "tensor":
+            raise PlanError(f"parameter {quoted(name)}: a {meta.kind} entry cannot have a layout in the strategy")
+        layout, global_shape, _ = self._source_layout(per_stage[stages[0]], meta.shape, name)
+        for stage in stages[1:]:
+            other, _, _ = self._source_layout(per_stage[stage], meta.shape, name)
+            if other.blocks_key != layout.blocks_key:
+                raise PlanError(
+                    f"parameter {quoted(name)} is shared by pipeline stages {stages[0]} and {stage} with different "
+                    f"layouts ({layout.describe()}; {other.describe()}); a parameter shared by stages is read once "
+                    "and needs one layout"
+                )
+        self._check_same_everywhere(name, holders, meta, laid_out=True)
+        for stage in stages:
+            rec = self._source_layout(per_stage[stage], meta.shape, name)[2]
             if rec.tensor_shape is not None and tuple(rec.tensor_shape) != global_shape and follows is None:
                 raise PlanError(
                     f"parameter {quoted(name)}: local shape {list(meta.shape)} with layout {layout.describe()} gives "
                     f"global shape {list(global_shape)}, but the strategy says {bounded_list(rec.tensor_shape)}; "
                     f"{REMEDY}"
                 )
-            if first is None:
-                first = (stage, meta, layout, global_shape, in_stage[0])
-                continue
-            stage0, meta0, _, shape0, rank0 = first
-            if meta.dtype != meta0.dtype or global_shape != shape0:
-                raise PlanError(
-                    f"parameter {quoted(name)} differs between pipeline stages {stage0} and {stage}: "
-                    f"{meta0.dtype} {list(shape0)} from local {list(meta0.shape)} in rank {rank0}, "
-                    f"{meta.dtype} {list(global_shape)} from local {list(meta.shape)} in rank {in_stage[0]}; {REMEDY}"
-                )
-        if first is None:  # cannot happen: a holder's stage has an available file
-            raise PlanError(f"internal: parameter {quoted(name)} has holders but no stage to read")
-        stage, meta, layout, global_shape, _ = first
         if not dtypes.BY_NAME[meta.dtype].sliceable and layout.is_sharded:
             raise PlanError(f"parameter {quoted(name)}: {meta.dtype} tensors are packed and cannot be resharded")
-        return _ParamSource(name, meta, layout, stage, global_shape, True, holders, follows=follows)
+        read_stage = next(s for s in stages if s in self._stage_files)  # a holder's stage has files
+        complete = len(holders) == sum(len(self._stage_files.get(s, ())) for s in stages)
+        if not complete:  # a redundancy-removed save, or files of different saves
+            self._check_coverage(name, layout, global_shape, holders, stages)
+        return _ParamSource(name, meta, layout, read_stage, global_shape, True, holders, follows=follows,
+                            partial=not complete)
+
+    def _check_coverage(self, name: str, layout: Layout, global_shape: tuple[int, ...], holders: tuple[int, ...],
+                        stages: tuple[int, ...]) -> None:
+        """With some ranks lacking the parameter (MindSpore's ``remove_redundancy`` keeps each
+        distinct block on one rank), every block must still be held by some rank. A block no file
+        holds is refused when every file of its stages is at hand (otherwise an absent file may
+        hold it, and the plan names the files it needs)."""
+        key = (layout, holders, stages)
+        if key in self._covered:
+            return
+        F = self.src.stage_devices
+        held = {layout.block(g % F) for g in holders}
+        total = prod(layout.divisors)
+        if len(held) < total and all(len(self._stage_files.get(s, ())) == F for s in stages):
+            block = next(b for b in itertools.product(*(range(d) for d in layout.divisors)) if b not in held)
+            would = sorted({s * F + layout.rank_holding(c, block) for s in stages for c in range(min(layout.chunks, 4))})
+            raise PlanError(
+                f"parameter {quoted(name)}: no source rank holds its block {_show_block(layout, block, global_shape)} "
+                f"({len(held)} of its {total} blocks are held); rank{'s' if len(would) > 1 else ''} "
+                f"{bounded_list(would)} should; use the files of one save, saved with this strategy"
+            )
+        self._covered.add(key)
 
     def _whole_source(self, name: str, holders: tuple[int, ...]) -> _ParamSource:
         """Not in the source strategy: every file that holds it must hold it whole."""
@@ -870,8 +892,9 @@ class Planner:
                 continue
             stage = min(per_stage)
             rec = per_stage[stage]
-            layout = Layout.from_recorded(rec, len(rec.tensor_map), self.src.stage_devices, name)
             dst_layouts = self.dst.layouts.get(name) if self.dst_given else None
+            ndim = common_ndim([rec, *(dst_layouts or {}).values()])
+            layout = Layout.from_recorded(rec, ndim, self.src.stage_devices, name)
             out.append(_ParamSource(name, None, layout, stage, layout.divisors, True, (), dst_layouts))
         return out
 
@@ -893,7 +916,7 @@ class Planner:
             itemsize = dtypes.BY_NAME[ps.meta.dtype].itemsize
             ps.tensor = _Tensor(ps.name, ps.meta.dtype, "tensor", action, ps.global_shape, itemsize)
             if ps.layout is not None:
-                key = ("L", ps.layout, ps.stage, ps.global_shape, itemsize, targets)
+                key = ("L", ps.layout, ps.stage, ps.global_shape, itemsize, targets, ps.holders if ps.partial else None)
             else:
                 key = ("W", None, ps.holders, ps.global_shape, itemsize, targets)
         gid = self._group_ids.get(key)
@@ -908,11 +931,15 @@ class Planner:
         if ps.dst_layouts is None or (ps.meta is not None and not ps.reshard):
             return None
         ndim = len(ps.global_shape)
-        key = (id(ps.dst_layouts), ndim)  # parameters laid out alike share one mapping (Topology)
+        folding = any(len(rec.tensor_map) != ndim and is_flattened(rec) for rec in ps.dst_layouts.values())
+        # parameters laid out alike share one mapping (Topology); folding a JSON map needs the shape
+        key = (id(ps.dst_layouts), ndim, ps.global_shape if folding else None)
         hit = self._target_keys.get(key)
         if hit is None:
+            T = self.dst.stage_devices
             hit = self._target_keys[key] = tuple(
-                (stage, Layout.from_recorded(rec, ndim, self.dst.stage_devices, ps.name))
+                (stage, Layout.from_recorded(unflatten(rec, ndim, stage_devices=T, global_shape=ps.global_shape,
+                                                       name=ps.name), ndim, T, ps.name))
                 for stage, rec in sorted(ps.dst_layouts.items()))
         return hit
 
@@ -1039,7 +1066,10 @@ class Planner:
         if ps.layout is None:  # the whole tensor sits in one file: cut the target's box out of it
             t_box = self._intern(t_layout.box(r % t_layout.devices, ps.global_shape))
             return t_shape, (Copy(self._holder(ps, rho), t_box, self._intern(full_box(t_shape))),), nbytes
-        return t_shape, self._laid_out_copies(ps, t_layout, r), nbytes
+        copies = self._laid_out_copies(ps, t_layout, r)
+        if ps.partial:
+            copies = self._from_holders(ps, copies)
+        return t_shape, copies, nbytes
 
     def _laid_out_copies(self, ps: _ParamSource, t_layout: Layout, r: int) -> tuple[Copy, ...]:
         F = self.src.stage_devices
@@ -1061,6 +1091,37 @@ class Planner:
         self._copies[key] = copies
         return copies
 
+    def _from_holders(self, ps: _ParamSource, copies: tuple[Copy, ...]) -> tuple[Copy, ...]:
+        """Copies of a parameter some ranks lack: a copy from a rank whose file lacks it is taken
+        from another rank holding the same block (of the same stage first, then the lowest), with
+        the same boxes. Copies from ranks that hold it (MindSpore's replica) stay, and so do those
+        from absent files (the plan names them missing)."""
+        F = self.src.stage_devices
+        key = (ps.layout, ps.holders)
+        by_block = self._block_holders.get(key)
+        if by_block is None:
+            by_block = self._block_holders[key] = {}
+            for g in ps.holders:
+                by_block.setdefault(ps.layout.block(g % F), []).append(g)
+        held = set(ps.holders)
+        out = []
+        for c in copies:
+            g = c.source_rank
+            if g in held or g not in self.index:
+                out.append(c)
+                continue
+            block = ps.layout.block(g % F)
+            others = by_block.get(block)
+            if not others:
+                raise PlanError(
+                    f"parameter {quoted(ps.name)}: no source file at hand holds its block "
+                    f"{_show_block(ps.layout, block, ps.global_shape)} (rank {g} lacks it, and the ranks that may "
+                    "hold it are not among the files given)"
+                )
+            same_stage = [o for o in others if o // F == g // F]
+            out.append(Copy((same_stage or others)[0], c.source_box, c.target_box))
+        return tuple(out)
+
     def _holder(self, ps: _ParamSource, rho: int) -> int:
         """The file a whole (unsharded) parameter is taken from: local rank rho of the lowest stage
         holding it, else the lowest rank holding it."""
@@ -1080,16 +1141,14 @@ class Planner:
         """
         F = self.src.stage_devices
         out: dict[str, tuple[tuple[int, ...], ...]] = {}
-        members_of: dict[tuple, tuple[int, ...]] = {}
+        members_of: dict[tuple[int, ...], tuple[int, ...]] = {}
         groups_of: dict[tuple, tuple[tuple[int, ...], ...]] = {}
         for ps in self.params:
             if ps.meta is None or ps.meta.kind != "tensor" or len(ps.holders) < 2:
                 continue
-            key = (ps.holders, ps.stage if ps.layout is not None else None)
-            members = members_of.get(key)
+            members = members_of.get(ps.holders)
             if members is None:
-                members = tuple(g for g in ps.holders if g in read and (key[1] is None or g // F == key[1]))
-                members_of[key] = members
+                members = members_of[ps.holders] = tuple(g for g in ps.holders if g in read)
             if len(members) < 2:
                 continue
             if ps.layout is None:
@@ -1143,6 +1202,15 @@ class Planner:
         )
 
 
+def _show_block(layout: Layout, block: tuple[int, ...], global_shape: tuple[int, ...]) -> str:
+    """A block as element ranges of the global tensor: ``[0:8, 16:32]``."""
+    parts = []
+    for b, n, d in zip(block, global_shape, layout.divisors):
+        unit = n // d
+        parts.append(f"{b * unit}:{(b + 1) * unit}")
+    return shorten("[" + ", ".join(parts) + "]", 120)
+
+
 def identical_mismatch(name: str, ranks: Iterable[int], strategy: str | None = None) -> PlanError:
     """The error for a tensor of ``Plan.identical`` whose bytes differ across the given ranks."""
     ranks = sorted(ranks)
@@ -1191,9 +1259,9 @@ def source_ranks_for(src: Topology, dst: Topology | None, target_rank: int, *,
             t_layout = None
         stage = min(per_stage)
         rec = per_stage[stage]
-        s = Layout.from_recorded(rec, len(rec.tensor_map), F, name)
-        t = (Layout.from_recorded(t_layout, len(rec.tensor_map), T, name) if t_layout is not None
-             else Layout.replicated(len(rec.tensor_map), T))
+        ndim = common_ndim([rec] if t_layout is None else [rec, t_layout])
+        s = Layout.from_recorded(rec, ndim, F, name)
+        t = Layout.from_recorded(t_layout, ndim, T, name) if t_layout is not None else Layout.replicated(ndim, T)
         needed.update(stage * F + q for q in needed_local_ranks(s, t, r))
         needed.add(stage * F + r % F)
     return sorted(needed, reverse=True)

@@ -4,11 +4,19 @@ and the merge of per-stage pipeline strategy files.
 A file is JSON exactly when its name ends in ``.json`` (MindSpore's rule); anything else is
 protobuf. Reading yields a ``StrategyFile`` whose ``layouts`` keep the file's own keys (merged
 pipeline files prefix them with ``"<stage>-"``); the meaning of those keys (stages, shared
-parameters, devices per stage) is worked out by ``reshard_job.strategy``.
+parameters, devices per stage) is worked out by ``reshard_job.topology``.
+
+Layouts are kept as recorded. A multi-axis dimension is one nested ``tensor_map`` entry in
+protobuf, but several flat entries in JSON (with the "extended" ``tensor_shape``, as MindSpore's
+JSON writer records it): folding those back needs the tensor's number of dimensions, which only
+the checkpoint knows, so it happens in planning (``layout.unflatten``). Writing JSON flattens
+nested layouts the same way (``ParamLayout.flattened``). Counts a file declares are bounded
+(``MAX_DEVICES``, ``MAX_STAGES``, ``MAX_AXES``) as it is read.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
@@ -63,7 +71,42 @@ class ParamLayout:
     def nested(self) -> bool:
         return any(isinstance(e, tuple) for e in self.tensor_map)
 
+    def flattened(self) -> "ParamLayout":
+        """The form MindSpore's JSON writer records a multi-axis layout in: a dimension split over
+        axes [a1, ..., am] becomes sub-dimensions of sizes [d(a1), ..., d(a(m-1)), rest] mapped to
+        [a1, ..., am], with those sizes in ``tensor_shape`` (the "extended" shape). Needs the
+        global shape in ``tensor_shape``; raises ValueError without it."""
+        if not self.nested:
+            return self
+        if self.tensor_shape is None or len(self.tensor_shape) != len(self.tensor_map):
+            raise ValueError("a multi-axis layout is written to JSON flattened, which needs the tensor's global "
+                             "shape (tensor_shape)")
+        n = len(self.dev_matrix)
+        entries: list[int] = []
+        shape: list[int] = []
+        for entry, size in zip(self.tensor_map, self.tensor_shape):
+            axes = [m for m in (entry if isinstance(entry, tuple) else (entry,)) if m != -1]
+            if not axes:
+                entries.append(-1)
+                shape.append(size)
+                continue
+            rest = size
+            for m in axes[:-1]:
+                d = self.dev_matrix[n - 1 - m] if 0 <= m < n else 0
+                if d < 1 or rest % d:
+                    raise ValueError(f"a dimension of size {size} cannot be split over device axes {axes}")
+                entries.append(m)
+                shape.append(d)
+                rest //= d
+            entries.append(axes[-1])
+            shape.append(rest)
+        return dataclasses.replace(self, tensor_map=tuple(entries), tensor_shape=tuple(shape))
+
     def to_json_dict(self) -> dict:
+        """The JSON strategy entry (multi-axis dimensions flattened, as MindSpore writes them)."""
+        flat = self.flattened()
+        if flat is not self:
+            return flat.to_json_dict()
         d = {
             "dev_matrix": list(self.dev_matrix),
             "tensor_map": [list(e) if isinstance(e, tuple) else e for e in self.tensor_map],
@@ -347,11 +390,11 @@ def write_strategy(sf: StrategyFile, path: str | os.PathLike, *, mode: int = 0o4
     """Write atomically in the format the name implies; return (size, sha256)."""
     path = os.fspath(path)
     if format_for(path) == FORMAT_JSON:
-        if any(lay.nested for lay in sf.layouts.values()):
-            bad = next(n for n, lay in sf.layouts.items() if lay.nested)
-            raise StrategyFormatError(
-                path, f"parameter {bad!r} has a multi-axis tensor map, which JSON strategy files cannot carry; use a .ckpt name"
-            )
+        for name, lay in sf.layouts.items():
+            try:
+                lay.flattened()
+            except ValueError as e:
+                raise StrategyFormatError(path, f"parameter {quoted(name)}: {e}") from None
         data = to_json_bytes(sf)
     else:
         data = to_protobuf_bytes(sf)
