@@ -70,7 +70,7 @@ from functools import cached_property, lru_cache
 from math import gcd, prod
 from typing import Iterable, Iterator, Mapping, NamedTuple, Sequence
 
-from .errors import LayoutError, MissingRankError, PlanError
+from .errors import MissingRankError, PlanError
 from .formats import dtypes
 from .formats.boxes import Box, box_size, full_box
 from .formats.strategy import ParamLayout
@@ -442,12 +442,6 @@ def _ranges(src: Layout, dst: Layout, t_block: tuple[int, ...]):
     return units, per_dim
 
 
-def pattern_size(src: Layout, dst: Layout, target_local: int) -> int:
-    """How many source blocks target local rank `target_local`'s block is made of (arithmetic)."""
-    _, per_dim = _ranges(src, dst, dst.block(target_local % dst.devices))
-    return prod(last - first + 1 for first, last, *_ in per_dim)
-
-
 def copy_pattern(src: Layout, dst: Layout, target_local: int, limit: int | None = None) -> Pattern:
     """The copies that build target local rank `target_local`'s block, in unit coordinates.
 
@@ -460,7 +454,7 @@ def copy_pattern(src: Layout, dst: Layout, target_local: int, limit: int | None 
                          dst.block(target_local % dst.devices), limit)
 
 
-@lru_cache(maxsize=65536)
+@lru_cache(maxsize=4096)
 def _copy_pattern(src: Layout, dst: Layout, chunk: int, t_block: tuple[int, ...], limit: int | None) -> Pattern:
     units, per_dim = _ranges(src, dst, t_block)
     count = prod(last - first + 1 for first, last, *_ in per_dim)
@@ -478,23 +472,24 @@ def _copy_pattern(src: Layout, dst: Layout, chunk: int, t_block: tuple[int, ...]
     return Pattern(units, tuple(pieces), count, take == count)
 
 
+_NEEDED: dict[tuple, frozenset[int]] = {}
+
+
 def needed_local_ranks(src: Layout, dst: Layout, target_local: int) -> frozenset[int]:
     """The source local ranks target local rank `target_local` reads (its copy pattern's ranks,
-    without building boxes): one per source block meeting its block, in the chunk it reads."""
-    return _needed_local_ranks(src, dst, src.chunk(target_local % src.devices), dst.block(target_local % dst.devices))
-
-
-@lru_cache(maxsize=256)
-def _needed_local_ranks(src: Layout, dst: Layout, chunk: int, t_block: tuple[int, ...]) -> frozenset[int]:
-    _, per_dim = _ranges(src, dst, t_block)
-    ranges = [range(first, last + 1) for first, last, *_ in per_dim]
-    return frozenset(src.rank_holding(chunk, blocks) for blocks in itertools.product(*ranges))
-
-
-def scaled_copies(src: Layout, dst: Layout, target_local: int, global_shape: tuple[int, ...]):
-    """Copies for a concrete tensor: [(source local rank, source box, target box)] in elements."""
-    pattern = copy_pattern(src, dst, target_local)
-    return _scale(pattern, global_shape)
+    without building boxes): one per source block meeting its block, in the chunk it reads.
+    Small answers are remembered (strategies repeat few layout pairs); a million-rank one is not."""
+    key = (src, dst, src.chunk(target_local % src.devices), dst.block(target_local % dst.devices))
+    hit = _NEEDED.get(key)
+    if hit is None:
+        _, per_dim = _ranges(src, dst, key[3])
+        ranges = [range(first, last + 1) for first, last, *_ in per_dim]
+        hit = frozenset(src.rank_holding(key[2], blocks) for blocks in itertools.product(*ranges))
+        if len(hit) <= 4096:
+            if len(_NEEDED) >= 4096:
+                _NEEDED.clear()
+            _NEEDED[key] = hit
+    return hit
 
 
 def _scale(pattern: Pattern, global_shape: tuple[int, ...]):
@@ -597,6 +592,7 @@ class Planner:
         self._copies: dict[tuple, tuple[Copy, ...]] = {}
         self._placed: set[tuple] = set()
         self._covered: set[tuple] = set()
+        self._at_hand: dict[tuple[int, ...], tuple[int, int]] = {}
         self._block_holders: dict[tuple, dict] = {}
         self._target_keys: dict[tuple, tuple] = {}
         self._global_shapes: dict[tuple, tuple[Layout, tuple]] = {}
@@ -743,7 +739,6 @@ class Planner:
                          follows: str | None) -> _ParamSource:
         """A parameter the source strategy lays out, in one stage or (tied, e.g. an embedding shared
         by the first and last stage) in several with one layout: one global tensor, read once."""
-        F = self.src.stage_devices
         stages = tuple(sorted(per_stage))
         self._check_placement(name, holders, stages)
         meta = self.index[holders[0]][name]
@@ -761,7 +756,9 @@ class Planner:
         self._check_same_everywhere(name, holders, meta, laid_out=True)
         for stage in stages:
             rec = self._source_layout(per_stage[stage], meta.shape, name)[2]
-            if rec.tensor_shape is not None and tuple(rec.tensor_shape) != global_shape and follows is None:
+            if rec.tensor_shape is None:
+                continue
+            if tuple(rec.tensor_shape) != global_shape and follows is None:
                 raise PlanError(
                     f"parameter {quoted(name)}: local shape {list(meta.shape)} with layout {layout.describe()} gives "
                     f"global shape {list(global_shape)}, but the strategy says {bounded_list(rec.tensor_shape)}; "
@@ -769,12 +766,20 @@ class Planner:
                 )
         if not dtypes.BY_NAME[meta.dtype].sliceable and layout.is_sharded:
             raise PlanError(f"parameter {quoted(name)}: {meta.dtype} tensors are packed and cannot be resharded")
-        read_stage = next(s for s in stages if s in self._stage_files)  # a holder's stage has files
-        complete = len(holders) == sum(len(self._stage_files.get(s, ())) for s in stages)
+        read_stage, available = self._stages_at_hand(stages)
+        complete = len(holders) == available
         if not complete:  # a redundancy-removed save, or files of different saves
             self._check_coverage(name, layout, global_shape, holders, stages)
         return _ParamSource(name, meta, layout, read_stage, global_shape, True, holders, follows=follows,
                             partial=not complete)
+
+    def _stages_at_hand(self, stages: tuple[int, ...]) -> tuple[int, int]:
+        """(the lowest of `stages` with files at hand, how many files those stages have)."""
+        hit = self._at_hand.get(stages)
+        if hit is None:
+            hit = self._at_hand[stages] = (next(s for s in stages if s in self._stage_files),
+                                           sum(len(self._stage_files.get(s, ())) for s in stages))
+        return hit
 
     def _check_coverage(self, name: str, layout: Layout, global_shape: tuple[int, ...], holders: tuple[int, ...],
                         stages: tuple[int, ...]) -> None:
@@ -931,10 +936,12 @@ class Planner:
         if ps.dst_layouts is None or (ps.meta is not None and not ps.reshard):
             return None
         ndim = len(ps.global_shape)
-        folding = any(len(rec.tensor_map) != ndim and is_flattened(rec) for rec in ps.dst_layouts.values())
         # parameters laid out alike share one mapping (Topology); folding a JSON map needs the shape
-        key = (id(ps.dst_layouts), ndim, ps.global_shape if folding else None)
+        key = (id(ps.dst_layouts), ndim)
         hit = self._target_keys.get(key)
+        if hit is None and any(len(rec.tensor_map) != ndim and is_flattened(rec) for rec in ps.dst_layouts.values()):
+            key = (id(ps.dst_layouts), ndim, ps.global_shape)
+            hit = self._target_keys.get(key)
         if hit is None:
             T = self.dst.stage_devices
             hit = self._target_keys[key] = tuple(

@@ -21,11 +21,11 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from reshard_job import rank_list_for_transform, transform_checkpoint_by_rank, transform_checkpoints
-from reshard_job.errors import PlanError
+from reshard_job.errors import LayoutError, PlanError
 from reshard_job.formats import dtypes
 from reshard_job.formats.ckpt import CheckpointReader, CheckpointWriter
 from reshard_job.formats.strategy import ParamLayout, StrategyFile, StrategyItem, write_strategy
-from reshard_job.layout import Layout
+from reshard_job.layout import Layout, unflatten
 from reshard_job.plan import ACTION_RESHARD, Planner, TensorMeta, source_ranks_for
 from reshard_job.topology import Topology
 
@@ -72,6 +72,7 @@ class Side:
         if json:
             sf.layouts = {k: replace(lay, tensor_shape=tuple(shapes[k.split("-", 1)[-1] if self.stages > 1 else k]))
                           for k, lay in sf.layouts.items()}
+            json = not any(self._ambiguous(lay) for lay in sf.layouts.values())
         suffix = ".json" if json else ".ckpt"
         if as_dir and self.stages > 1:  # one file per stage, as pipeline training writes them
             for s in range(self.stages):
@@ -82,6 +83,18 @@ class Side:
         path = path.with_suffix(suffix)
         write_strategy(sf, path)
         return str(path)
+
+    def _ambiguous(self, lay: ParamLayout) -> bool:
+        """Whether a multi-axis layout's flattened JSON form folds back in several ways that give
+        every rank a slice of the same shape: then the files cannot tell the tensor's shape, and
+        planning refuses it (see test_practical_layouts); such a case is written as protobuf."""
+        ndim = len(lay.tensor_map)
+        local = Layout.from_recorded(lay, ndim, self.stage_devices).local_shape(lay.tensor_shape)
+        try:
+            unflatten(lay.flattened(), ndim, stage_devices=self.stage_devices, local_shape=local)
+        except LayoutError:
+            return True
+        return False
 
     def holds(self, name: str, rank: int) -> ParamLayout | None | bool:
         """The layout rank holds `name` with; True when held whole; None when not held."""

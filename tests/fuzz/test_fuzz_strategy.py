@@ -253,8 +253,7 @@ def encode(docs: list[dict], protobuf: bool) -> list[tuple[str, str]]:
     else all JSON (a directory holds one format)."""
     import base64
 
-    from reshard_job.formats.strategy import (ParamLayout, StrategyFile, StrategyItem, to_json_bytes,
-                                              to_protobuf_bytes)
+    from reshard_job.formats.strategy import ParamLayout, StrategyFile, StrategyItem, to_protobuf_bytes
 
     if protobuf:
         try:
