@@ -595,7 +595,7 @@ class Planner:
         self._at_hand: dict[tuple[int, ...], tuple[int, int]] = {}
         self._block_holders: dict[tuple, dict] = {}
         self._target_keys: dict[tuple, tuple] = {}
-        self._global_shapes: dict[tuple, tuple[Layout, tuple]] = {}
+        self._global_shapes: dict[tuple, tuple[Layout, tuple, ParamLayout]] = {}
         self._unlisted = 0  # needed source ranks left out of cut-short copy patterns
         self.params = self._resolve_params()
         for ps in self.params:
