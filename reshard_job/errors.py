@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from .text import rank_ranges
+from .text import rank_ranges, shorten
 
 
 class ReshardError(Exception):
@@ -63,14 +63,19 @@ class PlanError(ReshardError):
 class MissingRankError(PlanError):
     """Source rank files that the plan needs are absent."""
 
+    LISTED = 8  # missing ranks described one by one; the rest are summed up as rank ranges
+
     def __init__(self, missing: dict[int, list[int]], where: str = ""):
         self.missing = dict(sorted(missing.items()))
         parts = [
-            f"rank {src} (needed by target rank{'s' if len(dst) > 1 else ''} {rank_ranges(dst, ', ')})"
-            for src, dst in self.missing.items()
+            f"rank {src} (needed by target rank{'s' if len(dst) > 1 else ''} {shorten(rank_ranges(dst, ', '), 60)})"
+            for src, dst in list(self.missing.items())[:self.LISTED]
         ]
+        if len(self.missing) > self.LISTED:  # one bounded line, however many are missing
+            rest = list(self.missing)[self.LISTED:]
+            parts.append(f"and {len(rest)} more ({shorten('ranks ' + rank_ranges(rest), 120)})")
         loc = f" in {where}" if where else ""
-        super().__init__(f"missing source checkpoint{'s' if len(parts) > 1 else ''}{loc}: " + "; ".join(parts))
+        super().__init__(f"missing source checkpoint{'s' if len(self.missing) > 1 else ''}{loc}: " + "; ".join(parts))
 
 
 class ConfigError(ReshardError):

@@ -20,17 +20,26 @@ Boxes are computed in *units*: dimension ``i`` of a layout is cut into ``divisor
 (the split factor, times ``k`` on dimension 0), so a rank's block is one unit index per dimension.
 Working in units keeps the planning independent of the actual tensor sizes, which lets the same
 copy pattern serve every parameter with the same pair of layouts.
+
+Cost: every query is arithmetic on one rank's coordinates, O(number of device axes); nothing
+enumerates the devices of a stage. The inverse query (which rank of an optimizer chunk holds a
+given block, ``rank_holding``) is computed from the block's digits, so a declared device matrix
+of a million devices costs no more than one of eight. Device matrices are bounded by
+``MAX_DEVICES`` devices and ``MAX_AXES`` axes, checked before anything else.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
-from math import prod
+from math import comb, prod
 
 from .errors import LayoutError
 from .formats.boxes import Box
-from .formats.strategy import ParamLayout
+from .formats.strategy import MAX_AXES, MAX_DEVICES, ParamLayout
+from .text import bounded_list, quoted, shorten
 
 
 def coords(rank: int, dev_matrix: tuple[int, ...]) -> tuple[int, ...]:
@@ -67,7 +76,7 @@ class Layout:
     @staticmethod
     def replicated(ndim: int, devices: int = 1) -> "Layout":
         """Every rank holds the whole tensor (no strategy, or a fully replicated parameter)."""
-        return Layout((devices,), tuple(() for _ in range(ndim)), 1)
+        return _replicated(ndim, devices)
 
     @staticmethod
     def from_recorded(pl: ParamLayout, ndim: int, stage_devices: int | None = None, name: str = "?") -> "Layout":
@@ -78,6 +87,8 @@ class Layout:
         Most parameters share a few layouts, so valid ones are built once and shared (which also
         shares their cached rank tables); an invalid one is rebuilt to name the parameter.
         """
+        if len(pl.tensor_map) != ndim and is_flattened(pl):  # a JSON multi-axis map (see unflatten)
+            pl = unflatten(pl, ndim, stage_devices=stage_devices, name=name)
         try:
             return _shared_layout(pl, ndim, stage_devices)
         except LayoutError:
@@ -85,10 +96,17 @@ class Layout:
 
     @staticmethod
     def _build(pl: ParamLayout, ndim: int, stage_devices: int | None, name: str) -> "Layout":
+        where = f"parameter {quoted(name)}"
+        if not pl.dev_matrix or len(pl.dev_matrix) > MAX_AXES or any(int(d) < 1 for d in pl.dev_matrix):
+            raise LayoutError(f"{where}: device matrix {bounded_list(pl.dev_matrix)} must be 1 to {MAX_AXES} "
+                              "positive sizes")
         dev = tuple(int(d) for d in pl.dev_matrix)
-        where = f"parameter {name!r}"
-        if not dev or any(d < 1 for d in dev):
-            raise LayoutError(f"{where}: device matrix {list(dev)} must be non-empty positive sizes")
+        devices = 1
+        for d in dev:  # checked as it grows: a hostile product is never computed in full
+            devices *= d
+            if devices > MAX_DEVICES:
+                raise LayoutError(f"{where}: device matrix {bounded_list(dev)} declares more than "
+                                  f"{MAX_DEVICES} devices")
         if len(pl.tensor_map) != ndim:
             raise LayoutError(
                 f"{where}: tensor map {_show_map(pl.tensor_map)} has {len(pl.tensor_map)} entries "
@@ -106,7 +124,7 @@ class Layout:
                 if not 0 <= m < n:
                     raise LayoutError(
                         f"{where}: tensor map {_show_map(pl.tensor_map)} names device axis {m}, "
-                        f"but device matrix {list(dev)} has axes 0..{n - 1}"
+                        f"but device matrix {bounded_list(dev)} has axes 0..{n - 1}"
                     )
                 p = n - 1 - m
                 if p in used:
@@ -114,11 +132,10 @@ class Layout:
                 used.add(p)
                 positions.append(p)
             dim_axes.append(tuple(positions))
-        devices = prod(dev)
         if stage_devices is not None and devices != stage_devices:
             if devices > stage_devices or stage_devices % devices:
                 raise LayoutError(
-                    f"{where}: device matrix {list(dev)} covers {devices} devices, "
+                    f"{where}: device matrix {bounded_list(dev)} covers {devices} devices, "
                     f"which does not divide the {stage_devices} devices of its stage"
                 )
             factor = stage_devices // devices
@@ -136,7 +153,7 @@ class Layout:
             if k < 1 or replicas % k:
                 raise LayoutError(
                     f"{where}: optimizer shard size {size} does not divide the {replicas} replicas "
-                    f"of device matrix {list(dev)} with tensor map {_show_map(pl.tensor_map)}"
+                    f"of device matrix {bounded_list(dev)} with tensor map {_show_map(pl.tensor_map)}"
                 )
         elif size not in (0, 1, -1) and step == 0:
             raise LayoutError(
@@ -145,12 +162,20 @@ class Layout:
             )
         return Layout(dev, tuple(dim_axes), k)
 
+    def __hash__(self) -> int:
+        return self._hash
+
+    @cached_property
+    def _hash(self) -> int:
+        # layouts key the planner's caches, once per parameter and target rank: hash them once
+        return hash((self.dev_matrix, self.dim_axes, self.opt_shard))
+
     # ------------------------------------------------------------------------------ properties
     @property
     def ndim(self) -> int:
         return len(self.dim_axes)
 
-    @property
+    @cached_property
     def devices(self) -> int:
         return prod(self.dev_matrix)
 
@@ -175,9 +200,13 @@ class Layout:
     def replicas(self) -> int:
         return self.devices // prod(self.split) if self.dim_axes else self.devices
 
-    @property
+    @cached_property
     def is_sharded(self) -> bool:
         return any(d > 1 for d in self.divisors)
+
+    @cached_property
+    def _origin(self) -> tuple[int, ...]:
+        return (0,) * len(self.dim_axes)
 
     # ------------------------------------------------------------------------------ rank math
     def replica_index(self, rank: int) -> int:
@@ -192,6 +221,8 @@ class Layout:
 
     def block(self, rank: int) -> tuple[int, ...]:
         """The rank's unit index in every dimension."""
+        if not self.is_sharded:
+            return self._origin
         c = coords(rank, self.dev_matrix)
         out = [mixed_radix([c[p] for p in axes], [self.dev_matrix[p] for p in axes]) for axes in self.dim_axes]
         if out and self.opt_shard > 1:
@@ -202,7 +233,7 @@ class Layout:
         for i, (n, d) in enumerate(zip(global_shape, self.divisors)):
             if n % d:
                 raise LayoutError(
-                    f"parameter {name!r}: dimension {i} of size {n} cannot be split into {d} equal parts"
+                    f"parameter {quoted(name)}: dimension {i} of size {n} cannot be split into {d} equal parts"
                 )
 
     def local_shape(self, global_shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -217,17 +248,61 @@ class Layout:
         return tuple((b * u, (b + 1) * u) for b, u in zip(self.block(rank), unit))
 
     @cached_property
-    def chunk_members(self) -> dict[int, dict[tuple[int, ...], int]]:
-        """chunk -> {block -> the one rank of that chunk holding it}; the blocks of a chunk tile the tensor."""
-        members: dict[int, dict[tuple[int, ...], int]] = {}
-        for q in range(self.devices):
-            members.setdefault(self.chunk(q), {}).setdefault(self.block(q), q)
-        return members
+    def _weights(self) -> tuple[int, ...]:
+        """W_p = prod(dev_matrix[p+1:]): how far one step on position p moves the rank."""
+        out, w = [], 1
+        for d in reversed(self.dev_matrix):
+            out.append(w)
+            w *= d
+        return tuple(reversed(out))
+
+    def rank_holding(self, chunk: int, block: tuple[int, ...]) -> int:
+        """The rank of optimizer chunk `chunk` that holds `block` (one unit index per dimension).
+
+        The inverse of ``(chunk(q), block(q))``, computed from the digits: the block's model-parallel
+        index of each dimension gives the coordinates on that dimension's positions, and the
+        replica index ``chunk * k + part`` (``part`` = the optimizer part of dimension 0) gives the
+        coordinates on the unused positions. The blocks of one chunk tile the tensor, so every
+        block has exactly one holder in every chunk.
+        """
+        k = self.opt_shard
+        digits = [0] * len(self.dev_matrix)
+        part = 0
+        for i, axes in enumerate(self.dim_axes):
+            b = block[i]
+            if i == 0 and k > 1:
+                b, part = divmod(b, k)
+            for p in reversed(axes):
+                b, digits[p] = divmod(b, self.dev_matrix[p])
+        u = chunk * k + part
+        for p in reversed(self.unused_positions):
+            u, digits[p] = divmod(u, self.dev_matrix[p])
+        return sum(c * w for c, w in zip(digits, self._weights))
+
+    @cached_property
+    def blocks_key(self) -> tuple:
+        """What decides the block every rank holds: equal for layouts whose ranks hold the same
+        blocks (they may differ in axes of size 1, or in how the replicas are ordered)."""
+        weights = self._weights
+        dims = tuple(tuple((self.dev_matrix[p], weights[p]) for p in axes if self.dev_matrix[p] > 1)
+                     for axes in self.dim_axes)
+        unused = tuple((self.dev_matrix[p], weights[p]) for p in self.unused_positions if self.dev_matrix[p] > 1)
+        return self.devices, dims, self.opt_shard, unused if self.opt_shard > 1 else ()
+
+    @property
+    def chunks(self) -> int:
+        """Number of optimizer chunks: sets of ranks that together hold one full copy."""
+        return self.replicas // self.opt_shard
 
     def describe(self) -> str:
         axes = [("*" if not a else "(" + ",".join(str(len(self.dev_matrix) - 1 - p) for p in a) + ")") for a in self.dim_axes]
         opt = f", optimizer shards {self.opt_shard}" if self.opt_shard > 1 else ""
-        return f"dev {list(self.dev_matrix)} map [{', '.join(axes)}]{opt}"
+        return shorten(f"dev {list(self.dev_matrix)} map [{', '.join(axes)}]{opt}", 160)
+
+
+@lru_cache(maxsize=256)
+def _replicated(ndim: int, devices: int) -> Layout:
+    return Layout((devices,), tuple(() for _ in range(ndim)), 1)
 
 
 @lru_cache(maxsize=4096)
@@ -236,4 +311,108 @@ def _shared_layout(pl: ParamLayout, ndim: int, stage_devices: int | None) -> Lay
 
 
 def _show_map(tensor_map) -> str:
-    return "[" + ", ".join(str(list(e)) if isinstance(e, tuple) else str(e) for e in tensor_map) + "]"
+    return shorten("[" + ", ".join(str(list(e)) if isinstance(e, tuple) else str(e) for e in tensor_map) + "]", 120)
+
+
+# ============================================================================ JSON's flattened maps
+#
+# MindSpore's JSON writer records a dimension split over several device axes as several entries:
+# the dimension becomes sub-dimensions [d(a1), ..., d(a(m-1)), rest] mapped to [a1, ..., am], and
+# `tensor_shape` holds the sub-dimensions' sizes (the "extended" shape). A [32, 64] weight laid
+# out as (("dp", "mp"), None) is recorded `tensor_map [2, 0, -1]`, `tensor_shape [2, 16, 64]`,
+# where the protobuf file of the same layout holds `[[2, 0], -1]`.
+#
+# Folding it back needs the tensor's number of dimensions, which only the checkpoint tells, so it
+# is done where layouts meet tensors (the planner), not when the file is read. Two neighbouring
+# entries may belong to one dimension only if both name an axis and the first one's size is its
+# axis's size; among the ways to merge such neighbours into the right number of dimensions, the
+# one whose global shape agrees with the checkpoint's local shape (or a known global shape) is
+# taken. Distinct foldings that agree with the tensor equally are refused as ambiguous.
+
+MAX_FOLDINGS = 4096  # ways to fold one map tried at most (a map has at most MAX_AXES entries)
+
+
+def is_flattened(pl: ParamLayout) -> bool:
+    """A JSON layout that may hold multi-axis dimensions as several entries (flat map, and one
+    extended-shape entry per map entry)."""
+    return (pl.tensor_shape is not None and len(pl.tensor_shape) == len(pl.tensor_map)
+            and not any(isinstance(e, tuple) for e in pl.tensor_map))
+
+
+def _mergeable(pl: ParamLayout) -> list[int]:
+    """Boundaries j (between entries j and j+1) that may lie inside one multi-axis dimension."""
+    dev, tm, ts = pl.dev_matrix, pl.tensor_map, pl.tensor_shape
+    n = len(dev)
+    return [j for j in range(len(tm) - 1)
+            if tm[j] != -1 and tm[j + 1] != -1 and 0 <= tm[j] < n and ts[j] == dev[n - 1 - tm[j]]]
+
+
+def folded_ndims(pl: ParamLayout) -> range:
+    """The numbers of dimensions a recorded layout can describe: its map's length, and for a
+    flattened JSON map down to as many merges as its neighbours allow."""
+    if not is_flattened(pl):
+        return range(len(pl.tensor_map), len(pl.tensor_map) + 1)
+    return range(len(pl.tensor_map) - len(_mergeable(pl)), len(pl.tensor_map) + 1)
+
+
+def unflatten(pl: ParamLayout, ndim: int, *, stage_devices: int | None = None, local_shape=None,
+              global_shape=None, name: str = "?") -> ParamLayout:
+    """The layout `pl` records, with a flattened JSON map folded into `ndim` dimensions (nested
+    entries for multi-axis ones) and ``tensor_shape`` the tensor's global shape. Layouts that need
+    no folding are returned as they are."""
+    tm, ts = pl.tensor_map, pl.tensor_shape
+    if len(tm) == ndim or not is_flattened(pl) or len(tm) < ndim:
+        return pl
+    where = f"parameter {quoted(name)}"
+    merges = len(tm) - ndim
+    eligible = _mergeable(pl)
+    what = (f"{where}: JSON tensor map {_show_map(tm)} with tensor_shape {bounded_list(ts)} (multi-axis dimensions "
+            f"recorded flattened)")
+    if len(eligible) < merges or comb(len(eligible), merges) > MAX_FOLDINGS:
+        raise LayoutError(f"{what} does not fold into the {ndim} dimension(s) of the checkpoint tensor")
+    found: dict[tuple, ParamLayout] = {}
+    for cut in itertools.combinations(eligible, merges):
+        groups, start = [], 0
+        for j in range(len(tm)):
+            if j not in cut:
+                groups.append(range(start, j + 1))
+                start = j + 1
+        entries = tuple(tuple(tm[j] for j in g) if len(g) > 1 else tm[g[0]] for g in groups)
+        shape = tuple(prod(ts[j] for j in g) for g in groups)
+        if global_shape is not None and tuple(global_shape) != shape:
+            continue
+        candidate = dataclasses.replace(pl, tensor_map=entries, tensor_shape=shape)
+        try:
+            layout = Layout.from_recorded(candidate, ndim, stage_devices, name)
+        except LayoutError:
+            continue
+        if local_shape is not None and (layout.global_shape(tuple(local_shape)) != shape
+                                        or any(n % d for n, d in zip(shape, layout.divisors))):
+            continue
+        found.setdefault((layout.blocks_key, shape), candidate)
+    if len(found) == 1:
+        return next(iter(found.values()))
+    against = f" (local shape {bounded_list(local_shape)})" if local_shape is not None else ""
+    if not found:
+        raise LayoutError(f"{what} does not fold into the {ndim} dimension(s) of the checkpoint tensor{against}")
+    raise LayoutError(f"{what} folds into {ndim} dimension(s) in {len(found)} ways that fit the tensor{against}; "
+                      "give the strategy as protobuf (.ckpt), which records multi-axis dimensions unambiguously")
+
+
+def common_ndim(layouts: list[ParamLayout]) -> int:
+    """The number of dimensions of a tensor known only from recorded layouts (the first one's and
+    the other side's): the largest all of them can describe whose foldings agree on the global
+    shape where it is recorded. Used where no checkpoint tells (rank lists from strategies alone)."""
+    first = layouts[0]
+    candidates = set(folded_ndims(first))
+    for other in layouts[1:]:
+        candidates &= set(folded_ndims(other))
+    for ndim in sorted(candidates, reverse=True):
+        try:
+            shapes = {unflatten(pl, ndim).tensor_shape for pl in layouts if pl.tensor_shape is not None}
+        except LayoutError:
+            continue
+        if len(shapes) <= 1:
+            return ndim
+    return len(first.tensor_map)  # nothing fits: building the layout names the mismatch
+

@@ -45,11 +45,29 @@ def table(headers: Sequence[str], rows: Iterable[Sequence[Any]], *, indent: str 
     return "\n".join(lines)
 
 
-def shorten(text: str, limit: int = 120) -> str:
-    """`text`, or its start and end around an ellipsis when longer than `limit` characters: error
-    lines stay one readable line even when a parameter or file name is megabytes long."""
+def shorten(text: object, limit: int = 96) -> str:
+    """`text` cut in the middle with an ellipsis when longer than `limit` characters.
+
+    Error messages name parameters and files; a name can be arbitrarily long (or hostile), and a
+    message must stay one readable line. The start and the end of a name are what tell names
+    apart (``layers.17.….weight``), so both are kept.
+    """
     text = str(text)
     if len(text) <= limit:
         return text
-    keep = max(limit - 1, 2)
-    return text[: keep - keep // 3] + "…" + text[len(text) - keep // 3:]
+    keep = max(2, limit - 1)
+    head = (keep + 1) // 2
+    return text[:head] + "…" + text[len(text) - (keep - head):]
+
+
+def quoted(name: object, limit: int = 96) -> str:
+    """A name for a one-line message: shortened, then quoted with escapes (so a newline in a
+    name cannot break the line)."""
+    return repr(shorten(name, limit))
+
+
+def bounded_list(values: Sequence[Any], limit: int = 8) -> str:
+    """A list for a one-line message, cut after `limit` items: ``[0, 1, 2, …]``."""
+    values = list(values[:limit + 1]) if isinstance(values, (list, tuple)) else list(values)
+    shown = ", ".join(shorten(v, 24) for v in values[:limit])
+    return f"[{shown}{', …' if len(values) > limit else ''}]"

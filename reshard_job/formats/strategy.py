@@ -4,18 +4,28 @@ and the merge of per-stage pipeline strategy files.
 A file is JSON exactly when its name ends in ``.json`` (MindSpore's rule); anything else is
 protobuf. Reading yields a ``StrategyFile`` whose ``layouts`` keep the file's own keys (merged
 pipeline files prefix them with ``"<stage>-"``); the meaning of those keys (stages, shared
-parameters, devices per stage) is worked out by ``reshard_job.strategy``.
+parameters, devices per stage) is worked out by ``reshard_job.topology``.
+
+Layouts are kept as recorded. A multi-axis dimension is one nested ``tensor_map`` entry in
+protobuf, but several flat entries in JSON (with the "extended" ``tensor_shape``, as MindSpore's
+JSON writer records it): folding those back needs the tensor's number of dimensions, which only
+the checkpoint knows, so it happens in planning (``layout.unflatten``). Writing JSON flattens
+nested layouts the same way (``ParamLayout.flattened``). Counts a file declares are bounded
+(``MAX_DEVICES``, ``MAX_STAGES``, ``MAX_AXES``) as it is read.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
 import re
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from ..errors import StrategyFormatError
+from ..text import bounded_list, quoted, shorten
 from . import schema
 from ..storage.atomic import write_bytes_atomic
 
@@ -23,6 +33,14 @@ JSON_SUFFIX = ".json"
 FORMAT_PROTOBUF = "protobuf"
 FORMAT_JSON = "json"
 MERGED_KEY = re.compile(r"^(\d+)-(.+)$", re.S)
+
+# Ceilings on what a strategy may declare. Real clusters have thousands to tens of thousands of
+# devices; these are far above that and far below sizes whose mere enumeration would hang or
+# exhaust memory. Every count or index taken from a strategy is checked against them before it
+# sizes a loop or an allocation.
+MAX_DEVICES = 2**20  # devices of one pipeline stage, and of all stages together
+MAX_STAGES = 2**20  # pipeline stages (a stage number must be below it)
+MAX_AXES = 64  # entries of a device matrix, of a tensor map, of one multi-axis tensor-map entry
 
 AxisEntry = int | tuple[int, ...]
 
@@ -40,11 +58,55 @@ class ParamLayout:
     field: int = 0
     tensor_shape: tuple[int, ...] | None = None  # JSON only; informational
 
+    def __hash__(self) -> int:
+        return self._hash
+
+    @cached_property
+    def _hash(self) -> int:
+        # layouts key caches once per parameter: hash each one once
+        return hash((self.dev_matrix, self.tensor_map, self.opt_shard_step, self.opt_shard_size,
+                     self.param_split_shape, self.indices_offset, self.field, self.tensor_shape))
+
     @property
     def nested(self) -> bool:
         return any(isinstance(e, tuple) for e in self.tensor_map)
 
+    def flattened(self) -> "ParamLayout":
+        """The form MindSpore's JSON writer records a multi-axis layout in: a dimension split over
+        axes [a1, ..., am] becomes sub-dimensions of sizes [d(a1), ..., d(a(m-1)), rest] mapped to
+        [a1, ..., am], with those sizes in ``tensor_shape`` (the "extended" shape). Needs the
+        global shape in ``tensor_shape``; raises ValueError without it."""
+        if not self.nested:
+            return self
+        if self.tensor_shape is None or len(self.tensor_shape) != len(self.tensor_map):
+            raise ValueError("a multi-axis layout is written to JSON flattened, which needs the tensor's global "
+                             "shape (tensor_shape)")
+        n = len(self.dev_matrix)
+        entries: list[int] = []
+        shape: list[int] = []
+        for entry, size in zip(self.tensor_map, self.tensor_shape):
+            axes = [m for m in (entry if isinstance(entry, tuple) else (entry,)) if m != -1]
+            if not axes:
+                entries.append(-1)
+                shape.append(size)
+                continue
+            rest = size
+            for m in axes[:-1]:
+                d = self.dev_matrix[n - 1 - m] if 0 <= m < n else 0
+                if d < 1 or rest % d:
+                    raise ValueError(f"a dimension of size {size} cannot be split over device axes {axes}")
+                entries.append(m)
+                shape.append(d)
+                rest //= d
+            entries.append(axes[-1])
+            shape.append(rest)
+        return dataclasses.replace(self, tensor_map=tuple(entries), tensor_shape=tuple(shape))
+
     def to_json_dict(self) -> dict:
+        """The JSON strategy entry (multi-axis dimensions flattened, as MindSpore writes them)."""
+        flat = self.flattened()
+        if flat is not self:
+            return flat.to_json_dict()
         d = {
             "dev_matrix": list(self.dev_matrix),
             "tensor_map": [list(e) if isinstance(e, tuple) else e for e in self.tensor_map],
@@ -139,32 +201,35 @@ def parse_protobuf_strategy(data: bytes, path: str | None = None) -> StrategyFil
     if not msg.parallel_layout_item and not msg.parallel_strategy_item:
         raise StrategyFormatError(path, "no parameter layouts or operator strategies: not a strategy file")
     layouts: dict[str, ParamLayout] = {}
+    shared: dict[ParamLayout, ParamLayout] = {}
     for item in msg.parallel_layout_item:
         name = item.param_name
         if not isinstance(name, str):  # proto2 strings holding invalid UTF-8 come back as bytes
-            raise StrategyFormatError(path, f"parameter name {name!r} is not valid UTF-8")
+            raise StrategyFormatError(path, f"parameter name {quoted(name)} is not valid UTF-8")
         pl = item.parallel_layouts
         if not pl.dev_matrix:
-            raise StrategyFormatError(path, f"parameter {name!r}: layout has no dev_matrix")
+            raise StrategyFormatError(path, f"parameter {quoted(name)}: layout has no dev_matrix")
         if not pl.tensor_map:
-            raise StrategyFormatError(path, f"parameter {name!r}: layout has no tensor_map")
+            raise StrategyFormatError(path, f"parameter {quoted(name)}: layout has no tensor_map")
         maps = [tuple(t.dim) for t in pl.tensor_map]
         if len(maps) == 1:
             tensor_map: tuple = maps[0]
         else:  # one TensorMap per dimension (multi-axis); the empty pad entry of 1-D tensors drops out
             tensor_map = tuple(m for m in maps if m)
-        layouts[name] = ParamLayout(
+        layouts[name] = _interned(shared, ParamLayout(
             dev_matrix=_dev_matrix(tuple(pl.dev_matrix[0].dim), path, name),
-            tensor_map=tensor_map,
+            tensor_map=_tensor_map(tensor_map, path, name),
             opt_shard_step=int(pl.opt_weight_shard_step),
             opt_shard_size=int(pl.opt_weight_shard_size),
             param_split_shape=tuple(pl.param_split_shape[0].dim) if pl.param_split_shape else (),
             indices_offset=tuple(pl.indices_offset[0].dim) if pl.indices_offset else (),
             field=int(pl.field),
-        )
+        ))
     bad = next((it.node_name for it in msg.parallel_strategy_item if not isinstance(it.node_name, str)), None)
     if bad is not None:
-        raise StrategyFormatError(path, f"operator name {bad!r} is not valid UTF-8")
+        raise StrategyFormatError(path, f"operator name {quoted(bad)} is not valid UTF-8")
+    for it in msg.parallel_strategy_item:
+        _check_stage(int(it.parallel_strategys.stage), path, f"operator {quoted(it.node_name)}")
     items = [
         StrategyItem(
             it.node_name,
@@ -176,15 +241,39 @@ def parse_protobuf_strategy(data: bytes, path: str | None = None) -> StrategyFil
     return StrategyFile(layouts, items, int(msg.current_stage), FORMAT_PROTOBUF, path)
 
 
+def _interned(shared: dict, layout: ParamLayout) -> ParamLayout:
+    """Equal layouts as one object: a model of 300,000 parameters has a handful of layouts."""
+    return shared.setdefault(layout, layout)
+
+
+def _check_stage(stage: int, path, where: str) -> None:
+    if not 0 <= stage < MAX_STAGES:
+        raise StrategyFormatError(path, f"{where}: pipeline stage {stage} is out of range (0..{MAX_STAGES - 1})")
+
+
 def _dev_matrix(dims: tuple[int, ...], path, name) -> tuple[int, ...]:
+    where = f"parameter {quoted(name)}: dev_matrix {bounded_list(dims)}"
+    if len(dims) > MAX_AXES:
+        raise StrategyFormatError(path, f"{where} has {len(dims)} axes, more than {MAX_AXES}")
     if any(d < 1 for d in dims):
-        raise StrategyFormatError(path, f"parameter {name!r}: dev_matrix {list(dims)} must hold positive device counts")
+        raise StrategyFormatError(path, f"{where} must hold positive device counts")
+    devices = 1
+    for d in dims:
+        devices *= d
+        if devices > MAX_DEVICES:
+            raise StrategyFormatError(path, f"{where} declares more than {MAX_DEVICES} devices")
     return dims
+
+
+def _tensor_map(entries: tuple, path, name) -> tuple:
+    if len(entries) > MAX_AXES or any(isinstance(e, tuple) and len(e) > MAX_AXES for e in entries):
+        raise StrategyFormatError(path, f"parameter {quoted(name)}: tensor_map has more than {MAX_AXES} entries")
+    return entries
 
 
 def _int_list(value, path, what) -> tuple[int, ...]:
     if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        raise StrategyFormatError(path, f"{what} must be a list of integers, got {value!r}")
+        raise StrategyFormatError(path, f"{what} must be a list of integers, got {shorten(repr(value), 80)}")
     return tuple(value)
 
 
@@ -204,8 +293,9 @@ def parse_json_strategy(data: bytes, path: str | None = None) -> StrategyFile:
     if not raw_layouts and not raw_items:
         raise StrategyFormatError(path, "no parameter layouts or operator strategies: not a strategy file")
     layouts: dict[str, ParamLayout] = {}
+    shared: dict[ParamLayout, ParamLayout] = {}
     for name, d in raw_layouts.items():
-        where = f"parameter {name!r}"
+        where = f"parameter {quoted(name)}"
         if not isinstance(d, dict):
             raise StrategyFormatError(path, f"{where}: layout must be an object")
         for key in ("dev_matrix", "tensor_map", "field", "opt_weight_shard_step", "opt_weight_shard_size"):
@@ -221,29 +311,31 @@ def parse_json_strategy(data: bytes, path: str | None = None) -> StrategyFile:
             elif isinstance(e, int) and not isinstance(e, bool):
                 entries.append(e)
             else:
-                raise StrategyFormatError(path, f"{where}: tensor_map entries must be integers, got {e!r}")
+                raise StrategyFormatError(path, f"{where}: tensor_map entries must be integers, got {shorten(repr(e), 80)}")
         for key in ("field", "opt_weight_shard_step", "opt_weight_shard_size"):
             if not isinstance(d[key], int) or isinstance(d[key], bool):
-                raise StrategyFormatError(path, f"{where}: {key} must be an integer, got {d[key]!r}")
-        layouts[name] = ParamLayout(
+                raise StrategyFormatError(path, f"{where}: {key} must be an integer, got {shorten(repr(d[key]), 80)}")
+        layouts[name] = _interned(shared, ParamLayout(
             dev_matrix=_dev_matrix(_int_list(d["dev_matrix"], path, f"{where}: dev_matrix"), path, name),
-            tensor_map=tuple(entries),
+            tensor_map=_tensor_map(tuple(entries), path, name),
             opt_shard_step=d["opt_weight_shard_step"],
             opt_shard_size=d["opt_weight_shard_size"],
             param_split_shape=_int_list(d.get("param_split_shape", []), path, f"{where}: param_split_shape"),
             indices_offset=_int_list(d.get("indices_offset", []), path, f"{where}: indices_offset"),
             field=d["field"],
             tensor_shape=_int_list(d["tensor_shape"], path, f"{where}: tensor_shape") if "tensor_shape" in d else None,
-        )
+        ))
     items = []
     for node, d in raw_items.items():
-        if not isinstance(d, dict) or not isinstance(d.get("stage", 0), int):
-            raise StrategyFormatError(path, f"operator {node!r}: strategy item must be an object with an integer 'stage'")
+        stage = d.get("stage", 0) if isinstance(d, dict) else None
+        if not isinstance(stage, int) or isinstance(stage, bool):
+            raise StrategyFormatError(path, f"operator {quoted(node)}: strategy item must be an object with an integer 'stage'")
+        _check_stage(stage, path, f"operator {quoted(node)}")
         strategies = d.get("parallel_strategy", [])
         if not isinstance(strategies, list):
-            raise StrategyFormatError(path, f"operator {node!r}: parallel_strategy must be a list")
+            raise StrategyFormatError(path, f"operator {quoted(node)}: parallel_strategy must be a list")
         items.append(
-            StrategyItem(node, d.get("stage", 0), tuple(_int_list(s, path, f"operator {node!r}: strategy") for s in strategies))
+            StrategyItem(node, stage, tuple(_int_list(s, path, f"operator {quoted(node)}: strategy") for s in strategies))
         )
     stage = obj.get("current_stage", 1)
     return StrategyFile(layouts, items, stage if isinstance(stage, int) else 1, FORMAT_JSON, path)
@@ -298,11 +390,11 @@ def write_strategy(sf: StrategyFile, path: str | os.PathLike, *, mode: int = 0o4
     """Write atomically in the format the name implies; return (size, sha256)."""
     path = os.fspath(path)
     if format_for(path) == FORMAT_JSON:
-        if any(lay.nested for lay in sf.layouts.values()):
-            bad = next(n for n, lay in sf.layouts.items() if lay.nested)
-            raise StrategyFormatError(
-                path, f"parameter {bad!r} has a multi-axis tensor map, which JSON strategy files cannot carry; use a .ckpt name"
-            )
+        for name, lay in sf.layouts.items():
+            try:
+                lay.flattened()
+            except ValueError as e:
+                raise StrategyFormatError(path, f"parameter {quoted(name)}: {e}") from None
         data = to_json_bytes(sf)
     else:
         data = to_protobuf_bytes(sf)
@@ -347,14 +439,26 @@ def merge_pipeline_strategies(src_strategy_dir: str | os.PathLike, dst_strategy_
 
 
 def merge_strategy_files(files: list[StrategyFile]) -> StrategyFile:
-    """Merge parsed per-stage files (pure): stage-prefixed layouts, stages in increasing order."""
+    """Merge parsed per-stage files (pure): stage-prefixed layouts, stages in increasing order.
+
+    A file's stage is that of its operators, which must all agree (a per-stage file describes one
+    stage); the stages found must be exactly ``0..k-1``. Stage numbers that lie (two files
+    claiming one stage with different layouts, a gap, an operator of another stage) are errors:
+    taken at their word they would put layouts on the wrong ranks.
+    """
     by_stage: dict[int, StrategyFile] = {}
     for sf in files:
         if sf.merged:
             raise StrategyFormatError(sf.path, "is already a merged pipeline strategy; pass the per-stage files only")
         if not sf.items:
             raise StrategyFormatError(sf.path, "has no operator strategy items, so its pipeline stage is unknown")
-        stage = sf.file_stage
+        claimed = sorted({it.stage for it in sf.items})
+        if len(claimed) > 1:
+            raise StrategyFormatError(
+                sf.path, f"its operators claim pipeline stages {bounded_list(claimed)}; a per-stage strategy file "
+                         "belongs to one stage"
+            )
+        stage = claimed[0]
         seen = by_stage.get(stage)
         if seen is None:
             by_stage[stage] = sf
@@ -363,11 +467,11 @@ def merge_strategy_files(files: list[StrategyFile]) -> StrategyFile:
                 sf.path, f"claims pipeline stage {stage}, like {seen.path}, but its layouts differ"
             )
     stages = sorted(by_stage)
-    missing = sorted(set(range(max(stages) + 1)) - set(stages))
+    missing = missing_stages(stages)
     if missing:
         raise StrategyFormatError(
             os.path.dirname(files[0].path or "") or None,
-            f"pipeline stage file(s) missing for stage(s) {missing}: found stages {stages}",
+            f"pipeline stage file(s) missing for stage(s) {bounded_list(missing)}: found stages {bounded_list(stages)}",
         )
     layouts: dict[str, ParamLayout] = {}
     items: list[StrategyItem] = []
@@ -377,6 +481,21 @@ def merge_strategy_files(files: list[StrategyFile]) -> StrategyFile:
         for name, lay in sf.layouts.items():
             layouts[f"{stage}-{name}"] = lay
     return StrategyFile(layouts, items, 1, files[0].format, None)
+
+
+def missing_stages(stages: list[int], limit: int = 9) -> list[int]:
+    """Up to `limit` numbers of ``0..max(stages)`` absent from the sorted `stages`, found from the
+    gaps between them (never by listing ``range(max(stages))``, which a hostile file makes huge)."""
+    out: list[int] = []
+    expected = 0
+    for s in stages:
+        while expected < s and len(out) < limit:
+            out.append(expected)
+            expected += 1
+        if len(out) >= limit:
+            break
+        expected = s + 1
+    return out
 
 
 merge_pipeline_strategys = merge_pipeline_strategies  # MindSpore's spelling

@@ -115,14 +115,24 @@ def test_layout_box_equals_reference(case):
 @settings(deadline=None, max_examples=100)
 @given(case=layout_and_shape())
 def test_every_optimizer_chunk_tiles_the_tensor(case):
+    """The ranks of one optimizer chunk hold every block exactly once, and ``rank_holding``
+    (computed from digits, without listing the devices) finds each block's holder: it is the
+    inverse of ``(chunk(q), block(q))``."""
     pl, shape = case
     layout = Layout.from_recorded(pl, len(shape))
-    for chunk, members in layout.chunk_members.items():
+    members: dict[int, dict[tuple, int]] = {}
+    for q in range(layout.devices):
+        chunk, block = layout.chunk(q), layout.block(q)
+        assert block not in members.setdefault(chunk, {}), "two ranks of one chunk hold the same block"
+        members[chunk][block] = q
+        assert layout.rank_holding(chunk, block) == q
+    assert sorted(members) == list(range(layout.chunks))
+    for chunk, held in members.items():
         count = np.zeros(shape, dtype=np.int32)
-        for q in members.values():
+        for q in held.values():
             count[tuple(slice(a, b) for a, b in layout.box(q, shape))] += 1
         assert (count == 1).all()
-        assert len(members) * prod(layout.local_shape(shape)) == prod(shape)
+        assert len(held) * prod(layout.local_shape(shape)) == prod(shape)
 
 
 def golden_layouts():
@@ -171,7 +181,7 @@ def test_compiled_golden_layouts_equal_reference(path, shapes):
     (ParamLayout((2, 2), (2, -1)), 2, "names device axis 2"),
     (ParamLayout((2, 2), (0, 0)), 2, "more than one dimension"),
     (ParamLayout((2, 2), ((0, 1), 1)), 2, "more than one dimension"),
-    (ParamLayout((), (-1,)), 1, "non-empty"),
+    (ParamLayout((), (-1,)), 1, "must be 1 to 64 positive sizes"),
     (ParamLayout((2, 0), (-1,)), 1, "positive"),
     (ParamLayout((2, 2), (1, -1), 1, 3), 2, "does not divide"),
     (ParamLayout((2, 2), (1, 0), 1, 2), 2, "does not divide"),  # no replicas left to shard over

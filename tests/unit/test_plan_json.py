@@ -19,5 +19,8 @@ def test_plan_round_trips_through_json():
     assert [(rp.target_rank, [(p.name, p.action, p.target_shape, p.copies) for p in rp.params]) for rp in again.ranks] == \
            [(rp.target_rank, [(p.name, p.action, p.target_shape, p.copies) for p in rp.params]) for rp in plan.ranks]
     assert doc["totals"] == plan.totals() and doc["omitted"] == plan.omitted
-    first = doc["ranks"][0]["params"][0]["copies"][0]
-    assert isinstance(first[0], int) and len(first[1]) == 2 * len(doc["ranks"][0]["params"][0]["target_shape"])
+    tensor, slice_ = doc["ranks"][0]["params"][:2]  # index pairs into the shared tables
+    target_shape, _, copies = doc["slices"][slice_]
+    assert doc["tensors"][tensor][0] == plan.ranks[0].params[0].name
+    first = copies[0]
+    assert isinstance(first[0], int) and len(first[1]) == 2 * len(target_shape)
