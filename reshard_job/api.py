@@ -54,11 +54,13 @@ __all__ = [
 
 
 def _specs(src_strategy_file, dst_strategy_file, *, src_dir=None, select="latest_step", fmt=FORMAT_CKPT,
-           unmapped=UNMAPPED_OMIT, iteration=None, max_shard_size=DEFAULT_MAX_SHARD_SIZE, include=INCLUDE_WEIGHTS):
+           unmapped=UNMAPPED_OMIT, iteration=None, max_shard_size=DEFAULT_MAX_SHARD_SIZE, include=INCLUDE_WEIGHTS,
+           verify_replicas=True):
     from .job.spec import SourceSpec, TargetSpec
 
     source = SourceSpec(None if src_dir is None else absolute(src_dir),
-                        None if src_strategy_file is None else absolute(src_strategy_file), select, iteration=iteration)
+                        None if src_strategy_file is None else absolute(src_strategy_file), select, iteration=iteration,
+                        verify_replicas=bool(verify_replicas))
     target = TargetSpec(strategy=None if dst_strategy_file is None else absolute(dst_strategy_file), format=fmt,
                         unmapped=unmapped, max_shard_size=parse_shard_size(max_shard_size), include=include)
     return source, target
@@ -96,9 +98,11 @@ def _run(prepared, paths: dict[int, str], options: WriteOptions, workers: int = 
     """Run the tasks; written files by target rank, or for an export by file number (index last)."""
     from .job.convert import rank_tasks, write_export_index
     from .job.executors import LocalExecutor
+    from .job.prepare import check_identical
 
     if prepared.missing:
         raise MissingRankError(prepared.missing, prepared.source.checkpoints or "")
+    check_identical(prepared)
     results: dict[int, WrittenFile] = {}
 
     def done(r: RankResult) -> None:
@@ -118,7 +122,7 @@ def transform_checkpoints(src_checkpoints_dir, dst_checkpoints_dir, ckpt_prefix,
                           unmapped: str = UNMAPPED_OMIT, max_memory: int = DEFAULT_MAX_MEMORY,
                           select: str = "latest_step", iteration: int | None = None,
                           max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
-                          include: str = INCLUDE_WEIGHTS) -> dict[int, WrittenFile]:
+                          include: str = INCLUDE_WEIGHTS, verify_replicas: bool = True) -> dict[int, WrittenFile]:
     """Convert every rank of a distributed checkpoint to the destination layout.
 
     Outputs go to ``<dst>/rank_<r>/<ckpt_prefix><r>.<output_format>``. Returns the written files by
@@ -127,6 +131,9 @@ def transform_checkpoints(src_checkpoints_dir, dst_checkpoints_dir, ckpt_prefix,
     docstring; `iteration` picks another than the latest). ``output_format="safetensors_index"``
     exports the full model into `dst_checkpoints_dir` as shards plus an index (`max_shard_size`,
     `include`); the result is then keyed by file number: shards 0..n-1, the index n.
+    Tensors the source strategy says several ranks hold identically (replicas, tensors it does not
+    lay out) are compared by content first; ``verify_replicas=False`` skips that, for checkpoints
+    whose replicas differ on purpose.
     """
     from .job.convert import unit_paths
 
@@ -135,7 +142,8 @@ def transform_checkpoints(src_checkpoints_dir, dst_checkpoints_dir, ckpt_prefix,
     fmt = _check_format(output_format, dst_strategy_file)
     dst_dir = absolute(dst_checkpoints_dir)
     with _prepare(src_checkpoints_dir, src_strategy_file, dst_strategy_file, select=select, unmapped=unmapped,
-                  fmt=fmt, iteration=iteration, max_shard_size=max_shard_size, include=include) as prepared:
+                  fmt=fmt, iteration=iteration, max_shard_size=max_shard_size, include=include,
+                  verify_replicas=verify_replicas) as prepared:
         paths = unit_paths(prepared, dst_dir, ckpt_prefix, fmt, storage_for(dst_dir))
         if prepared.export is not None:
             storage_for(dst_dir).makedirs(dst_dir)
@@ -144,7 +152,8 @@ def transform_checkpoints(src_checkpoints_dir, dst_checkpoints_dir, ckpt_prefix,
 
 def transform_checkpoint_by_rank(rank_id, checkpoint_files_map: Mapping[int, str | tuple[str, ...]],
                                  save_checkpoint_file_name, src_strategy_file=None, dst_strategy_file=None, *,
-                                 unmapped: str = UNMAPPED_OMIT, max_memory: int = DEFAULT_MAX_MEMORY) -> WrittenFile:
+                                 unmapped: str = UNMAPPED_OMIT, max_memory: int = DEFAULT_MAX_MEMORY,
+                                 verify_replicas: bool = True) -> WrittenFile:
     """Convert one destination rank from the given source files ({global source rank: path}).
 
     The output format follows the file name (``.ckpt`` or ``.safetensors``). For a MindFormers
@@ -173,7 +182,7 @@ def transform_checkpoint_by_rank(rank_id, checkpoint_files_map: Mapping[int, str
         raise ConfigError("checkpoint_files_map gives several files for a rank, which only a MindFormers save "
                           "(an iteration folder with metadata.json) has")
     kinds = {kind_of(paths[0]) or FORMAT_CKPT for paths in files.values()}
-    source, target = _specs(src_strategy_file, dst_strategy_file, unmapped=unmapped)
+    source, target = _specs(src_strategy_file, dst_strategy_file, unmapped=unmapped, verify_replicas=verify_replicas)
     found = RankFiles(os.path.dirname(os.path.commonprefix([p[0] for p in files.values()])) or "/",
                       {r: p[0] for r, p in files.items()}, kinds.pop() if len(kinds) == 1 else FORMAT_CKPT)
     with prepare_files(found, source, target, ranks=(rank_id,)) as prepared:

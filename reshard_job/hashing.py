@@ -17,7 +17,6 @@ the ones hashed. ``audit verify`` never uses the cache.
 
 from __future__ import annotations
 
-import bisect
 import hashlib
 import json
 import os
@@ -29,7 +28,7 @@ from typing import Callable, Iterable, Sequence
 from .storage import SourceChangedError, StorageOptions, storage_for
 
 BLOCK = 4 * 1024 * 1024
-Segments = Sequence[tuple[int, int]]  # (offset, length) ranges, sorted by offset, not overlapping
+Segments = Sequence[tuple[int, int]]  # (offset, length) byte ranges, in any order, possibly overlapping
 
 
 @dataclass(frozen=True)
@@ -56,7 +55,7 @@ def digest_file(path: str, *, segments: Segments | None = None, progress: Callab
     """
     storage = storage_for(path, storage_options)
     h = hashlib.sha256()
-    crcs = [0] * len(segments or ())
+    crcs = _SegmentCrcs(segments or ())
     buf = bytearray(BLOCK)
     mv = memoryview(buf)
     f = storage.open_read(path)
@@ -69,7 +68,7 @@ def digest_file(path: str, *, segments: Segments | None = None, progress: Callab
             chunk = mv[:n]
             h.update(chunk)
             if segments:
-                _update_crcs(crcs, segments, pos, chunk)
+                crcs.update(pos, chunk)
             pos += n
             if progress:
                 progress(n)
@@ -79,22 +78,37 @@ def digest_file(path: str, *, segments: Segments | None = None, progress: Callab
     after = storage.info(path)
     if pos != f.size or after is None or tuple(after.identity) != tuple(identity):
         raise SourceChangedError(f"{path}: changed while it was being hashed; rerun once it is stable")
-    return FileDigest(path, pos, h.hexdigest(), tuple(crcs) if segments is not None else None, tuple(identity))
+    return FileDigest(path, pos, h.hexdigest(), tuple(crcs.crcs) if segments is not None else None, tuple(identity))
 
 
-def _update_crcs(crcs: list[int], segments: Segments, pos: int, chunk: memoryview) -> None:
-    """Feed the part of `chunk` (file bytes from `pos`) that falls in each segment to its CRC.
+class _SegmentCrcs:
+    """CRC32 of many byte ranges of one file, fed by the file's chunks in order.
 
-    Segments are sorted by offset and do not overlap, so the ones a chunk meets are found by
-    bisection: a file of a hundred thousand tensors costs no more per chunk than one of ten."""
-    end = pos + len(chunk)
-    i = max(0, bisect.bisect_right(segments, (pos, float("inf"))) - 1)
-    while i < len(segments) and segments[i][0] < end:
-        off, length = segments[i]
-        lo, hi = max(off, pos), min(off + length, end)
-        if lo < hi:
-            crcs[i] = zlib.crc32(chunk[lo - pos : hi - pos], crcs[i])
-        i += 1
+    Ranges may overlap (a `.ckpt` CRC trailer covers every tensor, which may also be checked on its
+    own). They are taken up in order of their start as the chunks reach them and dropped once
+    passed, so a file of a hundred thousand tensors costs no more per chunk than one of ten."""
+
+    def __init__(self, segments: Segments):
+        self.segments = list(segments)
+        self.order = sorted(range(len(self.segments)), key=lambda i: self.segments[i][0])
+        self.crcs = [0] * len(self.segments)
+        self._next = 0
+        self._active: list[int] = []
+
+    def update(self, pos: int, chunk: memoryview) -> None:
+        end = pos + len(chunk)
+        while self._next < len(self.order) and self.segments[self.order[self._next]][0] < end:
+            self._active.append(self.order[self._next])
+            self._next += 1
+        still = []
+        for i in self._active:
+            off, length = self.segments[i]
+            lo, hi = max(off, pos), min(off + length, end)
+            if lo < hi:
+                self.crcs[i] = zlib.crc32(chunk[lo - pos : hi - pos], self.crcs[i])
+            if off + length > end:
+                still.append(i)
+        self._active = still
 
 
 def digest_files(requests: Iterable[HashRequest], *, threads: int = 2, progress: Callable[[int], None] | None = None,

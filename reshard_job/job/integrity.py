@@ -16,12 +16,13 @@ from dataclasses import dataclass
 
 from ..errors import FormatError
 from ..formats.ckpt import CRC_TRAILER_LEN, CheckpointReader
-from ..formats.crc32 import chain_crc
+from ..formats.crc32 import chain_crc, crc32_combine
 from ..formats.multifile import MultiFileReader
 from ..formats.safetensors import SafetensorsReader
 from ..hashing import FileDigest, HashCache, HashRequest, default_cache_path, digest_files
 from ..storage import StorageOptions
-from .prepare import Prepared
+from ..plan import identical_mismatch
+from .prepare import IDENTICAL_CHECKED, Prepared, identical_to_check
 from .progress import Progress
 
 
@@ -36,7 +37,8 @@ def hash_sources(prepared: Prepared, *, use_cache: bool = True, progress: bool |
                  storage: StorageOptions | None = None) -> SourceDigests:
     needed = sorted(prepared.plan.source_ranks)
     parts = [(r, reader) for r in needed for reader in _file_readers(prepared.readers.reader(r))]
-    requests = [_request(reader) for _, reader in parts]
+    compare = _to_compare(prepared)
+    requests, tensors = zip(*[_request(reader, compare.get(r, ())) for r, reader in parts]) if parts else ((), ())
     cache = HashCache(default_cache_path(), storage) if use_cache else None
     todo = sum(reader.size for (_, reader), q in zip(parts, requests) if cache is None or cache.get(q) is None)
     bar = Progress(todo, len(parts), enabled=progress, desc="hashing sources")
@@ -47,6 +49,7 @@ def hash_sources(prepared: Prepared, *, use_cache: bool = True, progress: bool |
             bar.step_done()
     finally:
         bar.close()
+    _compare_identical(prepared, parts, digests, tensors)
     strategies = digest_files([HashRequest(p) for p in prepared.strategy.files], threads=1, storage_options=storage)
     if cache is not None:
         cache.save()
@@ -67,20 +70,62 @@ def _identities(prepared: Prepared, parts, digests: list[FileDigest]) -> dict[in
     return {r: ids[0] if isinstance(prepared.source_paths[r], str) else tuple(ids) for r, ids in by_rank.items()}
 
 
-def _request(reader) -> HashRequest:
-    """The CRC ranges a file's format asks to be checked, with its sha256."""
+def _format_segments(reader) -> tuple[tuple[int, int], ...]:
+    """The byte ranges whose CRC32 the file's format records (checked in the same read)."""
     if isinstance(reader, CheckpointReader) and reader.has_crc:
-        return HashRequest(reader.path, ((0, reader.size - CRC_TRAILER_LEN),))
+        return ((0, reader.size - CRC_TRAILER_LEN),)
     if isinstance(reader, SafetensorsReader) and reader.has_crc:
         reader.stored_crc()  # a garbled crc_num is refused before anything is read
-        return HashRequest(reader.path, tuple((off, n) for off, n, _ in _tensor_spans(reader)))
-    return HashRequest(reader.path)
+        return tuple((off, n) for off, n, _ in _tensor_spans(reader))
+    return ()
+
+
+def _request(reader, names) -> tuple[HashRequest, list[tuple[str, list[tuple[int, int]]]]]:
+    """One read of the file for its sha256, its format's CRCs, and the CRC of every tensor to be
+    compared across ranks (its pieces, in order); returns the request and those tensors' pieces."""
+    segments = list(_format_segments(reader))
+    tensors = [(name, list(reader.entries[name].pieces)) for name in names if name in reader.entries]
+    for _, pieces in tensors:
+        segments.extend(pieces)
+    return HashRequest(reader.path, tuple(segments) if segments else None), tensors
 
 
 def _tensor_spans(reader: SafetensorsReader) -> list[tuple[int, int, str]]:
     """(file offset, length, name) of every tensor with data, in file order (empty ones add nothing)."""
     return sorted((e.pieces[0][0], e.pieces[0][1], e.name) for e in reader.entries.values()
                   if e.pieces and e.pieces[0][1] > 0)
+
+
+def _to_compare(prepared: Prepared) -> dict[int, list[str]]:
+    """rank -> the tensors it holds that the plan says other ranks hold identically."""
+    out: dict[int, list[str]] = {}
+    for name, groups in identical_to_check(prepared).items():
+        for group in groups:
+            for r in group:
+                out.setdefault(r, []).append(name)
+    return out
+
+
+def _compare_identical(prepared: Prepared, parts, digests, tensors) -> None:
+    """Tensors that must be the same bytes on several ranks, compared by the CRC32 and length taken
+    while hashing: no extra read, and a rank-local slice taken for a whole tensor is refused."""
+    identical = identical_to_check(prepared)
+    if not identical:
+        return
+    seen: dict[tuple[str, int], tuple[int, int]] = {}
+    for (r, reader), d, held in zip(parts, digests, tensors):
+        crcs = list(d.crcs or ())[len(_format_segments(reader)):]
+        for name, pieces in held:
+            crc, total = 0, 0
+            for (_, length), piece_crc in zip(pieces, crcs):
+                crc, total = crc32_combine(crc, piece_crc, length), total + length
+            del crcs[:len(pieces)]
+            seen[(name, r)] = (crc, total)
+    for name, groups in identical.items():
+        for group in groups:
+            if len({seen.get((name, r)) for r in group}) > 1:
+                raise identical_mismatch(name, group, prepared.source.strategy)
+    prepared.checks.append(IDENTICAL_CHECKED)
 
 
 def _check_crcs(reader, digest: FileDigest) -> None:

@@ -30,7 +30,7 @@ from ..execute import SourceFiles
 from ..export import INDEX_FILE, ExportLayout, check_against_index, plan_export, read_index
 from ..formats.mindformers import MindFormersSource
 from ..formats.tensorfile import KIND_TENSOR
-from ..plan import Plan, Planner, TensorMeta
+from ..plan import Plan, Planner, TensorMeta, identical_mismatch
 from ..sources import (LoadedStrategy, RankFiles, discover, discover_export, discover_mindformers, is_export_source,
                        is_mindformers_source, load_strategy)
 from ..storage import StorageOptions, storage_for
@@ -155,7 +155,7 @@ def prepare_mindformers(source: SourceSpec, target: TargetSpec, *, ranks: tuple[
     readers = SourceFiles(found.files, verify_crc=False, identities=found.identities, storage=storage)
     try:
         checks = ["MindFormers metadata.json agrees with every file's header (dtypes, shapes, placement)"]
-        checks += _check_identical(readers, getattr(plan, "identical", {}) or {})
+        checks += list(plan.checks)
         return Prepared(source, found, strategy, readers, index, tgt, plan, missing, checks, save, export)
     except BaseException:
         readers.close()
@@ -205,7 +205,7 @@ def _settle_and_plan(source: SourceSpec, found: RankFiles, strategy: LoadedStrat
                      target: TargetSpec, ranks, storage, checks: list[str]) -> Prepared:
     tgt = settle_target(target, strategy, index, storage)
     plan, missing = _plan(strategy, tgt, target, index, ranks)
-    checks += _check_identical(readers, getattr(plan, "identical", {}) or {})
+    checks += list(plan.checks)
     export = _export_layout(target, plan)
     return Prepared(source, found, strategy, readers, index, tgt, plan, missing, checks, export=export)
 
@@ -265,7 +265,7 @@ def _cross_check(found: RankFiles, strategy: LoadedStrategy, source: SourceSpec,
         checks.append("rank folders without a strategy hold copies of one model (sampled)")
     elif extra:
         _check_extra_ranks(found, strategy, source, index, extra, storage)
-        checks.append("ranks beyond the source strategy hold nothing the others lack")
+        checks.append("ranks beyond the source strategy are copies of ranks within it (sampled)")
     _warn_absent(strategy, index)
     return checks
 
@@ -288,7 +288,7 @@ def _check_extra_ranks(found, strategy, source, index, extra, storage) -> None:
     the others lack; otherwise (a pipeline strategy directory missing its last stage, the strategy
     of another run) their parameters would silently be missing from the outputs."""
     known = set().union(*index.values()) if index else set()
-    with _extra_readers(found, extra, storage) as readers:
+    with _extra_readers(found, extra, storage) as readers, _extra_readers(found, sorted(index), storage) as described:
         for r in extra:
             try:
                 unknown = [n for n in readers.reader(r).names() if n not in known]
@@ -296,6 +296,7 @@ def _check_extra_ranks(found, strategy, source, index, extra, storage) -> None:
                 log.warning("rank_%d is ignored and cannot be read either: %s", r, e)
                 continue
             if not unknown:
+                _check_extra_is_a_copy(found, strategy, source, readers.reader(r), r, described, index, storage)
                 continue
             is_dir = storage_for(source.strategy, storage).info(source.strategy)
             hint = (f"is a pipeline stage's strategy file missing from {source.strategy}?" if is_dir and is_dir.is_dir
@@ -305,6 +306,23 @@ def _check_extra_ranks(found, strategy, source, index, extra, storage) -> None:
                 f"describes, but holds {len(unknown)} parameter(s) that no rank within it holds "
                 f"(e.g. {shorten(unknown[0], 80)!r}); {hint}"
             )
+
+
+def _check_extra_is_a_copy(found, strategy, source, reader, rank: int, described: SourceFiles, index, storage) -> None:
+    """A rank folder beyond the strategy's devices is ignored only as a copy of a described rank
+    (a leftover); holding a tensor no described rank holds says the strategy is not this checkpoint's."""
+    devices = strategy.topology.devices
+    for name in reader.names():
+        entry = reader.entries[name]
+        if entry.kind != KIND_TENSOR:
+            continue
+        holders = [r for r in sorted(index) if name in index[r] and tuple(index[r][name].shape) == tuple(entry.shape)]
+        mine = _sample(reader, name)
+        if not any(_sample(described.reader(h), name) == mine for h in holders):
+            raise PlanError(
+                f"{found.files[rank]}: rank {rank} lies beyond the {devices} rank(s) the source strategy describes, "
+                f"and its {shorten(name, 80)!r} matches no rank within it; was source.strategy saved with these "
+                "checkpoints? (leftover rank folders of another save must be removed)")
 
 
 def _refuse_shards_without_strategy(found: RankFiles, index, extra: list[int], storage) -> None:
@@ -341,22 +359,36 @@ def _sample(reader, name: str) -> str:
     return h.hexdigest()
 
 
-def _check_identical(readers: SourceFiles, identical: dict[str, list[int]]) -> list[str]:
-    """Parameters the source strategy does not lay out must be the same bytes on every rank holding
-    them: a rank-local slice taken for a whole tensor is how a wrong strategy turns into a wrong
-    checkpoint."""
-    for name, ranks in identical.items():
-        digests = {}
-        for r in ranks:
-            h = hashlib.sha256()
-            for block in readers.reader(r).iter_content(name):
-                h.update(block)
-            digests[r] = h.hexdigest()
-        first = min(digests)
-        other = next((r for r in sorted(digests) if digests[r] != digests[first]), None)
-        if other is not None:
-            raise PlanError(
-                f"parameter {shorten(name, 80)!r} is not laid out by the source strategy, so every rank must hold "
-                f"it whole, but ranks {first} and {other} hold different bytes: was source.strategy saved with "
-                "these checkpoints?")
-    return ["parameters outside the source strategy are identical on every rank"] if identical else []
+IDENTICAL_CHECKED = "tensors that must be identical across source ranks compared by content"
+
+
+def identical_to_check(prepared: Prepared) -> dict:
+    """The plan's ``identical`` groups for the tensors the conversion reads (an export of weights
+    reads no optimizer state, and may not have opened the files holding it)."""
+    if not prepared.source.verify_replicas or not prepared.plan.identical:
+        return {}
+    read = {p.name for rp in prepared.plan.ranks for p in rp.params}
+    return {name: groups for name, groups in prepared.plan.identical.items() if name in read}
+
+
+def check_identical(prepared: Prepared) -> None:
+    """Compare, by reading them, the tensors the plan says several source ranks hold identically
+    (replicas of one block, tensors the source strategy does not lay out). A rank-local slice taken
+    for a whole tensor is how a wrong strategy turns into a wrong checkpoint. The batch job does the
+    same while it hashes the sources (``integrity``), without a read of its own."""
+    identical = identical_to_check(prepared)
+    if not identical:
+        return
+    for name, groups in identical.items():
+        for group in groups:
+            digests = {r: _tensor_digest(prepared.readers.reader(r), name) for r in group}
+            if len(set(digests.values())) > 1:
+                raise identical_mismatch(name, group, prepared.source.strategy)
+    prepared.checks.append(IDENTICAL_CHECKED)
+
+
+def _tensor_digest(reader, name: str) -> str:
+    h = hashlib.sha256()
+    for block in reader.iter_content(name):
+        h.update(block)
+    return h.hexdigest()

@@ -29,7 +29,7 @@ from .convert import Outputs, convert
 from .integrity import hash_sources
 from .memory import fix_mmap_threshold
 from .outputs import OutputDir
-from .prepare import Prepared, prepare
+from .prepare import Prepared, check_identical, prepare
 from .record import LineageRecorder, NoRecorder
 from .report import plan_report
 from .signals import interruptible
@@ -133,6 +133,7 @@ def _plan_json(prepared: Prepared) -> dict:
 
 
 def _plan_only(spec: JobSpec, prepared: Prepared, emit: Callable[[str], None]) -> JobResult:
+    check_identical(prepared)  # the conversion compares them while hashing; a plan reads them
     run_dir = spec.context.run_dir
     os.makedirs(run_dir, exist_ok=True)
     plan_path = os.path.join(run_dir, "plan.json")

@@ -12,11 +12,10 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING
 
+from ..topology import OPTIMIZER_PREFIXES as _OPTIMIZER_PREFIXES
+
 # Prefixes of optimizer-state entries; they follow their parameter's rule unless a rule names them.
-OPTIMIZER_PREFIXES = [
-    "adam_m.", "adam_v.", "moments.", "accu_grads.", "accum.", "exp_avg.", "exp_avg_sq.",
-    "moment1.", "moment2.", "mean_grad.", "mean_square.", "momentum.",
-]
+OPTIMIZER_PREFIXES = list(_OPTIMIZER_PREFIXES)
 
 
 @dataclass
@@ -34,6 +33,10 @@ class SourceConfig:
     # a MindFormers checkpoint folder: which iteration_XXXXXXXX/ to read; null = the one
     # latest_checkpointed_iteration.txt names
     iteration: Optional[int] = None
+    # compare by content the tensors the source strategy says several ranks hold identically
+    # (replicas of one block; tensors it does not lay out). false only for checkpoints whose
+    # replicas differ on purpose
+    verify_replicas: bool = True
 
 
 @dataclass

@@ -110,7 +110,7 @@ def _source(s: schema.SourceConfig, ctx: JobContext) -> SourceSpec:
                              none_means="null for the latest")
     return SourceSpec(absolute(s.checkpoints, ctx.launch_dir) if s.checkpoints is not None else None,
                       absolute(s.strategy, ctx.launch_dir) if s.strategy is not None else None,
-                      s.select, bool(s.unsharded), iteration)
+                      s.select, bool(s.unsharded), iteration, bool(s.verify_replicas))
 
 
 def _target(t: schema.TargetConfig, ctx: JobContext) -> TargetSpec:

@@ -53,6 +53,8 @@ class SourceSpec:
     select: str = "latest_step"
     unsharded: bool = False  # several rank folders without a strategy are copies of one whole model
     iteration: int | None = None  # of a MindFormers save; None: the one latest_checkpointed_iteration.txt names
+    # compare, by content, the tensors the source strategy says are the same on several ranks
+    verify_replicas: bool = True
 
 
 @dataclass(frozen=True)

@@ -317,7 +317,10 @@ def test_by_rank_copies_stage_local_unmapped_parameters_from_the_same_file(tmp_p
     """A parameter outside the strategies that only a later pipeline stage holds (e.g. a buffer that
     is not trainable, when only trainable parameters are recorded) is copied from source local rank
     r mod F of that stage. rank_list_for_transform must name that file, or transform_checkpoint_by_rank given
-    only the listed files takes it from another rank than transform_checkpoints does."""
+    only the listed files reads another rank than transform_checkpoints does. (Such a tensor must be the
+    same on every rank holding it: the job compares them, so they are equal here.)"""
+    from reshard_job.api import build_plan
+
     src = StrategyFile({"0-emb": ParamLayout((2,), (0, -1)), "1-head": ParamLayout((2,), (0, -1))},
                        [StrategyItem("op0", 0, ()), StrategyItem("op1", 1, ())])
     dst = StrategyFile({"emb": ParamLayout((4,), (0, -1)), "head": ParamLayout((4,), (0, -1))},
@@ -330,14 +333,17 @@ def test_by_rank_copies_stage_local_unmapped_parameters_from_the_same_file(tmp_p
         with CheckpointWriter(files[g]) as w:
             w.add("emb" if g < 2 else "head", np.full((4, 4), g, np.float32))
             if g >= 2:
-                w.add("ema.head", np.full((4, 4), g, np.float32))  # differs per rank: shows which was read
-            w.add("global_step", np.array([g], np.int32))
+                w.add("ema.head", np.full((4, 4), 7, np.float32))
+            w.add("global_step", np.array([5], np.int32))
     strategies = str(tmp_path / "src.ckpt"), str(tmp_path / "dst.ckpt")
     out = transform_checkpoints(tmp_path / "src", tmp_path / "out", "checkpoint_", *strategies)
+    plan, prepared = build_plan(tmp_path / "src", *strategies)
+    prepared.close()
     for t in range(4):
-        with CheckpointReader(out[t].path) as r:
-            assert r.read("ema.head").flat[0] == 2 + t % 2  # stage 1, local rank t mod 2
+        read_from = next(p.copies[0].source_rank for p in plan.rank(t).params if p.name == "ema.head")
+        assert read_from == 2 + t % 2  # stage 1, local rank t mod 2
         needed = rank_list_for_transform(t, *strategies)
+        assert read_from in needed
         one = transform_checkpoint_by_rank(t, {g: files[g] for g in needed}, str(tmp_path / f"one{t}.ckpt"),
                                            *strategies)
         assert one.sha256 == out[t].sha256, t

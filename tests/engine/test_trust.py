@@ -28,7 +28,7 @@ from reshard_job.sources import discover, load_strategy
 from reshard_job.topology import Topology, optimizer_base
 
 GOLDEN = Path(__file__).parents[1] / "golden"
-SCENARIOS = sorted(p.name for p in GOLDEN.iterdir() if (p / "manifest.json").is_file())
+SCENARIOS = sorted(p.name for p in GOLDEN.iterdir() if (p / "manifest.json").is_file() and (p / "src_checkpoints").is_dir())
 
 
 @lru_cache(maxsize=None)

@@ -20,8 +20,9 @@ def test_digest_gives_sha256_and_crcs_of_segments(tmp_path):
     d = digest_file(str(p), segments=[(0, len(data) - 17)])
     assert d.sha256 == hashlib.sha256(data).hexdigest() and d.size == len(data)
     assert d.crcs == (zlib.crc32(data[:-17]),) and d.identity
-    # sorted, non-overlapping ranges, some straddling the 4 MiB read blocks
-    segments = [(5, 100), (4 * 1024 * 1024 - 10, 20), (4 * 1024 * 1024 + 10, 5 * 1024 * 1024), (len(data) - 5, 5)]
+    # ranges in any order, overlapping, some straddling the 4 MiB read blocks
+    segments = [(4 * 1024 * 1024 + 10, 5 * 1024 * 1024), (5, 100), (0, len(data)), (4 * 1024 * 1024 - 10, 20),
+                (len(data) - 5, 5), (50, 10)]
     d = digest_file(str(p), segments=segments)
     assert d.crcs == tuple(zlib.crc32(data[o:o + n]) for o, n in segments)
 
@@ -64,17 +65,17 @@ def test_a_file_changed_while_hashed_is_refused(tmp_path, monkeypatch):
     p.write_bytes(os.urandom(12 * 1024 * 1024))
     import reshard_job.hashing as hashing
 
-    real = hashing._update_crcs
+    real = hashing._SegmentCrcs.update
     touched = threading.Event()
 
-    def change_once(*args):
+    def change_once(self, *args):
         if not touched.is_set():
             touched.set()
             with open(p, "r+b") as f:  # another process appending to the file mid-read
                 f.seek(0, 2)
                 f.write(b"more")
-        return real(*args)
+        return real(self, *args)
 
-    monkeypatch.setattr(hashing, "_update_crcs", change_once)
+    monkeypatch.setattr(hashing._SegmentCrcs, "update", change_once)
     with pytest.raises(SourceChangedError, match="changed while it was being hashed"):
         digest_file(str(p), segments=[(0, 10)])
