@@ -52,6 +52,9 @@ def app(cfg) -> None:
                      sweep_id=os.path.abspath(os.path.join(hc.runtime.cwd, hc.sweep.dir)) if multirun else None,
                      job_num=hc.job.num if multirun else None, choices=dict(hc.runtime.choices), from_presets=True)
     try:
+        from .job.signals import raise_pending
+
+        raise_pending()  # a Ctrl-C while starting up stops the job here, before anything is done
         result = run_job(settle(cfg, ctx), emit=_print)
     except _user_errors() as e:
         _scrub_saved_config(ctx.run_dir)
@@ -161,15 +164,16 @@ def main() -> None:
 
         _print(f"reshard_job {__version__}")
         return
-    from .job.signals import Interrupted, interruptible
+    from .job.signals import Interrupted, interruptible, raise_pending
 
     logging.raiseExceptions = False  # a log line to a closed pipe must not print a traceback
     os.environ.setdefault(_USER_FULL_ERROR, os.environ.get("HYDRA_FULL_ERROR", "0"))
     user_full = os.environ[_USER_FULL_ERROR] == "1"
     os.environ["HYDRA_FULL_ERROR"] = "1"
     try:
-        with interruptible():  # from the first instant: a Ctrl-C during start-up is one line too
+        with interruptible(deferred=True):  # from the first instant: noted, raised when the job begins
             _hydra_app()()
+            raise_pending()
     except Interrupted as e:  # before the job started (importing, composing the configuration)
         print(f"reshard_job: {e}: rerun the same command to resume", file=sys.stderr)
         sys.exit(e.exit_code)

@@ -263,6 +263,9 @@ def _cross_check(found: RankFiles, strategy: LoadedStrategy, source: SourceSpec,
     if source.strategy is None and extra and not source.unsharded:
         _refuse_shards_without_strategy(found, index, extra, storage)
         checks.append("rank folders without a strategy hold copies of one model (sampled)")
+    elif extra and source.strategy is None:
+        log.info("source.unsharded=true: rank_%d is the model; rank folders %s are taken as copies of it",
+                 min(index), ", ".join(f"rank_{r}" for r in extra[:8]))
     elif extra:
         _check_extra_ranks(found, strategy, source, index, extra, storage)
         checks.append("ranks beyond the source strategy are copies of ranks within it (sampled)")

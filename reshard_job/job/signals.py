@@ -4,6 +4,11 @@ While a job runs, the first SIGINT (Ctrl-C) or SIGTERM raises ``Interrupted`` in
 so the job unwinds like on any error: workers are killed, temporary files removed, the output lock
 released, the lineage run marked interrupted, one line printed, exit status 130 or 143. The
 handlers are then back to the defaults, so a second Ctrl-C ends the process at once.
+
+Before the job starts (importing, Hydra composing the configuration) the signal is only noted
+(``deferred``) and raised when the job begins: code we do not own is not safe against an exception
+at any instant (Hydra's config loader then fails with an error of its own), and there is nothing to
+clean up yet.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import threading
 from contextlib import contextmanager
 
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
+_pending: list[int] = []
 
 
 class Interrupted(BaseException):
@@ -25,17 +31,28 @@ class Interrupted(BaseException):
         super().__init__(f"interrupted ({name})")
 
 
+def raise_pending() -> None:
+    """Raise ``Interrupted`` for a signal noted while interrupts were deferred."""
+    if _pending:
+        raise Interrupted(_pending[0])
+
+
 @contextmanager
-def interruptible():
-    """Turn SIGINT/SIGTERM into ``Interrupted`` for the duration (main thread only; a no-op elsewhere)."""
+def interruptible(deferred: bool = False):
+    """Turn SIGINT/SIGTERM into ``Interrupted`` for the duration (main thread only; a no-op elsewhere);
+    `deferred`: only note it, for ``raise_pending`` to raise at a safe point."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    raise_pending()
     previous = {s: signal.getsignal(s) for s in EXIT_CODES}
 
     def handler(signum, frame):
         for s in EXIT_CODES:  # a second signal acts at once
             signal.signal(s, signal.SIG_DFL)
+        if deferred:
+            _pending.append(signum)
+            return
         raise Interrupted(signum)
 
     for s in EXIT_CODES:
@@ -43,8 +60,9 @@ def interruptible():
     try:
         yield
     finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
+        if not _pending or not deferred:
+            for s, h in previous.items():
+                signal.signal(s, h)
 
 
 def ignore() -> None:
