@@ -60,8 +60,8 @@ def interruptible(deferred: bool = False):
     try:
         yield
     finally:
-        if not _pending or not deferred:
-            for s, h in previous.items():
+        for s, h in previous.items():
+            if signal.getsignal(s) is handler:  # not when ignore() or a first signal changed it since
                 signal.signal(s, h)
 
 
