@@ -239,9 +239,6 @@ def _with_demo(source: SourceSpec, demo_root: str | None) -> SourceSpec:
 def _usable_ranks(found: RankFiles, strategy: LoadedStrategy, source: SourceSpec) -> dict[int, str]:
     devices = strategy.topology.devices
     extra = sorted(r for r in found.files if r >= devices)
-    if extra and source.strategy is not None:
-        log.warning("ignoring rank director%s %s: the source strategy describes only %d rank(s)",
-                    "ies" if len(extra) > 1 else "y", ", ".join(f"rank_{r}" for r in extra[:16]), devices)
     for rank, others in sorted(found.ignored.items())[:8]:
         if rank < devices:
             log.info("rank_%d: using %s, ignoring %s", rank, os.path.basename(str(found.files[rank])),
@@ -267,8 +264,9 @@ def _cross_check(found: RankFiles, strategy: LoadedStrategy, source: SourceSpec,
         log.info("source.unsharded=true: rank_%d is the model; rank folders %s are taken as copies of it",
                  min(index), ", ".join(f"rank_{r}" for r in extra[:8]))
     elif extra:
-        _check_extra_ranks(found, strategy, source, index, extra, storage)
-        checks.append("ranks beyond the source strategy are copies of ranks within it (sampled)")
+        _check_extra_ranks(found, strategy, source, index, extra, storage)  # raises
+    elif source.strategy is not None:
+        checks.append("no rank folder beyond the ranks the source strategy describes")
     _warn_absent(strategy, index)
     return checks
 
@@ -291,7 +289,7 @@ def _check_extra_ranks(found, strategy, source, index, extra, storage) -> None:
     the others lack; otherwise (a pipeline strategy directory missing its last stage, the strategy
     of another run) their parameters would silently be missing from the outputs."""
     known = set().union(*index.values()) if index else set()
-    with _extra_readers(found, extra, storage) as readers, _extra_readers(found, sorted(index), storage) as described:
+    with _extra_readers(found, extra, storage) as readers:
         for r in extra:
             try:
                 unknown = [n for n in readers.reader(r).names() if n not in known]
@@ -299,7 +297,6 @@ def _check_extra_ranks(found, strategy, source, index, extra, storage) -> None:
                 log.warning("rank_%d is ignored and cannot be read either: %s", r, e)
                 continue
             if not unknown:
-                _check_extra_is_a_copy(found, strategy, source, readers.reader(r), r, described, index, storage)
                 continue
             is_dir = storage_for(source.strategy, storage).info(source.strategy)
             hint = (f"is a pipeline stage's strategy file missing from {source.strategy}?" if is_dir and is_dir.is_dir
@@ -309,23 +306,13 @@ def _check_extra_ranks(found, strategy, source, index, extra, storage) -> None:
                 f"describes, but holds {len(unknown)} parameter(s) that no rank within it holds "
                 f"(e.g. {shorten(unknown[0], 80)!r}); {hint}"
             )
-
-
-def _check_extra_is_a_copy(found, strategy, source, reader, rank: int, described: SourceFiles, index, storage) -> None:
-    """A rank folder beyond the strategy's devices is ignored only as a copy of a described rank
-    (a leftover); holding a tensor no described rank holds says the strategy is not this checkpoint's."""
-    devices = strategy.topology.devices
-    for name in reader.names():
-        entry = reader.entries[name]
-        if entry.kind != KIND_TENSOR:
-            continue
-        holders = [r for r in sorted(index) if name in index[r] and tuple(index[r][name].shape) == tuple(entry.shape)]
-        mine = _sample(reader, name)
-        if not any(_sample(described.reader(h), name) == mine for h in holders):
-            raise PlanError(
-                f"{found.files[rank]}: rank {rank} lies beyond the {devices} rank(s) the source strategy describes, "
-                f"and its {shorten(name, 80)!r} matches no rank within it; was source.strategy saved with these "
-                "checkpoints? (leftover rank folders of another save must be removed)")
+    # A strategy describes every rank of the run it was saved with: more rank folders mean another
+    # run's strategy (whose layouts may still fit the first ranks' shapes) or another save's leftovers.
+    names = ", ".join(f"rank_{r}" for r in extra[:8]) + (", ..." if len(extra) > 8 else "")
+    raise PlanError(f"{found.root}: rank folders {names} lie beyond the {strategy.topology.devices} rank(s) the "
+                    f"source strategy describes; a strategy describes every rank of the run it was saved with, so "
+                    "either it belongs to another run (use the one saved with these checkpoints) or these folders "
+                    "are leftovers of another save (move them away)")
 
 
 def _refuse_shards_without_strategy(found: RankFiles, index, extra: list[int], storage) -> None:

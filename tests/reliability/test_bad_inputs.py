@@ -122,11 +122,15 @@ def pipeline_rank_missing(d: Path) -> Setup:
 
 
 def extra_rank_dirs(d: Path) -> Setup:
+    """More rank folders than the strategy has ranks: another run's strategy (whose layouts may fit the
+    first ranks' shapes and give a wrong model) or leftovers; refused either way, with both remedies."""
     ckpts, _, _, args = _s1(d)
     for r in (8, 9):
         shutil.copytree(ckpts / "rank_0", ckpts / f"rank_{r}")
-    return Setup(args, ["ignoring rank directories rank_8, rank_9: the source strategy describes only 8 rank(s)"],
-                 [ckpts], ok=True)
+    return Setup(args, [f"{ckpts}: rank folders rank_8, rank_9 lie beyond the 8 rank(s) the source strategy describes; "
+                        "a strategy describes every rank of the run it was saved with, so either it belongs to "
+                        "another run (use the one saved with these checkpoints) or these folders are leftovers of "
+                        "another save (move them away)"], [ckpts])
 
 
 def extra_rank_dir_with_unknown_parameters(d: Path) -> Setup:
