@@ -52,6 +52,7 @@ class JobResult:
     plan_path: str | None = None
     lineage_url: str | None = None
     error: str | None = None
+    nodes: list[dict] | None = None  # per Ray node throughput (job.executor=ray)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -99,7 +100,7 @@ def _convert(spec: JobSpec, prepared: Prepared, recorder) -> JobResult:
     finally:
         out.unlock()
     return JobResult(outputs.status, outputs.out_dir, outputs.run_id, outputs.manifest_sha256,
-                     prepared.target.devices)
+                     prepared.target.devices, nodes=outputs.nodes)
 
 
 def _open_output(spec: JobSpec, prepared: Prepared) -> OutputDir:
