@@ -92,9 +92,12 @@ def node_listings(directory: str) -> list[OutputListing]:
             data = read_small_file(path)
         except OSError as exc:
             raise LineageError(f"{path}: cannot read ({exc.strerror or exc})") from None
-        listing = _parse_listing(directory, path, data)
-        if listing.node is not None:
-            out.append(listing)
+        try:
+            claims_node = isinstance(json.loads(data.decode("utf-8")).get("node"), str)
+        except (ValueError, UnicodeDecodeError, AttributeError):
+            claims_node = False
+        if claims_node:  # anything else named manifest.*.json is not the job's
+            out.append(_parse_listing(directory, path, data))
     return out
 
 
