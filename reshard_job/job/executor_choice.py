@@ -10,8 +10,9 @@ node; see ``node_outputs``).
 
 The choice is made once per conversion, inside the convert stage, so every other stage is the
 same whatever runs the ranks. The Ray connection is opened only when something needs the
-cluster (a completed rerun with shared placement never connects) and closed when the
-conversion ends.
+cluster (a completed rerun with shared placement never connects), and then kept until the
+process ends: the next job of a sweep reuses it and the worker processes the cluster has
+started, which would otherwise be started again for every job.
 """
 
 from __future__ import annotations
@@ -51,13 +52,35 @@ class ExecutorChoice:
         """Per Ray node: ranks, bytes read and written, wall, busy and CPU seconds (None when local)."""
         from .throughput import to_json
 
-        if self.ray is None or not self.ray.reports:
+        if not getattr(self.ray, "reports", None):
             return None
         return to_json(self.ray.summary())
 
     def close(self) -> None:
-        if self.ray is not None:
-            self.ray.close()
+        global _kept_address
+        if self.ray is None or self.given is not None:
+            return
+        if self.ray.detach():
+            _kept_address = self.ray.address
+
+
+# The cluster address a job of this process joined and left connected. The connection is kept
+# for the process's lifetime so that the next job of a sweep (``-m``) reuses it and the worker
+# processes the cluster started for it (starting them costs seconds per node); a later job
+# asking for another address disconnects first.
+_kept_address: str | None = None
+
+
+def _leave_other_cluster(address: str) -> None:
+    global _kept_address
+    if _kept_address is None or _kept_address == address:
+        return
+    from .ray_executor import import_ray
+
+    ray = import_ray()
+    if ray.is_initialized():
+        ray.shutdown()
+    _kept_address = None
 
 
 def cluster_layout(spec: JobSpec, devices: int) -> dict | None:
@@ -92,10 +115,12 @@ def choose_executor(spec: JobSpec, prepared: Prepared, out: OutputDir, fingerpri
         return ExecutorChoice(SharedOutputs(out), given=given, workers=spec.run.workers, prepared=prepared)
     from .ray_executor import RayExecutor, memory_per_task
 
+    if given is None:
+        _leave_other_cluster(spec.run.ray.address)
     ray = given if given is not None else RayExecutor(
         spec.run.ray.address, num_cpus_per_task=spec.run.ray.num_cpus_per_task,
         memory_per_task=memory_per_task(spec.run.max_memory), max_retries=spec.run.ray.max_retries,
         placement=placement)
     files = SharedOutputs(out) if placement is None else NodeOutputs(
         out, ray, placement, fingerprint, cluster_layout(spec, devices), overwrite=spec.output.overwrite)
-    return ExecutorChoice(files, ray=ray)
+    return ExecutorChoice(files, ray=ray, given=given)

@@ -217,6 +217,14 @@ class RayExecutor:
             self._ray.shutdown()
         self._ray, self._owns_connection = None, False
 
+    def detach(self) -> bool:
+        """Forget the connection but stay connected (Ray disconnects when the process exits), so
+        that a later executor in this process reuses it and the workers the cluster has started
+        for it; True if this executor had joined the cluster itself."""
+        joined = self._ray is not None and self._owns_connection
+        self._ray, self._owns_connection = None, False
+        return joined
+
     def __enter__(self) -> "RayExecutor":
         self.connect()
         return self

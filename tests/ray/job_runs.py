@@ -30,7 +30,10 @@ KILL_LIMIT = 180.0  # seconds a killer watches before giving up (a broken test m
 
 
 def ray_args(cluster, *extra: str) -> list[str]:
-    return ["job.executor=ray", f"job.ray.address={cluster.address}", "job.progress=false", *extra]
+    """The job on the test cluster. Two CPUs a task: one worker process per node, since every run
+    is a new Ray job whose workers start afresh (seconds each on a loaded 2-core machine)."""
+    return ["job.executor=ray", f"job.ray.address={cluster.address}", "job.progress=false",
+            "job.ray.num_cpus_per_task=2", *extra]
 
 
 def temp_files(*roots: Path) -> list[Path]:

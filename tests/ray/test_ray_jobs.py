@@ -52,26 +52,49 @@ def golden_args(sc) -> list[str]:
     return args + ["target=single"]
 
 
-def audit(cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "reshard_job.audit", "--db",
-                           f"sqlite:///{cwd / 'runs' / 'lineage.db'}", *args], capture_output=True, text=True,
-                          timeout=120, env=app_env())
+def audit(cwd: Path, capsys, *args: str) -> subprocess.CompletedProcess:
+    """``python -m reshard_job.audit`` (its main, in this process: the audit is not what is tested here)."""
+    from reshard_job.audit import main
+
+    capsys.readouterr()
+    code = main(["--db", f"sqlite:///{cwd / 'runs' / 'lineage.db'}", *args])
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, out, err)
 
 
 # ============================================================================ same bytes as a local run
 
 
-def test_golden_scenario_through_ray_gives_the_bytes_of_a_local_run(ray_cluster, golden_scenario, tmp_path, app,
-                                                                     helpers):
-    # one sweep: the same job locally, then on the cluster
-    res = app(tmp_path, "-m", "job.executor=local,ray", *golden_args(golden_scenario), "job.progress=false",
-              f"job.ray.address={ray_cluster.address}", f"output.dir={tmp_path}/out_${{job.executor}}",
-              "hydra.sweep.dir=sweep")
+def scenario_preset(folder: Path, sc, out: Path) -> str:
+    """A config group option standing for one golden scenario (sources, target, output.dir)."""
+    target = {"strategy": sc.dst_strategy, "layout": None, "devices": None if sc.dst_strategy else 1}
+    doc = {"source": {"checkpoints": str(sc.src_checkpoints), "strategy": sc.src_strategy}, "target": target,
+           "output": {"dir": f"{out}/{sc.name}/${{job.executor}}"}}
+    (folder / "scenario").mkdir(parents=True, exist_ok=True)
+    (folder / "scenario" / f"{sc.name}.yaml").write_text("# @package _global_\n" + json.dumps(doc))
+    return sc.name
+
+
+def test_golden_scenarios_through_ray_give_the_bytes_of_local_runs(ray_cluster, all_golden_scenarios, tmp_path, app):
+    """One sweep over every scenario, each converted locally and then on the cluster."""
+    out = tmp_path / "out"
+    names = [scenario_preset(tmp_path / "conf", sc, out) for sc in all_golden_scenarios]
+    res = app(tmp_path, "-m", f"hydra.searchpath=[file://{tmp_path / 'conf'}]", f"+scenario={','.join(names)}",
+              "job.executor=local,ray", f"job.ray.address={ray_cluster.address}", "job.progress=false",
+              "job.ray.num_cpus_per_task=2", "hydra.sweep.dir=sweep")
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "Sweep summary (2 job(s), 0 failed)" in res.stdout
-    local, ray = tmp_path / "out_local", tmp_path / "out_ray"
-    assert rank_files(ray) == rank_files(local)
-    assert sorted(int(name.split("/")[0][5:]) for name in rank_files(ray)) == golden_scenario.dst_ranks
+    assert f"Sweep summary ({2 * len(names)} job(s), 0 failed)" in res.stdout
+    for sc in all_golden_scenarios:
+        _same_as_local(out / sc.name / "local", out / sc.name / "ray", sc)
+    results = [json.loads(p.read_text()) for p in sorted((tmp_path / "sweep").glob("*/result.json"))]
+    on_ray = [r for r in results if r["nodes"]]
+    assert len(on_ray) == len(names) and all("job.executor=ray" in r["overrides"] for r in on_ray)
+    assert {n["host"] for r in on_ray for n in r["nodes"]} and sum(len(r["nodes"]) for r in on_ray) >= len(names)
+
+
+def _same_as_local(local: Path, ray: Path, sc) -> None:
+    assert rank_files(ray) == rank_files(local), sc.name
+    assert sorted(int(name.split("/")[0][5:]) for name in rank_files(ray)) == sc.dst_ranks
     for extra in ("strategy.ckpt", "strategy.json"):
         assert (ray / extra).exists() == (local / extra).exists()
         if (local / extra).exists():
@@ -79,12 +102,9 @@ def test_golden_scenario_through_ray_gives_the_bytes_of_a_local_run(ray_cluster,
     manifests = [json.loads((d / "manifest.json").read_text()) for d in (local, ray)]
     assert manifests[0]["fingerprint"] == manifests[1]["fingerprint"]
     assert manifests[0]["tensors"] == manifests[1]["tensors"]
-    for rank in golden_scenario.dst_ranks:  # and MindSpore's bytes, quirks aside
-        for name, want in golden_scenario.checked(rank).items():
-            assert manifests[1]["tensors"][str(rank)][name] == want, (rank, name)
-    nodes = json.loads((tmp_path / "sweep" / "1" / "result.json").read_text())["nodes"]
-    assert sorted(r for n in nodes for r in n["ranks"]) == golden_scenario.dst_ranks  # it did run on Ray
-    assert json.loads((tmp_path / "sweep" / "0" / "result.json").read_text())["nodes"] is None
+    for rank in sc.dst_ranks:  # and MindSpore's bytes, quirks aside
+        for name, want in sc.checked(rank).items():
+            assert manifests[1]["tensors"][str(rank)][name] == want, (sc.name, rank, name)
     assert temp_files(ray) == []
 
 
@@ -95,7 +115,7 @@ def node_dir(cluster, node: int, rel: str) -> Path:
     return cluster.disk_of(node) / rel
 
 
-def test_per_node_placement_writes_each_rank_on_its_node_with_a_manifest_per_node(ray_cluster, tmp_path, app,
+def test_per_node_placement_writes_each_rank_on_its_node_with_a_manifest_per_node(ray_cluster, tmp_path, app, capsys,
                                                                                   all_golden_scenarios, helpers):
     if not ray_cluster.node_disks:
         pytest.skip("LOUD SKIP: the test nodes share one disk here (no mount namespaces), so where a file "
@@ -139,21 +159,21 @@ def test_per_node_placement_writes_each_rank_on_its_node_with_a_manifest_per_nod
     summary = res.stdout[res.stdout.index("per Ray node:"):]
     assert "reshard_node_0" in summary and "reshard_node_1" in summary
 
-    _audit_node_directories(tmp_path, out, nodes, manifest)
-    _rerun_and_repair(tmp_path, app, args, out, nodes)
+    _audit_node_directories(tmp_path, capsys, out, nodes, manifest)
+    _rerun_and_repair(tmp_path, capsys, app, args, out, nodes)
 
 
-def _audit_node_directories(cwd: Path, out: Path, nodes: list[Path], manifest: dict) -> None:
+def _audit_node_directories(cwd: Path, capsys, out: Path, nodes: list[Path], manifest: dict) -> None:
     run = lineage_runs(cwd / "runs" / "lineage.db")[-1]
     assert run["status"] == "completed"
     recorded = {p for _, _, p in run["outputs"]}
     assert {m["path"] for m in manifest["target"]["node_manifests"]} <= recorded
     for k, d in enumerate(nodes):
-        res = audit(cwd, "verify", str(d))
+        res = audit(cwd, capsys, "verify", str(d))
         assert res.returncode == 0, res.stdout + res.stderr
         assert res.stdout.splitlines()[0].endswith("completed): all 4 files intact")
         assert f"manifest.reshard_node_{k}.json" in res.stdout
-    res = audit(cwd, "verify", str(out))
+    res = audit(cwd, capsys, "verify", str(out))
     assert res.returncode == 2
     assert res.stderr.strip() == (f"error: {out}: its files were written on the target nodes' own disks "
                                   "(output.placement=per_node); verify the same directory on each node "
@@ -163,11 +183,11 @@ def _audit_node_directories(cwd: Path, out: Path, nodes: list[Path], manifest: d
     original = victim.read_bytes()
     os.chmod(victim, 0o644)
     victim.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))
-    res = audit(cwd, "verify", str(nodes[1]))
+    res = audit(cwd, capsys, "verify", str(nodes[1]))
     assert res.returncode == 1 and f"CHANGED    {victim}" in res.stdout
 
 
-def _rerun_and_repair(cwd: Path, app, args: list[str], out: Path, nodes: list[Path]) -> None:
+def _rerun_and_repair(cwd: Path, capsys, app, args: list[str], out: Path, nodes: list[Path]) -> None:
     """Run again: node 1's changed file is found on node 1 and redone; node 0 is left alone."""
     kept = {p: os.stat(p).st_ino for p in nodes[0].rglob("rank_*/*")}
     res = app(cwd, *args)
@@ -176,7 +196,7 @@ def _rerun_and_repair(cwd: Path, app, args: list[str], out: Path, nodes: list[Pa
     assert "1 file(s) listed in its manifest are missing or changed (rank_3/checkpoint_3.ckpt); redoing them" in logs
     assert "resuming: keeping 3 target file(s) that verify: ranks [0, 1, 2]" in logs
     assert {p: os.stat(p).st_ino for p in nodes[0].rglob("rank_*/*")} == kept
-    res = audit(cwd, "verify", str(nodes[1]))
+    res = audit(cwd, capsys, "verify", str(nodes[1]))
     assert res.returncode == 0, res.stdout
     res = app(cwd, *args)  # and once more: nothing to do, checked on the nodes
     assert res.returncode == 0 and res.stdout.startswith("completed (already done): ")
@@ -264,9 +284,8 @@ def test_driver_killed_then_the_same_command_resumes_on_the_nodes(ray_cluster, t
     rel = f"{tmp_path.name}/out"
     out = ray_cluster.local_root / rel
     nodes = [node_dir(ray_cluster, k, rel) for k in (0, 1)]
-    # one task per node at a time, so the ranks land in two waves
-    args = big.args(out, *ray_args(ray_cluster), SLOW, "output.placement=per_node", "target.cluster.nodes=2",
-                    "job.ray.num_cpus_per_task=2")
+    # one task per node at a time (ray_args), so the ranks land in two waves
+    args = big.args(out, *ray_args(ray_cluster), SLOW, "output.placement=per_node", "target.cluster.nodes=2")
     driver = subprocess.Popen(app_command(*args), cwd=tmp_path, env=app_env(), stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)
     try:
