@@ -57,6 +57,7 @@ class RayTestCluster:
     client_port: int
     nodes: list[RayNode] = field(default_factory=list)
     node_disks: bool = False  # each node sees its own folder at local_root
+    cpus_per_node: int = CPUS_PER_NODE
 
     @property
     def local_root(self) -> Path:
@@ -149,7 +150,7 @@ def _start_node(cluster: RayTestCluster, index: int, picker: _PortPicker) -> Ray
              "dashboard-agent-listen-port": picker.one(), "dashboard-agent-grpc-port": picker.one(),
              "runtime-env-agent-port": picker.one(), "metrics-export-port": picker.one()}
     worker_ports = picker.block(WORKER_PORTS_PER_NODE)
-    args = [_ray_cli(), "start", "--block", f"--node-ip-address={NODE_IP}", f"--num-cpus={CPUS_PER_NODE}",
+    args = [_ray_cli(), "start", "--block", f"--node-ip-address={NODE_IP}", f"--num-cpus={cluster.cpus_per_node}",
             "--num-gpus=0", f"--object-store-memory={OBJECT_STORE_BYTES}", f"--resources={{\"{resource}\": 1000}}",
             "--disable-usage-stats", f"--min-worker-port={worker_ports.start}",
             f"--max-worker-port={worker_ports.stop - 1}"]
@@ -283,12 +284,12 @@ def node_disks_possible() -> str | None:
     return None
 
 
-def start_cluster(nodes: int = NODES, *, node_disks: bool = False) -> RayTestCluster:
+def start_cluster(nodes: int = NODES, *, node_disks: bool = False, cpus_per_node: int = CPUS_PER_NODE) -> RayTestCluster:
     """Start the head and the other nodes; on failure, stop what started and raise ClusterStartError.
     `node_disks`: each node gets its own disk at ``local_root`` (see the module docstring)."""
     temp_dir = Path(tempfile.mkdtemp(prefix="rsj-ray-", dir="/tmp"))  # short: Ray's socket paths are limited
     picker = _PortPicker()
-    cluster = RayTestCluster(temp_dir, picker.one(), picker.one(), node_disks=node_disks)
+    cluster = RayTestCluster(temp_dir, picker.one(), picker.one(), node_disks=node_disks, cpus_per_node=cpus_per_node)
     cluster.local_root.mkdir()
     try:
         deadline = time.monotonic() + START_TIMEOUT
