@@ -96,7 +96,8 @@ def cluster_layout(spec: JobSpec, devices: int) -> dict | None:
     except ConfigError as e:
         derived = "" if spec.target.devices is not None else " (from target.strategy)"
         raise ConfigError(f"{e}{derived}") from None
-    return {"nodes": -(-devices // per_node), "devices_per_node": per_node, "node_resource_prefix": c.node_resource_prefix}
+    return {"nodes": -(-devices // per_node), "devices_per_node": per_node,
+            "node_resource_prefix": c.node_resource_prefix}
 
 
 def placement_of(spec: JobSpec, devices: int) -> Placement | None:

@@ -115,8 +115,8 @@ def survey_node(req: SurveyRequest) -> SurveyResult:
     if req.driver_fresh and manifest is None and not req.overwrite:
         present = [f.path for f in req.expected if os.path.lexists(os.path.join(req.out_dir, f.path))]
         if present:
-            return SurveyResult(req.node, problem=_other(req, f"files this tool did not produce "
-                                                              f"({', '.join(present[:3])}{', ...' if len(present) > 3 else ''})"))
+            shown = ", ".join(present[:3]) + (", ..." if len(present) > 3 else "")
+            return SurveyResult(req.node, problem=_other(req, f"files this tool did not produce ({shown})"))
     folders = sorted({os.path.dirname(f.path) for f in req.expected if os.path.dirname(f.path)})
     removed = storage.remove_incomplete(req.out_dir, folders) if os.path.isdir(req.out_dir) else 0
     verified = tuple(f.rank for f in req.claims if _verifies(req.out_dir, f))
@@ -140,7 +140,8 @@ def _unusable(req: SurveyRequest) -> str | None:
 
 
 def _other(req: SurveyRequest, what: str) -> str:
-    return f"output.dir {req.out_dir} on {req.node} holds {what}; choose another output.dir or set output.overwrite=true"
+    return (f"output.dir {req.out_dir} on {req.node} holds {what}; choose another output.dir or set "
+            "output.overwrite=true")
 
 
 def _small_file(path: str) -> bytes | None:

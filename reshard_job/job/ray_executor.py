@@ -250,41 +250,20 @@ class RayExecutor:
         self._check_feasible(needs, by_key, _alive_nodes(ray), waited=None)
         board = ray.remote(ProgressBoard).options(num_cpus=0).remote()
         progress = _ProgressFeed(ray, board)
-        remote = ray.remote(_run_on_worker)
         keys: dict[Any, int] = {}  # object ref -> task key
         shown: dict[int, int] = {}  # task key -> bytes shown to on_bytes so far
         pending: set = set()
         try:
-            # largest ranks first, so one big rank does not run alone at the end
-            for key in sorted(by_key, key=lambda k: -by_key[k].plan.bytes_written):
-                ref = remote.options(**self._options(needs[key])).remote(by_key[key], key, board, self.runner,
-                                                                          self.max_retries)
-                keys[ref] = key
-                pending.add(ref)
+            self._submit(by_key, needs, board, keys, pending)
             check_every = min(FEASIBILITY_CHECK_INTERVAL, max(0.5, self.node_loss_grace / 2))
             next_check = time.monotonic() + check_every
             lost_since: dict[str, float] = {}
             while pending:
-                ready, _ = ray.wait(list(pending), num_returns=1, timeout=POLL_INTERVAL)
-                if ready and len(pending) > 1:
-                    first = set(ready)
-                    rest = [r for r in pending if r not in first]
-                    more, _ = ray.wait(rest, num_returns=len(rest), timeout=0)
-                    ready = list(ready) + list(more)
+                ready = self._wait_ready(pending)
                 progress.show(shown, on_bytes)
                 for ref in ready:
                     pending.discard(ref)
-                    key = keys[ref]
-                    try:
-                        result, report = ray.get(ref)
-                    except Exception as e:
-                        raise self._failure(by_key[key], key, e, board) from None
-                    self._reports.append(report)
-                    extra = report.bytes_reported - shown.get(key, 0)
-                    if extra > 0:
-                        shown[key] = report.bytes_reported
-                        on_bytes(extra)
-                    on_done(result)
+                    self._land(ref, keys[ref], by_key, board, shown, on_bytes, on_done)
                 if pending and time.monotonic() >= next_check:
                     self._check_still_feasible({keys[r]: needs[keys[r]] for r in pending}, by_key, lost_since)
                     next_check = time.monotonic() + check_every
@@ -296,6 +275,41 @@ class RayExecutor:
                 ray.kill(board)
             except Exception:
                 pass
+
+    def _submit(self, by_key: dict[int, RankTask], needs: dict[int, dict[str, float]], board, keys: dict,
+                pending: set) -> None:
+        """Submit every task, largest first (so one big rank does not run alone at the end)."""
+        remote = self._ray.remote(_run_on_worker)
+        for key in sorted(by_key, key=lambda k: -by_key[k].plan.bytes_written):
+            ref = remote.options(**self._options(needs[key])).remote(by_key[key], key, board, self.runner,
+                                                                      self.max_retries)
+            keys[ref] = key
+            pending.add(ref)
+
+    def _wait_ready(self, pending: set) -> list:
+        """The finished tasks: waits up to POLL_INTERVAL for one, then takes all that are done."""
+        ray = self._ray
+        ready, _ = ray.wait(list(pending), num_returns=1, timeout=POLL_INTERVAL)
+        if ready and len(pending) > 1:
+            first = set(ready)
+            rest = [r for r in pending if r not in first]
+            more, _ = ray.wait(rest, num_returns=len(rest), timeout=0)
+            ready = list(ready) + list(more)
+        return list(ready)
+
+    def _land(self, ref, key: int, by_key: dict[int, RankTask], board, shown: dict[int, int],
+              on_bytes: Callable[[int], None], on_done: Callable[[RankResult], None]) -> None:
+        """One finished task: its failure raised, or its report kept, its last bytes shown, its result handed on."""
+        try:
+            result, report = self._ray.get(ref)
+        except Exception as e:
+            raise self._failure(by_key[key], key, e, board) from None
+        self._reports.append(report)
+        extra = report.bytes_reported - shown.get(key, 0)
+        if extra > 0:
+            shown[key] = report.bytes_reported
+            on_bytes(extra)
+        on_done(result)
 
     def summary(self) -> list[NodeThroughput]:
         """Per node: ranks, bytes read and written, wall and busy seconds of the runs so far."""

@@ -284,7 +284,8 @@ def node_disks_possible() -> str | None:
     return None
 
 
-def start_cluster(nodes: int = NODES, *, node_disks: bool = False, cpus_per_node: int = CPUS_PER_NODE) -> RayTestCluster:
+def start_cluster(nodes: int = NODES, *, node_disks: bool = False,
+                  cpus_per_node: int = CPUS_PER_NODE) -> RayTestCluster:
     """Start the head and the other nodes; on failure, stop what started and raise ClusterStartError.
     `node_disks`: each node gets its own disk at ``local_root`` (see the module docstring)."""
     temp_dir = Path(tempfile.mkdtemp(prefix="rsj-ray-", dir="/tmp"))  # short: Ray's socket paths are limited

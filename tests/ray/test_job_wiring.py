@@ -182,7 +182,8 @@ def test_survey_refuses_a_link_out_of_output_dir_and_a_file_in_its_place(tmp_pat
                               f"{elsewhere}, outside output.dir")
     blocked = tmp_path / "file"
     blocked.write_text("x")
-    assert survey_node(request(blocked)).problem == f"output.dir {blocked} on reshard_node_1 exists and is not a directory"
+    problem = survey_node(request(blocked)).problem
+    assert problem == f"output.dir {blocked} on reshard_node_1 exists and is not a directory"
 
 
 def test_publish_writes_strategy_then_manifest_and_checks_the_files(tmp_path):
