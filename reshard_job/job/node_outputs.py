@@ -42,6 +42,7 @@ from ..errors import OutputError
 from ..lineage.records import FileRecord
 from ..storage import storage_for
 from ..tasks import RankResult
+from ..text import rank_ranges
 from .journal import JournalEntry
 from .outputs import OutputDir
 
@@ -286,7 +287,10 @@ class NodeOutputs:
                 by_node[self.node_of(e.rank)][1].append(NodeFile(e.rank, e.path, e.size, e.sha256, tuple(e.identity)))
         calls = {node: (SurveyRequest(self.out.path, node, self.fingerprint, tuple(exp), tuple(cl), fresh,
                                       self.overwrite, will_write),) for node, (exp, cl) in by_node.items()}
-        found = self.executor.run_on_nodes(survey_node, calls, what=f"checking output.dir {self.out.path} on the nodes")
+        holding = {node: "target rank" + ("s " if len(exp) > 1 else " ") + rank_ranges([f.rank for f in exp])
+                   for node, (exp, _) in by_node.items()}
+        found = self.executor.run_on_nodes(survey_node, calls, what=f"checking output.dir {self.out.path} on the "
+                                                                     "target nodes", holding=holding)
         for result in found.values():
             if result.problem:
                 raise OutputError(result.problem)

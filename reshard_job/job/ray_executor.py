@@ -332,14 +332,16 @@ class RayExecutor:
         return ()
 
     # ------------------------------------------------------------------------------ node tasks
-    def run_on_nodes(self, function: Callable[..., Any], calls: Mapping[str, tuple], *, what: str) -> dict[str, Any]:
+    def run_on_nodes(self, function: Callable[..., Any], calls: Mapping[str, tuple], *, what: str,
+                     holding: Mapping[str, str] | None = None) -> dict[str, Any]:
         """``function(*args)`` once on the node offering each custom resource of `calls`; results by resource.
 
         For small jobs that must run where a node's own files are (checking or publishing the
         outputs on its local disk). Like rank tasks: a call whose worker or node died is retried,
         a resource no live node offers is refused at once (or once its node has been gone for
         ``node_loss_grace``), and the first failure stops the others and is raised as one line
-        naming the node and `what` was being done. `function` must be importable on the nodes.
+        naming the node and `what` was being done (`holding`: what each node holds, for messages).
+        `function` must be importable on the nodes.
         """
         if not calls:
             return {}
@@ -347,7 +349,7 @@ class RayExecutor:
         ray = self._ray
         cpus = min(1.0, float(self.num_cpus_per_task))
         needs = {res: {"CPU": cpus, res: float(UNITS_PER_TASK)} for res in calls}
-        self._check_nodes_offer(needs, _alive_nodes(ray), what, waited=None)
+        self._check_nodes_offer(needs, _alive_nodes(ray), what, waited=None, holding=holding)
         remote = ray.remote(_run_on_node)
         refs = {remote.options(num_cpus=cpus, resources={res: float(UNITS_PER_TASK)}, max_retries=self.max_retries,
                                retry_exceptions=False).remote(function, tuple(args)): res
@@ -423,10 +425,11 @@ class RayExecutor:
             self._check_feasible(expired, by_key, nodes, waited=self.node_loss_grace)
 
     def _check_nodes_offer(self, needs: dict[str, dict[str, float]], nodes: list[dict], what: str, *,
-                           waited: float | None) -> None:
+                           waited: float | None, holding: Mapping[str, str] | None = None) -> None:
         unmet = sorted(res for res, need in needs.items() if not any(_fits(need, n) for n in nodes))
         if not unmet:
             return
+        unmet = [f"{res} ({holding[res]})" if holding and res in holding else res for res in unmet]
         offered = "; ".join(f"{n.get('NodeManagerAddress', '?')} {_describe_resources(n.get('Resources', {}))}"
                             for n in nodes) or "none"
         since = f" for the last {waited:.0f} s (a node left?)" if waited else ""
