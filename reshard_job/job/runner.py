@@ -26,6 +26,7 @@ from typing import Callable
 from ..errors import MissingRankError
 from ..storage import storage_for
 from .convert import Outputs, convert
+from .executor_choice import cluster_layout
 from .integrity import hash_sources
 from .memory import fix_mmap_threshold
 from .outputs import OutputDir
@@ -87,6 +88,7 @@ def _convert(spec: JobSpec, prepared: Prepared, recorder) -> JobResult:
     recorder.record_plan(lambda: plan_json)
     if prepared.missing:
         raise MissingRankError(prepared.missing, prepared.source.checkpoints)
+    cluster_layout(spec, prepared.target.devices)  # target.cluster against devices read from target.strategy
     out = _open_output(spec, prepared)
     recorder.ensure_open()  # the run exists before any output is written
     out.lock()

@@ -238,3 +238,18 @@ def test_node_manifests_are_what_the_audit_reads_in_a_node_directory(tmp_path):
     os.remove(out / "manifest.reshard_node_1.json")
     with pytest.raises(LineageError, match="no manifest.json, so not a complete output directory"):
         read_listing(str(out))
+
+
+def test_a_cluster_that_does_not_fit_the_strategy_is_refused_before_anything_is_written(tmp_path, all_golden_scenarios):
+    from reshard_job.job.runner import run_job
+
+    sc = next(s for s in all_golden_scenarios if s.name.startswith("S1_"))  # 4 target ranks
+    out = tmp_path / "out"
+    spec = settled(tmp_path, f"source.checkpoints={sc.src_checkpoints}", f"source.strategy={sc.src_strategy}",
+                   "target=strategy", f"target.strategy={sc.dst_strategy}", f"output.dir={out}",
+                   "target.cluster.devices_per_node=3", "lineage.enabled=false")
+    with pytest.raises(ConfigError) as info:
+        run_job(spec, emit=lambda text: None)
+    assert str(info.value) == ("target.devices 4 is not a multiple of target.cluster.devices_per_node 3 "
+                               "(from target.strategy)")
+    assert not out.exists()
