@@ -22,7 +22,7 @@ if _RELIABILITY not in sys.path:
     sys.path.insert(0, _RELIABILITY)
 
 from local_cluster import cluster_processes  # noqa: E402
-from reliability_helpers import (Launcher, app_command, app_env, lineage_runs, log_lines,  # noqa: E402,F401
+from reliability_helpers import (Launcher, app_command, app_env, lineage_runs, log_lines,  # noqa: E402,F401 (re-exported)
                                  make_big_source, message_lines, the_error)
 
 TEMP_NAME = re.compile(r"^\..+\.[0-9a-f]{12}\.tmp$")
