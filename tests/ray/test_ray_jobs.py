@@ -279,6 +279,7 @@ def _journaled(out: Path) -> list[dict]:
     return entries
 
 
+@pytest.mark.slow  # two more jobs, each starting its workers afresh: half a minute on a loaded 2-core machine
 def test_driver_killed_then_the_same_command_resumes_on_the_nodes(ray_cluster, tmp_path, app, big, big_reference):
     rel = f"{tmp_path.name}/out"
     out = ray_cluster.local_root / rel
