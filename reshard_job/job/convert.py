@@ -16,6 +16,7 @@ output directory (``file``), so a moved directory still verifies whatever its la
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 from dataclasses import dataclass, field, replace
@@ -29,15 +30,17 @@ from ..plan import Plan
 from ..storage import SourceChangedError
 from ..tasks import FORMAT_CKPT, FORMAT_SAFETENSORS, FORMAT_SAFETENSORS_INDEX, RankResult, RankTask, WriteOptions
 from ..text import human_size
-from .executors import Executor, LocalExecutor, default_workers
+from .executor_choice import ExecutorChoice, choose_executor, cluster_layout
+from .executors import Executor
 from .integrity import SourceDigests
 from .journal import JournalEntry
 from .manifest import build_manifest, job_fingerprint
-from .outputs import COMPLETE, PARTIAL, OutputDir
+from .node_outputs import node_manifest_records
+from .outputs import COMPLETE, FRESH, PARTIAL, OutputDir
 from .prepare import Prepared
 from .progress import Progress
 from .record import LineageRecorder, NoRecorder
-from .spec import JobSpec
+from .spec import PLACEMENT_PER_NODE, JobSpec
 
 log = logging.getLogger("reshard_job")
 
@@ -53,6 +56,7 @@ class Outputs:
     manifest_sha256: str  # of the file, as sha256sum prints it
     run_id: str | None = None
     files: list[dict] = field(default_factory=list)
+    nodes: list[dict] | None = None  # per Ray node: ranks, bytes, seconds (job.executor=ray)
 
 
 def output_paths(plan: Plan, out_dir: str, prefix: str, fmt: str, storage) -> dict[int, str]:
@@ -106,10 +110,21 @@ def convert(spec: JobSpec, prepared: Prepared, out: OutputDir, digests: SourceDi
     fingerprint = job_fingerprint(
         source_files=digests.files, source_strategy=_source_strategy(spec, prepared, digests),
         target_strategy_sha256=strategy_sha, target=_target_key(spec, prepared))
-    recorder.record_inputs(_input_records(digests))
+    choice = choose_executor(spec, prepared, out, fingerprint, executor)
+    try:
+        recorder.record_inputs(_input_records(digests))
+        outputs = _convert_into(spec, prepared, out, digests, recorder, fingerprint, choice)
+        outputs.nodes = choice.node_summary()  # printed in the job's final summary
+        return outputs
+    finally:
+        choice.close()
+
+
+def _convert_into(spec: JobSpec, prepared: Prepared, out: OutputDir, digests: SourceDigests, recorder,
+                  fingerprint: str, choice: ExecutorChoice) -> Outputs:
     state = out.state(fingerprint)
     if state == COMPLETE:
-        reused = _reuse_if_intact(spec, out, fingerprint, recorder)
+        reused = _reuse_if_intact(spec, out, fingerprint, recorder, choice.files)
         if reused is not None:
             return reused
         state = PARTIAL
@@ -120,16 +135,16 @@ def convert(spec: JobSpec, prepared: Prepared, out: OutputDir, digests: SourceDi
         log.info("removed %d temporary file(s) left by an interrupted run", removed)
     strategy_out = _write_target_strategy(out, prepared)
     paths = unit_paths(prepared, out.path, spec.target.prefix, spec.target.format, out.storage)
-    kept = out.reusable(paths) if resume else {}
+    kept = choice.files.reusable(paths, resume=resume, fresh=state == FRESH)
     if kept:
         log.info("resuming: keeping %d target file(s) that verify: %s %s", len(kept),
                  "files" if prepared.export is not None else "ranks", sorted(kept))
     written = {r: _entry_as_file(out, e) for r, e in kept.items()}
-    _run_ranks(spec, prepared, out, digests, paths, kept, written, executor)
+    _run_ranks(spec, prepared, out, digests, paths, kept, written, choice)
     if prepared.export is not None and len(prepared.export.shards) not in kept:
         _journal_index(prepared, out, paths, written)
     _check_sources_unchanged(prepared, digests)
-    return _finish(spec, prepared, out, digests, fingerprint, strategy_out, written, recorder)
+    return _finish(spec, prepared, out, digests, fingerprint, strategy_out, written, recorder, choice.files)
 
 
 # ---------------------------------------------------------------------------------- pieces
@@ -155,6 +170,8 @@ def _target_key(spec: JobSpec, prepared: Prepared) -> dict:
            "crc": t.crc, "ranks": list(spec.run.ranks) if spec.run.ranks is not None else None}
     if t.format == FORMAT_SAFETENSORS_INDEX:
         key.update(max_shard_size=t.max_shard_size, include=t.include)
+    if spec.output.placement == PLACEMENT_PER_NODE:  # the same files on other disks: another conversion
+        key["placement"] = {"per_node": cluster_layout(spec, prepared.target.devices)}
     return key
 
 
@@ -163,13 +180,14 @@ def _input_records(digests: SourceDigests) -> list[FileRecord]:
     return records + [FileRecord(d.path, d.sha256, d.size, "strategy") for d in digests.strategies]
 
 
-def _reuse_if_intact(spec: JobSpec, out: OutputDir, fingerprint: str, recorder) -> Outputs | None:
+def _reuse_if_intact(spec: JobSpec, out: OutputDir, fingerprint: str, recorder, files) -> Outputs | None:
     """A complete directory of this very job: nothing to do if every listed file still verifies
-    (same identity as journaled, else re-hashed); otherwise back to partial, keeping what verifies."""
+    (same identity as journaled, else re-hashed; on its node for per-node outputs); otherwise back
+    to partial, keeping what verifies."""
     manifest = out.read_manifest() or {}
     listed = out.listed_outputs(manifest)
-    damaged = [e for e in listed if not out.verify(e)]
-    if spec.run.resume and not damaged:
+    damaged, whole = files.verify_complete(listed, manifest)
+    if spec.run.resume and not damaged and whole:
         log.info("nothing to do: %s already holds this conversion (run %s)", out.path, manifest.get("run_id"))
         return _record_reuse(out, manifest, listed, recorder)
     if spec.run.resume:
@@ -195,6 +213,7 @@ def _record_reuse(out: OutputDir, manifest: dict, listed: list[JournalEntry], re
     if strat:
         path = out.storage.join(out.path, out.storage.basename(strat["path"]))
         outputs.append(FileRecord(path, strat["sha256"], strat["size"], "strategy"))
+    outputs += node_manifest_records(manifest.get("target") or {})
     outputs.append(FileRecord(out.manifest_path, m.sha256, m.size, "manifest"))
     run_id = recorder.complete(outputs)
     return Outputs(STATUS_REUSED, out.path, out.manifest_path, m.sha256, run_id,
@@ -216,21 +235,21 @@ def _entry_as_file(out: OutputDir, e: JournalEntry) -> dict:
 
 
 def _run_ranks(spec: JobSpec, prepared: Prepared, out: OutputDir, digests: SourceDigests, paths: dict[int, str],
-               kept: dict, written: dict, executor: Executor | None) -> None:
+               kept: dict, written: dict, choice: ExecutorChoice) -> None:
     todo = {r: p for r, p in paths.items() if r not in kept}
     options = WriteOptions(spec.target.format, spec.run.max_memory, spec.target.crc)
     tasks = rank_tasks(prepared, todo, options, digests.identities, spec.storage)
-    workers = min(spec.run.workers or default_workers(len(tasks)), max(1, len(tasks)))
-    executor = executor or LocalExecutor(workers, prepared.readers)
+    executor, how = choice.executor_for(len(tasks))
     total = sum(t.plan.bytes_written for t in tasks)
     what = "converting" if prepared.export is None else "exporting"
     bar = Progress(total, len(tasks), enabled=spec.run.progress, desc=what)
-    log.info("%s %d %s with %d worker(s): %s to write", what, len(tasks),
-             "target rank(s)" if prepared.export is None else "shard(s) of target rank 0", workers, human_size(total))
+    log.info("%s %d %s %s: %s to write", what, len(tasks),
+             "target rank(s)" if prepared.export is None else "shard(s) of target rank 0", how, human_size(total))
 
     def on_done(result: RankResult) -> None:
         key = result.part if result.part is not None else result.target_rank
-        _journal(out, written, key, result.path, result.size, result.sha256, result.tensors)
+        _journal(out, written, key, result.path, result.size, result.sha256, result.tensors,
+                 choice.files.identity(result))
         bar.rank_done(result.target_rank, result.size, note="" if result.part is None else out.relative(result.path))
 
     try:
@@ -239,11 +258,13 @@ def _run_ranks(spec: JobSpec, prepared: Prepared, out: OutputDir, digests: Sourc
         bar.close()
 
 
-def _journal(out: OutputDir, written: dict, key: int, path: str, size: int, sha256: str, tensors: dict) -> None:
+def _journal(out: OutputDir, written: dict, key: int, path: str, size: int, sha256: str, tensors: dict,
+             identity: tuple | None = None) -> None:
     """One output file landed: journal it at once (a crash loses only files in flight)."""
-    info = out.storage.info(path)
-    out.journal.append(JournalEntry(key, out.relative(path), size, sha256,
-                                    tuple(info.identity) if info is not None else (), tensors))
+    if identity is None:
+        info = out.storage.info(path)
+        identity = tuple(info.identity) if info is not None else ()
+    out.journal.append(JournalEntry(key, out.relative(path), size, sha256, identity, tensors))
     written[key] = {"path": path, "size": size, "sha256": sha256, "tensors": tensors}
 
 
@@ -263,21 +284,23 @@ def _check_sources_unchanged(prepared: Prepared, digests: SourceDigests) -> None
 
 
 def _finish(spec: JobSpec, prepared: Prepared, out: OutputDir, digests: SourceDigests, fingerprint: str,
-            strategy_out: dict | None, written: dict, recorder) -> Outputs:
+            strategy_out: dict | None, written: dict, recorder, files) -> Outputs:
     run_id = recorder.run_id
-    target_files = [_target_file(prepared, out, key, written[key]) for key in sorted(written)]
-    manifest = build_manifest(
-        run_id=run_id or "", tool_version=__version__, fingerprint=fingerprint, config=spec.config,
-        source=_source_section(spec, prepared, digests),
-        target={"devices": prepared.target.devices, "format": spec.target.format, "prefix": spec.target.prefix,
-                "ranks": list(spec.run.ranks) if spec.run.ranks else None, "strategy": strategy_out,
-                "files": target_files, **_export_section(prepared)},
-        tensors={str(r): written[r]["tensors"] for r in sorted(written)},
-        plan_summary=_plan_summary(prepared), checks=prepared.checks + ["sources unchanged since hashed"])
-    m_size, m_sha = out.write_manifest(manifest)
+    target_files = [files.file_entry(_target_file(prepared, out, key, written[key])) for key in sorted(written)]
+    build = functools.partial(
+        build_manifest, run_id=run_id or "", tool_version=__version__, fingerprint=fingerprint, config=spec.config,
+        source=_source_section(spec, prepared, digests), plan_summary=_plan_summary(prepared),
+        checks=prepared.checks + ["sources unchanged since hashed"])
+    target = {"devices": prepared.target.devices, "format": spec.target.format, "prefix": spec.target.prefix,
+              "ranks": list(spec.run.ranks) if spec.run.ranks else None, "strategy": strategy_out,
+              "files": target_files, **_export_section(prepared)}
+    tensors = {str(r): written[r]["tensors"] for r in sorted(written)}
+    target.update(files.publish(build, target, tensors, prepared.target.strategy_bytes))  # on the nodes, first
+    m_size, m_sha = out.write_manifest(build(target=target, tensors=tensors))
     outputs = [FileRecord(f["path"], f["sha256"], f["size"], "target_checkpoint", f["rank"]) for f in target_files]
     if strategy_out is not None:
         outputs.append(FileRecord(strategy_out["path"], strategy_out["sha256"], strategy_out["size"], "strategy"))
+    outputs += node_manifest_records(target)
     outputs.append(FileRecord(out.manifest_path, m_sha, m_size, "manifest"))
     recorder.complete(outputs)
     return Outputs(STATUS_COMPLETED, out.path, out.manifest_path, m_sha, run_id, target_files)

@@ -39,7 +39,10 @@ def job_fingerprint(*, source_files: list[dict], source_strategy: dict | None, t
 
 
 def build_manifest(*, run_id: str, tool_version: str, fingerprint: str, config: dict, source: dict,
-                   target: dict, tensors: dict, plan_summary: dict, checks: list[str] = ()) -> dict:
+                   target: dict, tensors: dict, plan_summary: dict, checks: list[str] = (),
+                   node: str | None = None) -> dict:
+    """The manifest of a conversion; with `node`, of the files one target node holds
+    (``output.placement=per_node``: ``target.files`` and ``tensors`` are then that node's)."""
     manifest = {
         "manifest_version": MANIFEST_VERSION,
         "run_id": run_id,
@@ -54,5 +57,7 @@ def build_manifest(*, run_id: str, tool_version: str, fingerprint: str, config: 
         "digest_algorithm": "sha256",  # of files and of tensors
         "tensors": tensors,
     }
+    if node is not None:
+        manifest["node"] = node
     manifest["manifest_sha256"] = manifest_digest(manifest)
     return manifest

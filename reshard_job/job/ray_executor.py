@@ -100,6 +100,10 @@ class TransientRankTaskError(RankTaskError):
     """A failure worth retrying (remote storage timed out or reset the connection)."""
 
 
+class NodeTaskError(RayExecutorError):
+    """A node task (``RayExecutor.run_on_nodes``) failed; the message starts with where it ran."""
+
+
 # OSErrors that remote storage raises when a retry may well succeed. Local file-system errors
 # arrive as StorageError (not transient) unless the storage layer marks them ``transient``.
 TRANSIENT_ERRORS = (ConnectionError, TimeoutError)
@@ -213,6 +217,14 @@ class RayExecutor:
             self._ray.shutdown()
         self._ray, self._owns_connection = None, False
 
+    def detach(self) -> bool:
+        """Forget the connection but stay connected (Ray disconnects when the process exits), so
+        that a later executor in this process reuses it and the workers the cluster has started
+        for it; True if this executor had joined the cluster itself."""
+        joined = self._ray is not None and self._owns_connection
+        self._ray, self._owns_connection = None, False
+        return joined
+
     def __enter__(self) -> "RayExecutor":
         self.connect()
         return self
@@ -238,41 +250,20 @@ class RayExecutor:
         self._check_feasible(needs, by_key, _alive_nodes(ray), waited=None)
         board = ray.remote(ProgressBoard).options(num_cpus=0).remote()
         progress = _ProgressFeed(ray, board)
-        remote = ray.remote(_run_on_worker)
         keys: dict[Any, int] = {}  # object ref -> task key
         shown: dict[int, int] = {}  # task key -> bytes shown to on_bytes so far
         pending: set = set()
         try:
-            # largest ranks first, so one big rank does not run alone at the end
-            for key in sorted(by_key, key=lambda k: -by_key[k].plan.bytes_written):
-                ref = remote.options(**self._options(needs[key])).remote(by_key[key], key, board, self.runner,
-                                                                          self.max_retries)
-                keys[ref] = key
-                pending.add(ref)
+            self._submit(by_key, needs, board, keys, pending)
             check_every = min(FEASIBILITY_CHECK_INTERVAL, max(0.5, self.node_loss_grace / 2))
             next_check = time.monotonic() + check_every
             lost_since: dict[str, float] = {}
             while pending:
-                ready, _ = ray.wait(list(pending), num_returns=1, timeout=POLL_INTERVAL)
-                if ready and len(pending) > 1:
-                    first = set(ready)
-                    rest = [r for r in pending if r not in first]
-                    more, _ = ray.wait(rest, num_returns=len(rest), timeout=0)
-                    ready = list(ready) + list(more)
+                ready = self._wait_ready(pending)
                 progress.show(shown, on_bytes)
                 for ref in ready:
                     pending.discard(ref)
-                    key = keys[ref]
-                    try:
-                        result, report = ray.get(ref)
-                    except Exception as e:
-                        raise self._failure(by_key[key], key, e, board) from None
-                    self._reports.append(report)
-                    extra = report.bytes_reported - shown.get(key, 0)
-                    if extra > 0:
-                        shown[key] = report.bytes_reported
-                        on_bytes(extra)
-                    on_done(result)
+                    self._land(ref, keys[ref], by_key, board, shown, on_bytes, on_done)
                 if pending and time.monotonic() >= next_check:
                     self._check_still_feasible({keys[r]: needs[keys[r]] for r in pending}, by_key, lost_since)
                     next_check = time.monotonic() + check_every
@@ -285,6 +276,41 @@ class RayExecutor:
             except Exception:
                 pass
 
+    def _submit(self, by_key: dict[int, RankTask], needs: dict[int, dict[str, float]], board, keys: dict,
+                pending: set) -> None:
+        """Submit every task, largest first (so one big rank does not run alone at the end)."""
+        remote = self._ray.remote(_run_on_worker)
+        for key in sorted(by_key, key=lambda k: -by_key[k].plan.bytes_written):
+            ref = remote.options(**self._options(needs[key])).remote(by_key[key], key, board, self.runner,
+                                                                      self.max_retries)
+            keys[ref] = key
+            pending.add(ref)
+
+    def _wait_ready(self, pending: set) -> list:
+        """The finished tasks: waits up to POLL_INTERVAL for one, then takes all that are done."""
+        ray = self._ray
+        ready, _ = ray.wait(list(pending), num_returns=1, timeout=POLL_INTERVAL)
+        if ready and len(pending) > 1:
+            first = set(ready)
+            rest = [r for r in pending if r not in first]
+            more, _ = ray.wait(rest, num_returns=len(rest), timeout=0)
+            ready = list(ready) + list(more)
+        return list(ready)
+
+    def _land(self, ref, key: int, by_key: dict[int, RankTask], board, shown: dict[int, int],
+              on_bytes: Callable[[int], None], on_done: Callable[[RankResult], None]) -> None:
+        """One finished task: its failure raised, or its report kept, its last bytes shown, its result handed on."""
+        try:
+            result, report = self._ray.get(ref)
+        except Exception as e:
+            raise self._failure(by_key[key], key, e, board) from None
+        self._reports.append(report)
+        extra = report.bytes_reported - shown.get(key, 0)
+        if extra > 0:
+            shown[key] = report.bytes_reported
+            on_bytes(extra)
+        on_done(result)
+
     def summary(self) -> list[NodeThroughput]:
         """Per node: ranks, bytes read and written, wall and busy seconds of the runs so far."""
         return per_node(self._reports)
@@ -296,6 +322,54 @@ class RayExecutor:
     def reports(self) -> list[TaskReport]:
         """Where and when each finished rank ran (one per rank, in completion order)."""
         return list(self._reports)
+
+    def output_identity(self, target_rank: int) -> tuple:
+        """The identity of the file the latest finished task of `target_rank` wrote, as its node saw
+        it (for verifying that file on that node later); () when unknown."""
+        for report in reversed(self._reports):
+            if report.target_rank == target_rank:
+                return tuple(report.identity)
+        return ()
+
+    # ------------------------------------------------------------------------------ node tasks
+    def run_on_nodes(self, function: Callable[..., Any], calls: Mapping[str, tuple], *, what: str,
+                     holding: Mapping[str, str] | None = None) -> dict[str, Any]:
+        """``function(*args)`` once on the node offering each custom resource of `calls`; results by resource.
+
+        For small jobs that must run where a node's own files are (checking or publishing the
+        outputs on its local disk). Like rank tasks: a call whose worker or node died is retried,
+        a resource no live node offers is refused at once (or once its node has been gone for
+        ``node_loss_grace``), and the first failure stops the others and is raised as one line
+        naming the node and `what` was being done (`holding`: what each node holds, for messages).
+        `function` must be importable on the nodes.
+        """
+        if not calls:
+            return {}
+        self.connect()
+        ray = self._ray
+        cpus = min(1.0, float(self.num_cpus_per_task))
+        needs = {res: {"CPU": cpus, res: float(UNITS_PER_TASK)} for res in calls}
+        self._check_nodes_offer(needs, _alive_nodes(ray), what, waited=None, holding=holding)
+        remote = ray.remote(_run_on_node)
+        refs = {remote.options(num_cpus=cpus, resources={res: float(UNITS_PER_TASK)}, max_retries=self.max_retries,
+                               retry_exceptions=False).remote(function, tuple(args)): res
+                for res, args in calls.items()}
+        pending, results, lost_since = set(refs), {}, {}
+        try:
+            while pending:
+                ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=FEASIBILITY_CHECK_INTERVAL)
+                for ref in ready:
+                    pending.discard(ref)
+                    try:
+                        results[refs[ref]] = ray.get(ref)
+                    except Exception as e:
+                        raise self._node_failure(refs[ref], what, e) from None
+                if pending:
+                    self._check_nodes_still_offer({refs[r]: needs[refs[r]] for r in pending}, what, lost_since)
+        except BaseException:
+            self._stop(pending)
+            raise
+        return results
 
     # ------------------------------------------------------------------------------ internals
     def _needs(self, task: RankTask) -> dict[str, float]:
@@ -349,6 +423,45 @@ class RayExecutor:
                    if now - lost_since.setdefault(_need_key(need), now) >= self.node_loss_grace}
         if expired:
             self._check_feasible(expired, by_key, nodes, waited=self.node_loss_grace)
+
+    def _check_nodes_offer(self, needs: dict[str, dict[str, float]], nodes: list[dict], what: str, *,
+                           waited: float | None, holding: Mapping[str, str] | None = None) -> None:
+        unmet = sorted(res for res, need in needs.items() if not any(_fits(need, n) for n in nodes))
+        if not unmet:
+            return
+        unmet = [f"{res} ({holding[res]})" if holding and res in holding else res for res in unmet]
+        offered = "; ".join(f"{n.get('NodeManagerAddress', '?')} {_describe_resources(n.get('Resources', {}))}"
+                            for n in nodes) or "none"
+        since = f" for the last {waited:.0f} s (a node left?)" if waited else ""
+        raise RayExecutorError(_clip(f"{what}: no live node of the Ray cluster at {self.address} offers "
+                                     f"{', '.join(unmet)}{since} (nodes: {offered})", 600))
+
+    def _check_nodes_still_offer(self, waiting: dict[str, dict[str, float]], what: str,
+                                 lost_since: dict[str, float]) -> None:
+        try:
+            nodes = _alive_nodes(self._ray)
+        except Exception:  # the GCS is restarting; Ray itself fails the tasks if it does not return
+            return
+        now = time.monotonic()
+        unmet = {res for res, need in waiting.items() if not any(_fits(need, n) for n in nodes)}
+        for gone in [r for r in lost_since if r not in unmet]:
+            del lost_since[gone]
+        expired = {res: waiting[res] for res in unmet if now - lost_since.setdefault(res, now) >= self.node_loss_grace}
+        if expired:
+            self._check_nodes_offer(expired, nodes, what, waited=self.node_loss_grace)
+
+    def _node_failure(self, resource: str, what: str, err: Exception) -> ReshardError:
+        ray = self._ray
+        cause = getattr(err, "cause", None)
+        if isinstance(cause, NodeTaskError):
+            return RayExecutorError(_clip(f"{what} failed on {cause}", MESSAGE_LIMIT + 200))
+        if isinstance(err, (ray.exceptions.WorkerCrashedError, ray.exceptions.NodeDiedError,
+                            ray.exceptions.LocalRayletDiedError)):
+            return RayExecutorError(_clip(f"{what} failed on the Ray node offering {resource} after "
+                                          f"{1 + self.max_retries} attempts: its worker died on every attempt "
+                                          f"({_first_line(err)})", MESSAGE_LIMIT + 200))
+        return RayExecutorError(_clip(f"{what} failed on the Ray node offering {resource}: {_first_line(err)}",
+                                      MESSAGE_LIMIT + 200))
 
     def _failure(self, task: RankTask, key: int, err: Exception, board) -> ReshardError:
         ray = self._ray
@@ -449,20 +562,13 @@ def _run_on_worker(task: RankTask, key: int, board, runner: Runner | None,
     Retrying them here rather than through Ray's ``retry_exceptions`` keeps the driver's output
     clean: Ray prints the worker's traceback on the driver for every retry it makes.
     """
-    import ray
-
-    ctx = ray.get_runtime_context()
-    resource = next((k for k in sorted(ctx.get_assigned_resources()) if k not in _BUILT_IN_RESOURCES
-                     and not k.startswith("node:")), None)
-    node_id = ctx.get_node_id()
-    address = ray.util.get_node_ip_address()
-    host = socket.gethostname()
-    where = f"Ray node {address} (host {host}, node {node_id[:8]}{', ' + resource if resource else ''})"
+    node_id, address, host, resource, where = _here()
+    task = _with_node_identities(task)
     for tries in range(1, transient_retries + 2):
         attempt = uuid.uuid4().hex[:12]
         _tell(board.started, key, attempt, where)
         reporter = _ProgressReporter(board, key, attempt)
-        started = time.time()
+        started, cpu_started = time.time(), time.process_time()
         try:
             result = _attempt(task, runner, reporter)
         except TransientRankTaskError as e:
@@ -475,11 +581,23 @@ def _run_on_worker(task: RankTask, key: int, board, runner: Runner | None,
             raise RankTaskError(task.target_rank, where, e.cause, attempts=tries, details=e.details) from None
         reporter.flush()
         report = TaskReport(task.target_rank, node_id, address, host, os.getpid(), resource, attempt, started,
-                            time.time() - started, result.size, result.bytes_read, reporter.total, _peak_rss())
+                            time.time() - started, result.size, result.bytes_read, reporter.total, _peak_rss(),
+                            time.process_time() - cpu_started, _identity_of(result.path))
         if not result.host:
             result = replace(result, host=host)
         return result, report
     raise AssertionError("unreachable")
+
+
+def _run_on_node(function: Callable[..., Any], args: tuple) -> Any:
+    """A node task inside a Ray worker: any failure becomes one line saying where it happened."""
+    where = _here()[4]
+    try:
+        return function(*args)
+    except ReshardError as e:
+        raise NodeTaskError(f"{where}: {_first_line(e)}") from None
+    except Exception as e:
+        raise NodeTaskError(f"{where}: {type(e).__name__}: {_first_line(e)}") from None
 
 
 def _attempt(task: RankTask, runner: Runner | None, reporter) -> RankResult:
@@ -498,6 +616,60 @@ def _attempt(task: RankTask, runner: Runner | None, reporter) -> RankResult:
         raise fail(TransientRankTaskError, f"{type(e).__name__}: {e}") from None
     except Exception as e:
         raise fail(RankTaskError, f"{type(e).__name__}: {e}") from None
+
+
+def _here() -> tuple[str, str, str, str | None, str]:
+    """(node id, address, host, placement resource held, a description for messages) of this worker."""
+    import ray
+
+    ctx = ray.get_runtime_context()
+    resource = next((k for k in sorted(ctx.get_assigned_resources()) if k not in _BUILT_IN_RESOURCES
+                     and not k.startswith("node:")), None)
+    node_id = ctx.get_node_id()
+    address = ray.util.get_node_ip_address()
+    host = socket.gethostname()
+    where = f"Ray node {address} (host {host}, node {node_id[:8]}{', ' + resource if resource else ''})"
+    return node_id, address, host, resource, where
+
+
+def _with_node_identities(task: RankTask) -> RankTask:
+    """The task with the identities of its source files as this node sees them.
+
+    A file's identity includes the device number, which differs between machines mounting one
+    shared file system; inode, size and times do not. A source whose identity matches in all
+    but the device is the file the driver hashed, seen through this node's mount; any other
+    difference is kept, so a file that really changed still fails the task.
+    """
+    from ..storage import is_url
+    from ..storage.local import identity_of
+
+    localised = {}
+    for rank, want in task.source_identities.items():
+        path = task.sources.get(rank)
+        mine = None
+        if path is not None and not is_url(path) and len(want) == 5:
+            try:
+                mine = identity_of(os.stat(path))
+            except OSError:
+                mine = None
+        same_file = mine is not None and tuple(mine[1:]) == tuple(want[1:])
+        localised[rank] = tuple(mine) if same_file else want
+    if localised == task.source_identities:
+        return task
+    return replace(task, source_identities=localised)
+
+
+def _identity_of(path: str) -> tuple:
+    """The written file's identity as this node sees it (for verifying it on this node later)."""
+    from ..storage import is_url
+    from ..storage.local import identity_of
+
+    if is_url(path):
+        return ()
+    try:
+        return tuple(identity_of(os.stat(path)))
+    except OSError:
+        return ()
 
 
 def _peak_rss() -> int:

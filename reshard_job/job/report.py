@@ -61,4 +61,8 @@ def run_summary(result) -> str:
     lines.append(f"  manifest: {result.output_dir.rstrip('/')}/manifest.json (file sha256 {result.manifest_sha256})")
     if result.run_id:
         lines.append(f"  lineage run {result.run_id}: python -m reshard_job.audit show {result.run_id}")
+    if getattr(result, "nodes", None):
+        from .throughput import from_json, render
+
+        lines += ["  per Ray node:"] + ["    " + line for line in render(from_json(result.nodes)).splitlines()]
     return "\n".join(lines)

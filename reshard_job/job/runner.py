@@ -26,6 +26,7 @@ from typing import Callable
 from ..errors import MissingRankError
 from ..storage import storage_for
 from .convert import Outputs, convert
+from .executor_choice import cluster_layout
 from .integrity import hash_sources
 from .memory import fix_mmap_threshold
 from .outputs import OutputDir
@@ -52,6 +53,7 @@ class JobResult:
     plan_path: str | None = None
     lineage_url: str | None = None
     error: str | None = None
+    nodes: list[dict] | None = None  # per Ray node throughput (job.executor=ray)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -86,6 +88,7 @@ def _convert(spec: JobSpec, prepared: Prepared, recorder) -> JobResult:
     recorder.record_plan(lambda: plan_json)
     if prepared.missing:
         raise MissingRankError(prepared.missing, prepared.source.checkpoints)
+    cluster_layout(spec, prepared.target.devices)  # target.cluster against devices read from target.strategy
     out = _open_output(spec, prepared)
     recorder.ensure_open()  # the run exists before any output is written
     out.lock()
@@ -99,7 +102,7 @@ def _convert(spec: JobSpec, prepared: Prepared, recorder) -> JobResult:
     finally:
         out.unlock()
     return JobResult(outputs.status, outputs.out_dir, outputs.run_id, outputs.manifest_sha256,
-                     prepared.target.devices)
+                     prepared.target.devices, nodes=outputs.nodes)
 
 
 def _open_output(spec: JobSpec, prepared: Prepared) -> OutputDir:

@@ -58,6 +58,16 @@ class LayoutConfig:
 
 
 @dataclass
+class ClusterConfig:
+    # the target training cluster: node k holds ranks [k*devices_per_node, (k+1)*devices_per_node);
+    # give either count (the other follows from target.devices) or both (checked against it)
+    nodes: Optional[int] = None
+    devices_per_node: Optional[int] = None
+    # target node k is the Ray node started with --resources='{"<prefix><k>": 1000}'
+    node_resource_prefix: str = "reshard_node_"
+
+
+@dataclass
 class TargetConfig:
     devices: Optional[int] = None  # derived from target.strategy when omitted
     # a MindSpore strategy file; null with layout or devices=1. Required like source.checkpoints:
@@ -74,18 +84,29 @@ class TargetConfig:
     # safetensors_index only: bound on one shard's tensor bytes (5GB = 5e9 bytes, 4GiB = 4*2^30)
     max_shard_size: Any = "5GB"
     include: str = "weights"  # safetensors_index only: weights (no optimizer/training state) | all
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
 
 @dataclass
 class OutputConfig:
     dir: Optional[str] = None  # null = <run dir>/output
     overwrite: bool = False  # allow writing into a non-empty directory this tool did not produce
+    # shared: output.dir is seen by every node | per_node: rank r's file is written under the same
+    # local output.dir on the target node that holds rank r (target.cluster; needs job.executor=ray)
+    placement: str = "shared"
 
 
 @dataclass
 class LineageConfig:
     enabled: bool = True
     url: Optional[str] = None  # SQLAlchemy URL; null = sqlite:///<launch dir>/runs/lineage.db
+
+
+@dataclass
+class RayConfig:
+    address: str = "auto"  # auto (this machine's cluster) | host:port (the head's GCS) | ray://host:10001
+    num_cpus_per_task: float = 1  # Ray CPUs each rank task reserves
+    max_retries: int = 3  # re-runs of a rank whose worker process or node died
 
 
 @dataclass
@@ -99,6 +120,8 @@ class JobConfig:
     # $RESHARD_JOB_CACHE_DIR or ~/.cache/reshard_job
     hash_cache: bool = True
     progress: Optional[bool] = None  # progress bar; null = when stderr is a terminal
+    executor: str = "local"  # local (this machine) | ray (one task per target rank on a Ray cluster)
+    ray: RayConfig = field(default_factory=RayConfig)  # used with executor=ray
 
 
 @dataclass

@@ -21,7 +21,9 @@ from ..storage import StorageOptions, absolute, is_url
 from ..tasks import FORMAT_SAFETENSORS_INDEX, TARGET_FORMATS
 from . import schema
 from ..secrets import mask_config
-from .spec import (MODE_CONVERT, MODE_PLAN, JobContext, JobSpec, LineageSpec, OutputSpec, RunSpec, SourceSpec,
+from .placement import devices_per_node_for
+from .spec import (EXECUTOR_LOCAL, EXECUTOR_RAY, MODE_CONVERT, MODE_PLAN, PLACEMENT_PER_NODE, PLACEMENT_SHARED,
+                   ClusterSpec, JobContext, JobSpec, LineageSpec, OutputSpec, RaySpec, RunSpec, SourceSpec,
                    TargetSpec)
 
 MAX_DEVICES = 1 << 20  # documented ceiling on device counts and rank ids
@@ -31,6 +33,10 @@ MAX_PREFIX = 200  # characters; a file name must stay within 255 bytes with the 
 MAX_ITERATION = 10**15  # MindFormers iteration numbers (folder names hold 8 digits or more)
 SELECT_RULES = ("latest_step", "last")
 UNMAPPED = ("omit", "full")
+EXECUTORS = (EXECUTOR_LOCAL, EXECUTOR_RAY)
+PLACEMENTS = (PLACEMENT_SHARED, PLACEMENT_PER_NODE)
+MAX_CPUS_PER_TASK = 1024
+MAX_RETRIES = 100
 
 
 def settle(cfg: Any, ctx: JobContext) -> JobSpec:
@@ -42,7 +48,8 @@ def settle(cfg: Any, ctx: JobContext) -> JobSpec:
     run = _run(typed.job)
     out_dir = typed.output.dir
     output = OutputSpec(absolute(out_dir, ctx.launch_dir) if out_dir else os.path.join(ctx.run_dir, "output"),
-                        bool(typed.output.overwrite))
+                        bool(typed.output.overwrite), _placement(typed.output.placement))
+    _check_placement(output, target, run)
     storage = StorageOptions(typed.storage.endpoint_url, dict(typed.storage.options or {}))
     return JobSpec(source, target, output, _lineage(typed.lineage, ctx), run, ctx, storage, mask_config(plain))
 
@@ -136,7 +143,7 @@ def _target(t: schema.TargetConfig, ctx: JobContext) -> TargetSpec:
         raise ConfigError(f"target.unmapped must be {' or '.join(UNMAPPED)}, got {t.unmapped!r}")
     max_shard_size, include = _export_options(t, strategy, layout, devices)
     return TargetSpec(strategy, layout, devices, _prefix(t.prefix), t.format, t.unmapped, bool(t.crc),
-                      max_shard_size, include)
+                      max_shard_size, include, _cluster(t.cluster, devices))
 
 
 def _export_options(t: schema.TargetConfig, strategy: str | None, layout: dict | None,
@@ -152,6 +159,21 @@ def _export_options(t: schema.TargetConfig, strategy: str | None, layout: dict |
         raise ConfigError("target.format=safetensors_index writes the full, unsharded model: use target=hf_export, "
                           "or set target.strategy=null target.layout=null target.devices=1")
     return size, t.include
+
+
+def _cluster(c: schema.ClusterConfig, devices: int | None) -> ClusterSpec:
+    """``target.cluster``, checked against ``target.devices`` when that is known here (a device
+    count derived from target.strategy is checked once the strategy is read)."""
+    nodes = _bounded_int(c.nodes, "target.cluster.nodes", 1, MAX_DEVICES, optional=True)
+    per_node = _bounded_int(c.devices_per_node, "target.cluster.devices_per_node", 1, MAX_DEVICES, optional=True)
+    prefix = c.node_resource_prefix
+    if not isinstance(prefix, str) or not prefix.strip() or prefix != prefix.strip() or not prefix.isprintable():
+        raise ConfigError(f"target.cluster.node_resource_prefix must be a non-empty name without spaces around it, "
+                          f"got {_show(prefix)}")
+    cluster = ClusterSpec(nodes, per_node, prefix)
+    if cluster.given and devices is not None:
+        devices_per_node_for(devices, nodes, per_node)
+    return cluster
 
 
 def _layout(layout: Any) -> dict | None:
@@ -185,8 +207,46 @@ def _run(j: schema.JobConfig) -> RunSpec:
         ranks = tuple(sorted({_bounded_int(r, "job.ranks entries", 0, MAX_DEVICES - 1) for r in j.ranks}))
         if not ranks:
             raise ConfigError("job.ranks is empty; give target ranks, e.g. job.ranks=[0,1], or null for all")
+    if j.executor not in EXECUTORS:
+        raise ConfigError(f"job.executor must be {' or '.join(EXECUTORS)}, got {_show(j.executor)}")
     return RunSpec(j.mode, workers, ranks, _max_memory(j.max_memory), bool(j.resume), bool(j.hash_cache),
-                   j.progress)
+                   j.progress, j.executor, _ray(j.ray))
+
+
+def _ray(r: schema.RayConfig) -> RaySpec:
+    from .ray_executor import parse_address  # pure; Ray itself is imported only when a job uses it
+
+    try:
+        parse_address(r.address)
+    except ConfigError as e:
+        raise ConfigError(f"job.ray.address: {e}") from None
+    cpus = r.num_cpus_per_task
+    if isinstance(cpus, bool) or not isinstance(cpus, (int, float)) or not 0 < cpus <= MAX_CPUS_PER_TASK:
+        raise ConfigError(f"job.ray.num_cpus_per_task must be a number above 0 and at most {MAX_CPUS_PER_TASK}, "
+                          f"got {_show(cpus)}")
+    retries = _bounded_int(r.max_retries, "job.ray.max_retries", 0, MAX_RETRIES)
+    return RaySpec(str(r.address).strip(), float(cpus), retries)
+
+
+def _placement(placement: Any) -> str:
+    if placement not in PLACEMENTS:
+        raise ConfigError(f"output.placement must be {' or '.join(PLACEMENTS)}, got {_show(placement)}")
+    return placement
+
+
+def _check_placement(output: OutputSpec, target: TargetSpec, run: RunSpec) -> None:
+    """``per_node`` writes each rank on its own node: that takes Ray, a node layout, and local disks."""
+    if output.placement != PLACEMENT_PER_NODE:
+        return
+    if run.executor != EXECUTOR_RAY:
+        raise ConfigError("output.placement=per_node writes each rank's file on its target node through Ray; "
+                          "set job.executor=ray")
+    if not target.cluster.given:
+        raise ConfigError("output.placement=per_node needs the target cluster's layout: set "
+                          "target.cluster.devices_per_node (or target.cluster.nodes)")
+    if is_url(output.dir):
+        raise ConfigError(f"output.placement=per_node writes to each node's local disk, but output.dir is "
+                          f"{_show(output.dir)}; use a local path, or output.placement=shared")
 
 
 def _max_memory(value: Any) -> int:

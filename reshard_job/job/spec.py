@@ -14,9 +14,12 @@ from typing import Any
 
 from ..storage import StorageOptions
 from ..tasks import FORMAT_CKPT
+from .placement import DEFAULT_NODE_RESOURCE_PREFIX, PLACEMENT_PER_NODE, PLACEMENT_SHARED  # noqa: F401
 
 MODE_CONVERT = "convert"
 MODE_PLAN = "plan"
+EXECUTOR_LOCAL = "local"  # this machine: one process or a pool of worker processes
+EXECUTOR_RAY = "ray"  # one Ray task per target rank on a Ray cluster
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,24 @@ class SourceSpec:
 
 
 @dataclass(frozen=True)
+class ClusterSpec:
+    """The target training cluster (``target.cluster``): how target ranks are laid out over nodes.
+
+    Node k holds ranks ``[k * devices_per_node, (k + 1) * devices_per_node)`` and is the Ray node
+    started with the custom resource ``<node_resource_prefix><k>``. Either count may be None when
+    the other one and the target's device count settle it (``placement.devices_per_node_for``).
+    """
+
+    nodes: int | None = None
+    devices_per_node: int | None = None
+    node_resource_prefix: str = DEFAULT_NODE_RESOURCE_PREFIX
+
+    @property
+    def given(self) -> bool:
+        return self.nodes is not None or self.devices_per_node is not None
+
+
+@dataclass(frozen=True)
 class TargetSpec:
     """Exactly one of `strategy` and `layout` (or neither: one whole checkpoint)."""
 
@@ -70,18 +91,29 @@ class TargetSpec:
     crc: bool = False
     max_shard_size: int = 5 * 10**9  # format safetensors_index: bound on a shard's tensor bytes
     include: str = "weights"  # format safetensors_index: weights | all (training state too)
+    cluster: ClusterSpec = field(default_factory=ClusterSpec)
 
 
 @dataclass(frozen=True)
 class OutputSpec:
     dir: str
     overwrite: bool = False
+    placement: str = PLACEMENT_SHARED
 
 
 @dataclass(frozen=True)
 class LineageSpec:
     enabled: bool
     url: str  # may hold a password: used to connect, never recorded (see secrets.mask_url)
+
+
+@dataclass(frozen=True)
+class RaySpec:
+    """``job.ray``: where the Ray cluster is and what each rank task asks of it."""
+
+    address: str = "auto"  # auto | host:port (the head's GCS) | ray://host:port (Ray Client)
+    num_cpus_per_task: float = 1.0
+    max_retries: int = 3  # re-runs of a rank whose worker or node died, or that failed transiently
 
 
 @dataclass(frozen=True)
@@ -93,6 +125,8 @@ class RunSpec:
     resume: bool = True
     hash_cache: bool = True
     progress: bool | None = None
+    executor: str = EXECUTOR_LOCAL
+    ray: RaySpec = field(default_factory=RaySpec)
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,8 @@ class TaskReport:
     bytes_read: int
     bytes_reported: int  # tensor bytes streamed, as reported to the progress display
     peak_rss: int = 0  # the worker process's peak resident memory so far, bytes
+    cpu_seconds: float = 0.0  # CPU time of the worker process (all its threads) during the task
+    identity: tuple = ()  # the written file's FileInfo.identity as its node sees it (local paths)
 
 
 @dataclass
@@ -48,6 +50,7 @@ class NodeThroughput:
     first_start: float | None = None
     last_end: float | None = None
     peak_rss: int = 0  # the largest worker process seen on the node
+    cpu_seconds: float = 0.0
 
     @property
     def tasks(self) -> int:
@@ -72,6 +75,7 @@ class NodeThroughput:
         self.bytes_written += report.bytes_written
         self.bytes_read += report.bytes_read
         self.busy_seconds += report.seconds
+        self.cpu_seconds += report.cpu_seconds
         self.peak_rss = max(self.peak_rss, report.peak_rss)
         end = report.started + report.seconds
         self.first_start = report.started if self.first_start is None else min(self.first_start, report.started)
@@ -97,11 +101,26 @@ def render(rows: list[NodeThroughput]) -> str:
         body.append([
             ",".join(sorted(n.resources)) or "-", f"{n.address} ({n.host})", n.node_id[:8], n.tasks,
             rank_ranges(n.ranks), human_size(n.bytes_read), human_size(n.bytes_written),
-            f"{n.wall_seconds:.1f}", "-" if rate is None else f"{human_size(rate)}/s",
+            f"{n.wall_seconds:.1f}", f"{n.cpu_seconds:.1f}", "-" if rate is None else f"{human_size(rate)}/s",
             human_size(n.peak_rss) if n.peak_rss else "-",
         ])
-    return table(["node", "address", "id", "tasks", "ranks", "read", "written", "wall s", "write rate",
-                  "worker peak RSS"], body, align_right=(3, 5, 6, 7, 8, 9))
+    return table(["node", "address", "id", "tasks", "ranks", "read", "written", "wall s", "cpu s", "write rate",
+                  "worker peak RSS"], body, align_right=(3, 5, 6, 7, 8, 9, 10))
+
+
+def to_json(rows: list[NodeThroughput]) -> list[dict]:
+    """The rows as plain values (the job's result file; benchmarks read them)."""
+    return [{"node_id": n.node_id, "address": n.address, "host": n.host, "resources": sorted(n.resources),
+             "ranks": sorted(n.ranks), "bytes_read": n.bytes_read, "bytes_written": n.bytes_written,
+             "busy_seconds": round(n.busy_seconds, 3), "cpu_seconds": round(n.cpu_seconds, 3),
+             "first_start": n.first_start, "last_end": n.last_end, "wall_seconds": round(n.wall_seconds, 3),
+             "peak_rss": n.peak_rss} for n in rows]
+
+
+def from_json(rows: list[dict]) -> list[NodeThroughput]:
+    return [NodeThroughput(r["node_id"], r["address"], r["host"], set(r.get("resources") or ()), list(r["ranks"]),
+                           r["bytes_written"], r["bytes_read"], r.get("busy_seconds", 0.0), r.get("first_start"),
+                           r.get("last_end"), r.get("peak_rss", 0), r.get("cpu_seconds", 0.0)) for r in rows]
 
 
 def _resource_order(resources: set[str]) -> tuple:

@@ -22,7 +22,7 @@ from sqlalchemy.orm import Session
 from .entities import iso
 from .errors import AmbiguousRunError, LineageError, UnknownRunError
 from .lookup import artifact_at_path, artifacts_by_digest, resolve_run_id
-from .manifests import read_listing
+from .manifests import MANIFEST_NAME, OutputListing, node_listings, read_listing
 from .models import Event, Run
 from .queries import run_files
 from .reading import content_digest, exists, file_size, is_directory
@@ -130,9 +130,8 @@ def verify_path(session: Session, path: str) -> VerifyReport:
     return VerifyReport([checked], path=absolute)
 
 
-def verify_directory(session: Session, directory: str) -> VerifyReport:
-    """Check every file an output directory's manifest lists, and that the manifest is recorded."""
-    listing = read_listing(directory)
+def _manifest_check(session: Session, listing: OutputListing) -> FileCheck:
+    """The manifest itself: its bytes must be a content a recorded run wrote."""
     producers = []
     for artifact in artifacts_by_digest(session, listing.manifest_sha256, listing.manifest_size):
         producers += session.scalars(select(Event.run_id).where(Event.artifact_id == artifact.id,
@@ -141,11 +140,44 @@ def verify_directory(session: Session, directory: str) -> VerifyReport:
     manifest = FileCheck(listing.manifest_path, listing.manifest_sha256, listing.manifest_size,
                          actual_sha256=listing.manifest_sha256, actual_size=listing.manifest_size,
                          extra={"kind": "manifest", "rank": None, "run_ids": producers})
+    if listing.node is not None:
+        manifest.extra["node"] = listing.node
     if not producers:
         manifest.state = "unrecorded"
         manifest.detail = "no recorded run wrote this manifest"
-    files = [check_file(f.path, f.sha256, f.size, kind=f.kind, rank=f.rank) for f in listing.files] + [manifest]
-    run_id = listing.run_id if listing.run_id in producers else (producers[0] if len(producers) == 1 else None)
+    return manifest
+
+
+def _listed_checks(listing: OutputListing) -> list[FileCheck]:
+    return [check_file(f.path, f.sha256, f.size, kind=f.kind, rank=f.rank, **({"node": f.node} if f.node else {}))
+            for f in listing.files]
+
+
+def verify_directory(session: Session, directory: str) -> VerifyReport:
+    """Check every file an output directory's manifest lists, and that the manifest is recorded.
+
+    With ``output.placement=per_node`` the files lie on the target nodes' disks: a node's
+    directory is checked against the node manifests it holds (``manifest.<node>.json``, each of
+    which must be recorded); the job's ``manifest.json``, where the driver left it there, only
+    for being recorded, as its other files are on other machines."""
+    nodes = node_listings(directory)
+    listing = read_listing(directory) if not nodes or os.path.exists(os.path.join(directory, MANIFEST_NAME)) \
+        else None
+    if not nodes and listing.per_node:
+        held = sorted({f.node for f in listing.files if f.node})
+        raise LineageError(f"{listing.directory}: its files were written on the target nodes' own disks "
+                           f"(output.placement=per_node); verify the same directory on each node "
+                           f"({', '.join(held[:4])}{', ...' if len(held) > 4 else ''})")
+    files, manifests = [], []
+    for part in nodes or [listing]:
+        files += _listed_checks(part)
+        manifests.append(_manifest_check(session, part))
+    if nodes and listing is not None:
+        manifests.append(_manifest_check(session, listing))
+    files = list({f.path: f for f in files}.values()) + manifests  # node manifests each list the strategy
+    producers = [r for m in manifests for r in m.extra["run_ids"]]
+    listing = listing or nodes[0]
+    run_id = listing.run_id if listing.run_id in producers else (producers[0] if len(set(producers)) == 1 else None)
     status = None
     if run_id is not None:
         run = session.get(Run, run_id)

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from local_cluster import NODE_IP, START_TIMEOUT, ClusterStartError, start_cluster, stop_cluster
+from local_cluster import NODE_IP, START_TIMEOUT, ClusterStartError, node_disks_possible, start_cluster, stop_cluster
 
 
 @pytest.fixture(scope="session")
@@ -21,8 +21,12 @@ def ray_cluster():
         import ray
     except ImportError:
         pytest.skip("LOUD SKIP: the ray package is not installed (pip install -e '.[ray]'); Ray tests not run")
+    why_not = node_disks_possible()
+    if why_not:
+        print(f"LOUD WARNING: the Ray test nodes share one disk ({why_not}); per-node placement tests that need "
+              "disks of their own are skipped", file=sys.stderr)
     try:
-        cluster = start_cluster()
+        cluster = start_cluster(node_disks=why_not is None)
     except ClusterStartError as e:
         message = f"LOUD SKIP: a Ray cluster could not be started on {NODE_IP}: {e}"
         print(message, file=sys.stderr)

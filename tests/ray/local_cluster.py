@@ -6,6 +6,13 @@ group: nothing else on the machine is touched). Both nodes advertise 127.0.0.2 â
 Ray would otherwise pick at random is chosen here from free ones, so the test can check that
 nothing listens where it should not. Node k carries the custom resource ``reshard_node_<k>``,
 standing for target node k. Small CPU counts and object stores keep it within a 2-core CI machine.
+
+Node-local disks (``node_disks=True``): every node runs in a mount namespace of its own, where
+one path, ``cluster.local_root``, is its own folder (``cluster.disk_of(k)``), as the same local
+path is a different disk on each machine of a real cluster. The test process sees the plain
+folder at ``local_root``: a driver on a machine that is not a target node. Needs ``unshare``
+and the right to mount (root, or unprivileged user namespaces); ``node_disks`` stays False when
+they are missing.
 """
 
 from __future__ import annotations
@@ -49,6 +56,17 @@ class RayTestCluster:
     gcs_port: int
     client_port: int
     nodes: list[RayNode] = field(default_factory=list)
+    node_disks: bool = False  # each node sees its own folder at local_root
+    cpus_per_node: int = CPUS_PER_NODE
+
+    @property
+    def local_root(self) -> Path:
+        """A path every node has, on its own disk when node_disks is set."""
+        return self.temp_dir / "local"
+
+    def disk_of(self, index: int) -> Path:
+        """What node `index` sees at local_root (local_root itself without node_disks)."""
+        return self.temp_dir / "disks" / f"node{index}" if self.node_disks else self.local_root
 
     @property
     def address(self) -> str:
@@ -132,7 +150,7 @@ def _start_node(cluster: RayTestCluster, index: int, picker: _PortPicker) -> Ray
              "dashboard-agent-listen-port": picker.one(), "dashboard-agent-grpc-port": picker.one(),
              "runtime-env-agent-port": picker.one(), "metrics-export-port": picker.one()}
     worker_ports = picker.block(WORKER_PORTS_PER_NODE)
-    args = [_ray_cli(), "start", "--block", f"--node-ip-address={NODE_IP}", f"--num-cpus={CPUS_PER_NODE}",
+    args = [_ray_cli(), "start", "--block", f"--node-ip-address={NODE_IP}", f"--num-cpus={cluster.cpus_per_node}",
             "--num-gpus=0", f"--object-store-memory={OBJECT_STORE_BYTES}", f"--resources={{\"{resource}\": 1000}}",
             "--disable-usage-stats", f"--min-worker-port={worker_ports.start}",
             f"--max-worker-port={worker_ports.stop - 1}"]
@@ -142,6 +160,12 @@ def _start_node(cluster: RayTestCluster, index: int, picker: _PortPicker) -> Ray
                  "--include-dashboard=false", f"--ray-client-server-port={cluster.client_port}"]
     else:
         args += [f"--address={cluster.address}"]
+    if cluster.node_disks:
+        disk = cluster.disk_of(index)
+        disk.mkdir(parents=True, exist_ok=True)
+        # the node's own disk at local_root, seen by the node and every process it starts
+        args = _unshare_command() + ["sh", "-c", 'mount --bind "$1" "$2" && shift 2 && exec "$@"', "node-disk",
+                                     str(disk), str(cluster.local_root), *args]
     log = cluster.temp_dir / f"node{index}.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -239,11 +263,35 @@ def _group_alive(pgid: int) -> bool:
 
 
 
-def start_cluster(nodes: int = NODES) -> RayTestCluster:
-    """Start the head and the other nodes; on failure, stop what started and raise ClusterStartError."""
+def _unshare_command() -> list[str]:
+    """A new mount namespace (a user namespace too when not root), with mounts private to it."""
+    base = ["unshare", "--mount", "--propagation", "private"]
+    return base if os.geteuid() == 0 else base[:1] + ["--user", "--map-root-user"] + base[1:]
+
+
+def node_disks_possible() -> str | None:
+    """None when nodes can have disks of their own here; else why not."""
+    if shutil.which("unshare") is None or shutil.which("mount") is None:
+        return "the unshare and mount programs are missing (util-linux)"
+    with tempfile.TemporaryDirectory(prefix="rsj-ns-") as d:
+        a, b = Path(d, "a"), Path(d, "b")
+        a.mkdir()
+        b.mkdir()
+        probe = subprocess.run(_unshare_command() + ["sh", "-c", 'mount --bind "$0" "$1"', str(a), str(b)],
+                               capture_output=True, text=True)
+    if probe.returncode != 0:
+        return f"cannot mount in a namespace of its own: {(probe.stderr.strip() or 'failed').splitlines()[-1]}"
+    return None
+
+
+def start_cluster(nodes: int = NODES, *, node_disks: bool = False,
+                  cpus_per_node: int = CPUS_PER_NODE) -> RayTestCluster:
+    """Start the head and the other nodes; on failure, stop what started and raise ClusterStartError.
+    `node_disks`: each node gets its own disk at ``local_root`` (see the module docstring)."""
     temp_dir = Path(tempfile.mkdtemp(prefix="rsj-ray-", dir="/tmp"))  # short: Ray's socket paths are limited
     picker = _PortPicker()
-    cluster = RayTestCluster(temp_dir, picker.one(), picker.one())
+    cluster = RayTestCluster(temp_dir, picker.one(), picker.one(), node_disks=node_disks, cpus_per_node=cpus_per_node)
+    cluster.local_root.mkdir()
     try:
         deadline = time.monotonic() + START_TIMEOUT
         for k in range(nodes):
