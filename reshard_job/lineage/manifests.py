@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
+import posixpath
 from dataclasses import dataclass
 
 from .digests import looks_like_sha256
 from .errors import LineageError
-from .reading import read_small_file
+from .reading import absolute, dirname, join, read_small_file, relative_to
 
 MANIFEST_NAME = "manifest.json"
 
@@ -47,8 +47,8 @@ class OutputListing:
 
 def read_listing(directory: str) -> OutputListing:
     """The files `directory`'s manifest lists; a one-line ``LineageError`` if it has none or it is unusable."""
-    directory = os.path.abspath(directory)
-    manifest_path = os.path.join(directory, MANIFEST_NAME)
+    directory = absolute(directory)
+    manifest_path = join(directory, MANIFEST_NAME)
     try:
         data = read_small_file(manifest_path)
     except FileNotFoundError:
@@ -85,14 +85,12 @@ def _directory_written_into(written: list[tuple]) -> str | None:
     else the parent of the ``rank_<r>`` folders."""
     for path, kind, *_ in written:
         if kind == "strategy":
-            return os.path.dirname(path)
+            return dirname(path)
     for path, *_ in written:
-        return os.path.dirname(os.path.dirname(path))
+        return dirname(dirname(path))
     return None
 
 
 def _where_now(path: str, written_into: str | None, directory: str) -> str:
-    relative = os.path.relpath(path, written_into) if written_into else os.path.basename(path)
-    if relative.startswith(os.pardir + os.sep) or os.path.isabs(relative):
-        relative = os.path.basename(path)
-    return os.path.join(directory, relative)
+    relative = relative_to(path, written_into) if written_into else None
+    return join(directory, relative or posixpath.basename(path.rstrip("/")))

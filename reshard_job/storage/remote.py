@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
+import logging
 import os
 import posixpath
 import threading
@@ -127,6 +128,7 @@ class S3Storage:
         config.setdefault("request_checksum_calculation", "when_required")
         config.setdefault("response_checksum_validation", "when_required")
         kwargs.update(config_kwargs=config, skip_instance_cache=True, use_listings_cache=False)
+        _quiet_client_logs()
         try:
             return s3fs.S3FileSystem(**kwargs)
         except TypeError as e:
@@ -417,6 +419,18 @@ class S3Storage:
         return acquire(self, self._url(bucket, key), bucket, key, holder,
                        lease_seconds=lease_seconds if lease_seconds is not None else self.lease_seconds,
                        settle_seconds=self.settle_seconds)
+
+
+# botocore says at INFO where it found credentials and the endpoint, once per process: in a job
+# with many workers that is noise on every run, so only their warnings are shown.
+CHATTY_LOGGERS = ("aiobotocore.credentials", "botocore.credentials", "botocore.configprovider")
+
+
+def _quiet_client_logs() -> None:
+    for name in CHATTY_LOGGERS:
+        logger = logging.getLogger(name)
+        if logger.level == logging.NOTSET:
+            logger.setLevel(logging.WARNING)
 
 
 _STORES: dict[tuple, S3Storage] = {}
