@@ -51,12 +51,14 @@ def hash_sources(prepared: Prepared, *, use_cache: bool = True, progress: bool |
 
 def _request(reader) -> HashRequest:
     """The CRC ranges a file's format asks to be checked, with its sha256."""
+    # The identity the file had when indexed: one replaced since is refused, not hashed.
+    seen = tuple(getattr(reader, "identity", ()) or ())
     if isinstance(reader, CheckpointReader) and reader.has_crc:
-        return HashRequest(reader.path, ((0, reader.size - CRC_TRAILER_LEN),))
+        return HashRequest(reader.path, ((0, reader.size - CRC_TRAILER_LEN),), seen)
     if isinstance(reader, SafetensorsReader) and reader.has_crc:
         reader.stored_crc()  # a garbled crc_num is refused before anything is read
-        return HashRequest(reader.path, tuple((off, n) for off, n, _ in _tensor_spans(reader)))
-    return HashRequest(reader.path)
+        return HashRequest(reader.path, tuple((off, n) for off, n, _ in _tensor_spans(reader)), seen)
+    return HashRequest(reader.path, identity=seen)
 
 
 def _tensor_spans(reader: SafetensorsReader) -> list[tuple[int, int, str]]:

@@ -77,6 +77,11 @@ class RandomAccess(Protocol):
 
     Opening refuses anything but a regular file (a FIFO would block forever, a device never
     ends). `size` and `identity` are those seen at open time.
+
+    A back end may set ``index_window``: how many bytes a format reader walking record headers
+    should ask for at once. Readers default to a few MiB, right for local files (extra bytes come
+    from the page cache); an object store sets it small, since every byte asked for crosses the
+    network, and record data skipped by length should never be fetched.
     """
 
     path: str

@@ -476,6 +476,10 @@ def _options_key(scheme: str, options) -> tuple:
 def remote_storage(url: str, options) -> S3Storage:
     """The back end for `url` with `options` (``StorageOptions``); one per scheme and options, reused."""
     scheme = url.split("://", 1)[0].lower()
+    if strip_userinfo(url) != url:
+        # Credentials in a URL would end up in logs, manifests and lineage with the URL itself.
+        raise StorageError(f"{shorten(strip_userinfo(url))}: the URL holds credentials (user:secret@); give them "
+                           "in the environment, ~/.aws or storage.options instead")
     if scheme not in S3_SCHEMES:
         raise StorageError(f"{shorten(strip_userinfo(url))}: {scheme}:// is not supported "
                            f"(object stores are reached as s3://bucket/prefix)")

@@ -5,9 +5,11 @@ Two access patterns matter, and they want opposite things:
 - Indexing a ``.ckpt`` walks record headers: thousands of reads of a few bytes, mostly one
   after the other. One GET each would cost a round trip per header, so small reads are served
   from a read-ahead window. The window starts small (64 KiB) and doubles (up to 4 MiB) while
-  reads keep landing just past it, and falls back to small after a jump: walking small tensors
-  then costs a request per few MiB, walking large ones a request of 64 KiB per header, never a
-  download of the tensors skipped.
+  reads keep landing just past it (within a few KiB), and falls back to small after a jump:
+  walking small tensors then costs a request per few MiB, walking large ones a request of
+  64 KiB per header (``index_window`` asks format readers for windows that small), never a
+  download of the tensors skipped. Reading whole tensors one after the other, as a rank task
+  does, is sequential too and goes by 4 MiB requests.
 - Reading slices for a target rank asks for many ranges at once (``read_ranges``) or a few big
   ones. Neighbouring ranges are merged into requests of up to 8 MiB (``ranges.plan_requests``),
   up to 8 requests are in flight on the store's event loop, and each response is streamed
@@ -35,9 +37,13 @@ if TYPE_CHECKING:
 MIN_READAHEAD = 64 * 1024
 MAX_READAHEAD = 4 * 1024 * 1024
 MAX_GAP = 1024 * 1024  # bytes of gap worth reading to save a round trip
+# A read starting at most this far past the window continues it (record headers lie between
+# tensors); a longer jump skipped data, and reading ahead would likely fetch more to skip.
+SEQUENTIAL_GAP = 4096
 MAX_REQUEST = 8 * 1024 * 1024
 STREAM_CHUNK = 1024 * 1024
 STREAM_ATTEMPTS = 3  # a body cut off mid-stream is fetched again this many times in all
+INDEX_WINDOW = MAX_GAP  # a header walk reads through records smaller than this (RandomAccess.index_window)
 
 
 def _stream_errors() -> tuple[type[BaseException], ...]:
@@ -55,6 +61,8 @@ def _stream_errors() -> tuple[type[BaseException], ...]:
 
 class ObjectReader:
     """``RandomAccess`` over one object version (see the module docstring)."""
+
+    index_window = INDEX_WINDOW
 
     def __init__(self, store: "S3Storage", url: str, bucket: str, key: str, size: int, etag: str,
                  identity: tuple, *, concurrency: int = 8):
@@ -91,7 +99,7 @@ class ObjectReader:
             if n >= MAX_READAHEAD:
                 self._fetch([(offset, n)], [view[:n]])
                 return n
-            sequential = bool(window) and w_off <= offset <= w_off + len(window) + self._readahead
+            sequential = bool(window) and w_off <= offset <= w_off + len(window) + SEQUENTIAL_GAP
             self._readahead = min(2 * self._readahead, MAX_READAHEAD) if sequential else MIN_READAHEAD
             length = min(max(n, self._readahead), self.size - offset)
             buf = bytearray(length)

@@ -94,9 +94,12 @@ class CheckpointReader(PositionedReader):
         pos = 0
         wstart, window = 0, b""
         out = []
+        # An object store asks for small windows: bytes of skipped tensors would cross the network.
+        fetch = getattr(self._file, "index_window", WINDOW)
+        self._head = min(HEAD, fetch // 2)  # a record's head then lies in the window just read
         while pos < size:
-            if pos + HEAD > wstart + len(window) and wstart + len(window) < size:
-                wstart, window = pos, self.pread(pos, min(WINDOW, size - pos))
+            if pos + self._head > wstart + len(window) and wstart + len(window) < size:
+                wstart, window = pos, self.pread(pos, min(fetch, size - pos))
             rel = pos - wstart
             if size - pos == CRC_TRAILER_LEN and window[rel : rel + 7] == CRC_MAGIC and out:
                 self.crc_stored = int.from_bytes(window[rel + 7 : rel + 17], "big")
@@ -125,7 +128,7 @@ class CheckpointReader(PositionedReader):
 
     def _parse_large(self, start: int, vstart: int, vend: int):
         """A record larger than a window: parse its head; fall back to fetching on demand."""
-        head = self.pread(vstart, min(HEAD, vend - vstart))
+        head = self.pread(vstart, min(self._head, vend - vstart))
         try:
             return self._parse_value(head, vstart, start, 0, vend - vstart)
         except IndexError:  # a field the head does not hold: fetch as the parser goes
