@@ -34,6 +34,22 @@ def is_secret_key(key: str) -> bool:
     return bool(_SECRET_KEY.search(str(key)))
 
 
+# `name=value` items of a command line or of Hydra's comma-joined ``override_dirname``
+_OVERRIDE_ITEM = re.compile(r"(?P<head>(?:^|(?<=[\s,\[\]'\"]))[+~]{0,2}(?P<name>[A-Za-z_][\w\-]*(?:\.[\w\-]+)*)=)"
+                            r"(?P<value>'[^']*'|\"[^\"]*\"|[^,\s\]]*)", re.M)
+
+
+def mask_overrides(text: str) -> str:
+    """`text` with the value of every ``name=value`` item whose name is secret-looking masked
+    (``+storage.options.secret=SK`` on a command line, or inside ``a=1,b.secret=SK``)."""
+    def item(m: re.Match) -> str:
+        secret = is_secret_key(m.group("name").rsplit(".", 1)[-1])
+        empty = m.group("value") in ("", "null", "''", '""')
+        return m.group("head") + MASK if secret and not empty else m.group(0)
+
+    return _OVERRIDE_ITEM.sub(item, text)
+
+
 def mask_config(value: Any, key: str = "") -> Any:
     """A copy of a configuration tree with secret-looking keys' values and URL passwords masked."""
     if isinstance(value, dict):
@@ -42,7 +58,7 @@ def mask_config(value: Any, key: str = "") -> Any:
     if isinstance(value, list):
         return [mask_config(v, key) for v in value]
     if isinstance(value, str):
-        return mask_url(value)
+        return mask_overrides(mask_url(value))
     return value
 
 
@@ -57,4 +73,4 @@ def mask_text(text: str) -> str:
         empty = m.group("value").strip() in ("null", "''", '""', "{}")
         return m.group("head") + MASK if secret and not empty else m.group(0)
 
-    return _YAML_OR_OVERRIDE.sub(line, mask_url(text))
+    return mask_overrides(_YAML_OR_OVERRIDE.sub(line, mask_url(text)))

@@ -17,7 +17,7 @@ from typing import Callable
 
 from .. import __version__
 from ..errors import ReshardError
-from ..secrets import mask_url
+from ..secrets import mask_config, mask_url
 from .spec import JobSpec
 
 log = logging.getLogger("reshard_job")
@@ -53,7 +53,7 @@ class LineageRecorder:
                 log.warning("lineage: marked %d run(s) left 'started' by killed processes as abandoned: %s",
                             len(abandoned), ", ".join(a[:8] for a in abandoned))
             ctx = self.spec.context
-            run_id = store.start_run(config=self.spec.config, overrides=[mask_url(o) for o in ctx.overrides],
+            run_id = store.start_run(config=self.spec.config, overrides=[mask_config(o) for o in ctx.overrides],
                                      tool_version=__version__, output_dir=mask_url(self.spec.output.dir),
                                      source_devices=None, target_devices=None, sweep_id=ctx.sweep_id,
                                      job_num=ctx.job_num)
