@@ -265,10 +265,11 @@ class OutputDir:
     def remove_temp_files(self) -> int:
         """Delete what writers of a killed run left (temporary files, unfinished uploads)."""
         try:
-            ranks = [e.name for e in self.storage.listdir(self.path) if e.name.startswith("rank_") and e.is_dir]
+            # a pattern, not the listed rank folders: on an object store a folder holding nothing
+            # but an unfinished upload is in no listing
+            return self.storage.remove_incomplete(self.path, ["rank_*", STATE_DIR, f"{STATE_DIR}/{TENSORS_DIR}"])
         except Exception:  # noqa: BLE001 - nothing to clean in a directory that cannot be listed
             return 0
-        return self.storage.remove_incomplete(self.path, ranks + [STATE_DIR, f"{STATE_DIR}/{TENSORS_DIR}"])
 
     # ------------------------------------------------------------------------------ manifest
     def write_manifest(self, manifest: dict) -> tuple[int, str]:

@@ -187,7 +187,10 @@ class Storage(Protocol):
 
     def remove_incomplete(self, folder: str, recursive_into: Iterable[str] = ()) -> int:
         """Remove what interrupted writers left directly in `folder` and in its sub-folders named
-        in `recursive_into` (temporary files; unfinished multipart uploads); return how many."""
+        in `recursive_into` (temporary files; unfinished multipart uploads); return how many.
+
+        A name may be a glob pattern (``rank_*``): on an object store, a folder whose only
+        content is an unfinished upload does not exist in listings, so it cannot be named."""
 
     def lock(self, folder: str, holder: str) -> OutputLock:
         """Take the one-writer lock of an output folder; StorageError naming the current holder

@@ -30,6 +30,7 @@ child therefore keeps the client it inherited untouched for its whole life (``_a
 from __future__ import annotations
 
 import concurrent.futures
+import fnmatch
 import hashlib
 import logging
 import os
@@ -373,19 +374,19 @@ class S3Storage:
 
     def remove_incomplete(self, folder: str, recursive_into: Iterable[str] = ()) -> int:
         """Abort the unfinished multipart uploads of killed writers directly in `folder` and in the
-        named sub-folders (uploads elsewhere under the prefix belong to no output of this job)."""
+        named sub-folders, or those matching a glob pattern (uploads elsewhere under the prefix
+        belong to no output of this job)."""
         _, bucket, key = split_url(folder)
         url = self._url(bucket, key)
         prefix = key + "/" if key else ""
-        folders = {prefix} | {prefix + d.strip("/") + "/" for d in recursive_into}
+        patterns = [d.strip("/") for d in recursive_into]
         removed = 0
         params: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix}
         while True:
             page = self.call("list_multipart_uploads", url, "listing its unfinished uploads", **params)
             for upload in page.get("Uploads") or ():
                 upload_key = upload["Key"]
-                if posixpath.dirname(upload_key) + "/" not in folders and \
-                        not (prefix == "" and "/" not in upload_key):
+                if not _in_folders(posixpath.dirname(upload_key[len(prefix):]), patterns):
                     continue
                 try:
                     self.call_raw("abort_multipart_upload", Bucket=bucket, Key=upload_key,
@@ -419,6 +420,14 @@ class S3Storage:
         return acquire(self, self._url(bucket, key), bucket, key, holder,
                        lease_seconds=lease_seconds if lease_seconds is not None else self.lease_seconds,
                        settle_seconds=self.settle_seconds)
+
+
+def _in_folders(folder: str, patterns: list[str]) -> bool:
+    """Whether a sub-folder ('' for the folder itself) is one of `patterns` (names or globs; a
+    pattern's '*' does not cross a '/')."""
+    if not folder:
+        return True
+    return any(folder.count("/") == p.count("/") and fnmatch.fnmatchcase(folder, p) for p in patterns)
 
 
 # botocore says at INFO where it found credentials and the endpoint, once per process: in a job

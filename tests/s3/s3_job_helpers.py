@@ -236,3 +236,50 @@ class ThrottlingProxy:
             do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _any
 
         return Handler
+
+
+# ================================================================================== sources
+
+
+@dataclass(frozen=True)
+class BigSource:
+    """A synthetic 2-rank source (columns split) whose 2 target ranks (rows split) each need both
+    source files: every output is several multipart-upload parts long."""
+
+    root: Path
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "ckpts"
+
+    def args(self, out: str, *, base: str | None = None) -> list[str]:
+        """The job's overrides, reading from `base` (a prefix URL holding a copy of `root`) or from disk."""
+        where = base or str(self.root)
+        return [f"source.checkpoints={where}/ckpts", f"source.strategy={where}/src_strategy.ckpt", "target=strategy",
+                f"target.strategy={where}/dst_strategy.ckpt", f"output.dir={out}"]
+
+
+def make_big_source(root: Path, *, n_tensors: int = 4, rows: int = 1024, cols: int = 2048) -> BigSource:
+    """`n_tensors` float32 [rows, cols] tensors (8 MiB each by default), 2 source ranks, 2 target ranks:
+    each output of 16 MiB goes up in two parts."""
+    import numpy as np
+
+    from reshard_job.formats.ckpt import CheckpointWriter
+    from reshard_job.formats.strategy import ParamLayout, StrategyFile, StrategyItem, write_strategy
+
+    root.mkdir(parents=True, exist_ok=True)
+    names = [f"block{i}.weight" for i in range(n_tensors)]
+    item = [StrategyItem("MatMul-op0", 0, ())]
+    write_strategy(StrategyFile({n: ParamLayout((2,), (-1, 0)) for n in names}, item), root / "src_strategy.ckpt",
+                   mode=0o644)
+    write_strategy(StrategyFile({n: ParamLayout((2,), (0, -1)) for n in names}, item), root / "dst_strategy.ckpt",
+                   mode=0o644)
+    rng = np.random.default_rng(11)
+    writers = [CheckpointWriter(root / "ckpts" / f"rank_{r}" / f"checkpoint_{r}.ckpt", mode=0o644) for r in range(2)]
+    for name in names:
+        g = rng.standard_normal((rows, cols), dtype=np.float32)
+        for r, w in enumerate(writers):
+            w.add(name, np.ascontiguousarray(g[:, r * cols // 2:(r + 1) * cols // 2]))
+    for w in writers:
+        w.commit()
+    return BigSource(root)
