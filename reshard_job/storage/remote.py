@@ -15,8 +15,8 @@ nothing in it does not exist. Paths may be given with or without a trailing slas
 Credentials (``storage.options`` keys such as ``key``/``secret``/``token``, or the environment)
 only ever reach s3fs: URLs are shown without any ``user:password@`` part, the storage's repr
 shows neither options nor keys, and no message includes them. botocore retries throttling, 5xx
-answers and dropped connections with exponential back-off (``standard`` mode, 5 attempts;
-``storage.options.config_kwargs.retries`` changes that), and a request that still fails becomes
+answers and dropped connections with exponential back-off (``standard`` mode, 5 attempts in all;
+``storage.options.config_kwargs.retries`` changes either), and a request that still fails becomes
 one ``StorageError`` line.
 
 s3fs objects are not fork-safe (their event loop thread does not survive ``fork``), and the job
@@ -43,7 +43,7 @@ from .base import KIND_DIR, KIND_FILE, FileInfo, SourceChangedError, StorageErro
 from .s3errors import error_code, is_absent, is_precondition_failed, shorten, storage_error, strip_userinfo
 
 S3_SCHEMES = ("s3", "s3a")
-DEFAULT_RETRIES = {"max_attempts": 5, "mode": "standard"}
+DEFAULT_RETRIES = {"total_max_attempts": 5, "mode": "standard"}  # botocore's max_attempts counts retries only
 CONNECT_TIMEOUT_SECONDS = 10
 READ_TIMEOUT_SECONDS = 120
 LIST_PAGE = 1000
@@ -121,7 +121,7 @@ class S3Storage:
         if self._endpoint_url:
             kwargs["endpoint_url"] = self._endpoint_url
         config = dict(kwargs.pop("config_kwargs", None) or {})
-        config.setdefault("retries", dict(DEFAULT_RETRIES))
+        config["retries"] = _retries(config.get("retries"))
         config.setdefault("connect_timeout", CONNECT_TIMEOUT_SECONDS)
         config.setdefault("read_timeout", READ_TIMEOUT_SECONDS)
         # Keep botocore's optional CRC32 request checksums off where not required: several
@@ -420,6 +420,16 @@ class S3Storage:
         return acquire(self, self._url(bucket, key), bucket, key, holder,
                        lease_seconds=lease_seconds if lease_seconds is not None else self.lease_seconds,
                        settle_seconds=self.settle_seconds)
+
+
+def _retries(given) -> dict:
+    """botocore's retry settings: the user's, completed with ours (a count given as botocore's
+    ``max_attempts``, retries after the first, replaces our total)."""
+    given = dict(given or {})
+    defaults = dict(DEFAULT_RETRIES)
+    if "max_attempts" in given:
+        defaults.pop("total_max_attempts")
+    return {**defaults, **given}
 
 
 def _in_folders(folder: str, patterns: list[str]) -> bool:
