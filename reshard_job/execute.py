@@ -24,6 +24,7 @@ from .formats.boxes import Box, box_shape, intersect, split_rows
 from .formats.registry import open_reader, open_writer
 from .formats.tensorfile import KIND_MAP, KIND_STR, Scratch
 from .plan import ACTION_COPY, ParamPlan, RankPlan, TensorMeta
+from .read_ahead import announce
 from .storage import SourceChangedError, StorageOptions, storage_for
 from .tasks import FORMAT_CKPT, RankResult, RankTask
 
@@ -134,6 +135,8 @@ def run_rank_task(task: RankTask, *, sources: SourceFiles | None = None,
         dict(task.sources), verify_crc=False, identities=task.source_identities, storage=task.storage)
     try:
         opts = task.options
+        # object stores fetch the announced ranges in batches instead of one request per read
+        announce(task.plan, {r: readers.reader(r) for r in task.sources}, opts.max_memory)
         written = execute_rank(task.plan, readers, task.out_path, fmt=opts.format, max_memory=opts.max_memory,
                                crc=opts.crc, progress=progress)
         readers.check_unchanged()

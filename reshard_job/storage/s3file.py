@@ -24,6 +24,7 @@ cut off mid-stream is requested again (the bytes are the same: the ETag still ma
 from __future__ import annotations
 
 import asyncio
+import bisect
 import threading
 from typing import TYPE_CHECKING
 
@@ -81,6 +82,11 @@ class ObjectReader:
         self._window = b""
         self._readahead = MIN_READAHEAD
         self._closed = False
+        self._expected: list[tuple[int, int]] = []  # announced reads, sorted and merged (expect)
+        self._expected_starts: list[int] = []
+        self._budget = 0
+        self._batch: list[tuple[int, bytearray]] = []  # fetched expected ranges, by offset
+        self._batch_starts: list[int] = []
 
     # -- RandomAccess --------------------------------------------------------------------------
     def pread_into(self, offset: int, view: memoryview) -> int:
@@ -96,8 +102,12 @@ class ObjectReader:
             if w_off <= offset and offset + n <= w_off + len(window):
                 view[:n] = window[offset - w_off:offset - w_off + n]
                 return n
+            if self._from_batch(offset, view[:n]):
+                return n
             if n >= MAX_READAHEAD:
                 self._fetch([(offset, n)], [view[:n]])
+                return n
+            if self._fetch_batch(offset, n) and self._from_batch(offset, view[:n]):
                 return n
             sequential = bool(window) and w_off <= offset <= w_off + len(window) + SEQUENTIAL_GAP
             self._readahead = min(2 * self._readahead, MAX_READAHEAD) if sequential else MIN_READAHEAD
@@ -119,9 +129,57 @@ class ObjectReader:
             buffers[i] = bytearray()  # drop each buffer once copied: peak = total + one range
         return out
 
+    def expect(self, ranges: list[tuple[int, int]], budget: int) -> None:
+        """Reads about to come (``read_ahead.announce``): a later read inside them that misses
+        fetches them from that point on, up to `budget` bytes, as coalesced parallel requests."""
+        merged: list[tuple[int, int]] = []
+        for offset, length in sorted(r for r in clip_ranges(list(ranges), self.size) if r[1] > 0):
+            if merged and offset <= merged[-1][0] + merged[-1][1]:
+                last_offset, last_length = merged[-1]
+                merged[-1] = (last_offset, max(last_length, offset + length - last_offset))
+            else:
+                merged.append((offset, length))
+        with self._lock:
+            self._expected, self._expected_starts = merged, [o for o, _ in merged]
+            self._budget = max(MIN_READAHEAD, budget)
+            self._batch, self._batch_starts = [], []
+
+    def _from_batch(self, offset: int, view: memoryview) -> bool:
+        i = bisect.bisect_right(self._batch_starts, offset) - 1
+        if i < 0:
+            return False
+        start, data = self._batch[i]
+        if offset + len(view) > start + len(data):
+            return False
+        view[:] = memoryview(data)[offset - start:offset - start + len(view)]
+        return True
+
+    def _fetch_batch(self, offset: int, n: int) -> bool:
+        """Fetch the expected ranges from `offset` on, up to the budget; False if it is not expected."""
+        i = bisect.bisect_right(self._expected_starts, offset) - 1
+        if i < 0 or offset + n > sum(self._expected[i]):
+            return False
+        wanted, total = [], 0
+        for start, length in self._expected[i:]:
+            start, length = max(start, offset), length - (max(start, offset) - start)
+            take = min(length, self._budget - total)
+            if take <= 0 or (wanted and take < length):
+                break  # whole ranges only, but the first, which may be longer than the budget
+            wanted.append((start, take))
+            total += take
+        if wanted[0][1] < n:
+            return False
+        self._batch = []  # the previous batch goes before the next one is fetched
+        buffers = [bytearray(length) for _, length in wanted]
+        self._fetch(wanted, [memoryview(b) for b in buffers])
+        self._batch = [(start, b) for (start, _), b in zip(wanted, buffers)]
+        self._batch_starts = [start for start, _ in wanted]
+        return True
+
     def close(self) -> None:
         self._closed = True
         self._window = b""
+        self._batch, self._expected = [], []
 
     def __enter__(self):
         return self
@@ -134,9 +192,10 @@ class ObjectReader:
         if self._closed:
             raise ValueError(f"{self.path}: reader is closed")
 
-    def _fetch(self, ranges: list[tuple[int, int]], sinks: list[memoryview]) -> None:
+    def _fetch(self, ranges: list[tuple[int, int]], sinks: list[memoryview], *, max_gap: int = MAX_GAP,
+               max_request: int = MAX_REQUEST) -> None:
         """Fill sinks[i] with the bytes of ranges[i] (already clipped to the object)."""
-        requests = plan_requests(ranges, max_gap=MAX_GAP, max_request=MAX_REQUEST)
+        requests = plan_requests(ranges, max_gap=max_gap, max_request=max_request)
         if requests:
             self._store.run(self._run_requests, requests, ranges, sinks)
 

@@ -479,3 +479,24 @@ def test_append_rewrites_the_log_and_keeps_what_others_wrote(s3_store, s3_prefix
     other.append(url, b"five\n")  # a store without conditional writes compares the ETag first
     other.append(url, b"six\n")
     assert other.read_bytes(url, 100) == b"fresh\nfour\nfive\nsix\n"
+
+
+def test_announced_reads_are_fetched_in_few_requests_and_only_where_announced(s3_store, s3_prefix):
+    data = os.urandom(24 * 1024 * 1024)
+    url = f"{s3_prefix}/announced.bin"
+    put(s3_store, url, data)
+    # what a rank task reads from a file: tiny tensors scattered through its first 2 MiB, and one
+    # large slice at the end; nothing from the 20 MiB between
+    tiny = [(i * 40_000, 120) for i in range(50)]
+    large = [(22 * 1024 * 1024, 1024 * 1024)]
+    with s3_store.open_read(url) as f:
+        f.expect(tiny + large, 4 * 1024 * 1024)
+        for offset, length in tiny + large:
+            view = memoryview(bytearray(length))
+            assert f.pread_into(offset, view) == length and bytes(view) == data[offset:offset + length]
+        assert f.requests <= 3, f.requests
+        assert f.bytes_fetched < 4 * 1024 * 1024, f.bytes_fetched
+        requests = f.requests
+        view = memoryview(bytearray(100))  # a read nobody announced still works, by itself
+        assert f.pread_into(10 * 1024 * 1024, view) == 100 and bytes(view) == data[10 * 1024 * 1024:][:100]
+        assert f.requests == requests + 1
