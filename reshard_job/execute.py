@@ -110,7 +110,7 @@ def execute_rank(
     metadata: dict | None = None,
 ) -> WrittenFile:
     """Write one target rank's file from its plan; atomic (published only when complete)."""
-    writer = open_writer(out_path, fmt, crc=crc, metadata=metadata, storage=sources.storage)
+    writer = open_writer(out_path, fmt, crc=crc, metadata=metadata, storage=getattr(sources, "storage", None))
     try:
         by_name = {p.name: p for p in rank_plan.params}
         order = writer.arrange([TensorDecl(p.name, p.dtype, p.target_shape, p.kind) for p in rank_plan.params])
