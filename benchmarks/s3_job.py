@@ -150,14 +150,16 @@ def render(result: dict) -> str:
                     f"{r['copies']['put_s']:.2f} | {r['job']['wall_s']:.2f} | {ratio:.2f} | "
                     f"{r['job']['peak_rss_mib']:.0f} |")
     c = result["counted"]
+    methods = ", ".join(f"{k} {v}" for k, v in sorted(c["by_method"].items()))
+    where = f"{_machine(result['machine'])}; endpoint {result['endpoint']}, workers {result['workers']}, {result['when']}"
     return "\n".join([
         f"# Object storage: 8 -> 4, {result['size_gb']} GB {result['dtype']}, bucket -> bucket",
-        "", f"{_machine(result['machine'])}; endpoint {result['endpoint']}, workers {result['workers']}, {result['when']}", "",
+        "", where, "",
         "| round | s3fs copy s | s3fs get + put s | job s | job / (get + put) | job peak MiB |",
         "|---:|---:|---:|---:|---:|---:|", *rows, "",
         f"Median job / (get + put): **{result['median_ratio']:.2f}** (target ≤ 1.5); "
         f"largest peak: **{result['max_peak_rss_mib']:.0f} MiB** (target ≤ 512).", "",
-        f"Requests of one job run: {c['requests']} ({', '.join(f'{k} {v}' for k, v in sorted(c['by_method'].items()))}); "
+        f"Requests of one job run: {c['requests']} ({methods}); "
         f"read {c['bytes_read'] / MIB:.1f} MiB for {c['bytes_needed'] / MIB:.1f} MiB needed "
         f"({c['source_bytes'] / MIB:.1f} MiB of sources hashed + {c['plan_bytes_read'] / MIB:.1f} MiB of slices), "
         f"ratio {c['read_over_needed']}; wrote {c['bytes_written'] / MIB:.1f} MiB.", "",

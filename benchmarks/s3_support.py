@@ -137,8 +137,9 @@ def start_seaweedfs(root: str, timeout: float = 90) -> SeaweedFS:
     os.makedirs(os.path.join(root, "data"), exist_ok=True)
     identities = os.path.join(root, "s3.json")
     with open(identities, "w") as f:
-        json.dump({"identities": [{"name": "admin", "credentials": [{"accessKey": ADMIN_KEY, "secretKey": ADMIN_SECRET}],
-                                   "actions": ["Admin", "Read", "List", "Tagging", "Write"]}]}, f)
+        admin = {"name": "admin", "credentials": [{"accessKey": ADMIN_KEY, "secretKey": ADMIN_SECRET}],
+                 "actions": ["Admin", "Read", "List", "Tagging", "Write"]}
+        json.dump({"identities": [admin]}, f)
     names = ["master", "master.port.grpc", "volume", "volume.port.grpc", "filer", "filer.port.grpc", "s3",
              "s3.port.grpc"]
     p = dict(zip(names, _free_ports(len(names))))

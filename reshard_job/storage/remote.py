@@ -10,7 +10,8 @@ conditional puts for its lock. The pieces live in their own modules: ``s3file`` 
 
 Layout mirrors the local one: ``<prefix>/rank_<r>/<file>``, ``<prefix>/manifest.json``. A
 "folder" is a key prefix that has keys below it; ``makedirs`` does nothing, and a folder with
-nothing in it does not exist. Paths may be given with or without a trailing slash.
+nothing in it does not exist. Paths may be given with or without a trailing slash. An object
+cannot grow, so ``append`` (the resume journal) rewrites the small log object whole.
 
 Credentials (``storage.options`` keys such as ``key``/``secret``/``token``, or the environment)
 only ever reach s3fs: URLs are shown without any ``user:password@`` part, the storage's repr

@@ -15,6 +15,11 @@ Two access patterns matter, and they want opposite things:
   up to 8 requests are in flight on the store's event loop, and each response is streamed
   straight into the caller's buffers in 1 MiB pieces: memory stays the caller's buffers plus a
   few MiB, however large the request.
+- A rank task reads its boxes one at a time, but announces them first (``expect``, from
+  ``read_ahead``): a read inside the announced ranges that misses fetches the announced ranges
+  from there on, up to a byte budget, as one such coalesced, parallel batch; later reads are
+  served from it. Dozens of small tensors scattered through a file then cost a request or two,
+  and nothing outside the announced ranges is fetched but the gaps worth reading.
 
 Every GET carries ``If-Match`` with the ETag seen at open, so an object replaced while the job
 reads it fails with ``SourceChangedError`` instead of mixing two versions' bytes. A response
