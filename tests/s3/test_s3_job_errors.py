@@ -3,7 +3,10 @@ nothing written that looks valid, the lineage run failed with that line.
 
 Missing bucket, no permission, bad credentials, an unreachable endpoint, and throttling (through a
 proxy in front of the real server that answers ``503 SlowDown``: retried with back-off, then one
-line when it does not stop).
+line when it does not stop). The back end's own tests (``tests/storage``) produce the messages of
+a missing bucket, bad credentials and an unreachable endpoint too, so here those three are
+``slow``; how any store error ends a job (one line, exit 2, nothing written, a failed run) is
+checked by default through the others.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ def failed_run(tmp_path, error: str) -> None:
         assert list(con.execute("select * from events where direction = 'output'")) == []
 
 
+@pytest.mark.slow
 def test_missing_bucket(golden, s3_server, tmp_path):
     bucket, src = golden
     res = runner_as(tmp_path, s3_server).job(*args("s3://no-such-bucket-4471/s1", bucket.url("out-missing")))
@@ -66,6 +70,7 @@ def test_no_permission_to_write_the_output_prefix(golden, s3_server, tmp_path):
     failed_run(tmp_path, f"reshard_job: error: {error}"[len("reshard_job: error: "):])
 
 
+@pytest.mark.slow
 def test_bad_credentials(golden, s3_server, tmp_path):
     bucket, src = golden
     res = runner_as(tmp_path, s3_server, secret="not-the-secret-at-all").job(*args(src, bucket.url("out-badkey")))
@@ -75,6 +80,7 @@ def test_bad_credentials(golden, s3_server, tmp_path):
     assert bucket.keys(bucket.url("out-badkey")) == []
 
 
+@pytest.mark.slow
 def test_unreachable_endpoint(golden, s3_server, tmp_path):
     bucket, src = golden
     with socket.socket() as s:  # a port nothing listens on
