@@ -143,3 +143,17 @@ def test_lineage_crosses_from_a_local_file_to_the_object_it_was_uploaded_as(buck
     bucket.put(f"{full}/rank_0/checkpoint_0.ckpt", b"not the checkpoint")
     broken = runner.audit("verify", full)
     assert broken.returncode == 1 and "changed" in broken.stdout and f"{full}/rank_0/checkpoint_0.ckpt" in broken.stdout
+
+
+def test_output_guards_compare_urls_as_places(bucket):
+    from reshard_job.errors import OutputError
+    from reshard_job.job.outputs import OutputDir
+
+    src = bucket.url("ckpt")
+    inside = OutputDir(bucket.url("ckpt", "out").replace("s3://", "s3a://"), bucket.store)
+    with pytest.raises(OutputError, match="is inside the source directory"):
+        inside.check_not_source([src + "/"], [])
+    beside = OutputDir(bucket.url("ckpt_4cards"), bucket.store)  # a sibling sharing a name prefix
+    beside.check_not_source([src], [f"{src}/rank_0/checkpoint_0.ckpt"])
+    with pytest.raises(OutputError, match="would replace the source file"):
+        beside.check_planned([bucket.url("ckpt_4cards", "strategy.ckpt")], [bucket.url("ckpt_4cards/strategy.ckpt/")])
