@@ -148,6 +148,7 @@ class ObjectReader:
             self._expected, self._expected_starts = merged, [o for o, _ in merged]
             self._budget = max(MIN_READAHEAD, budget)
             self._batch, self._batch_starts = [], []
+            self._window = b""  # the header walk's last window: reads come from batches now
 
     def _from_batch(self, offset: int, view: memoryview) -> bool:
         i = bisect.bisect_right(self._batch_starts, offset) - 1
