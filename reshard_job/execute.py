@@ -26,6 +26,7 @@ from .formats.multifile import MultiFileReader
 from .formats.registry import open_reader, open_writer
 from .formats.tensorfile import KIND_MAP, KIND_STR, Scratch
 from .plan import ACTION_COPY, ParamPlan, RankPlan, TensorMeta
+from .read_ahead import announce
 from .storage import SourceChangedError, StorageOptions, storage_for
 from .tasks import FORMAT_CKPT, FORMAT_SAFETENSORS, RankResult, RankTask, files_of  # noqa: F401 (re-exported)
 
@@ -193,7 +194,7 @@ def execute_rank(
     metadata: dict | None = None,
 ) -> WrittenFile:
     """Write one target rank's file from its plan; atomic (published only when complete)."""
-    writer = open_writer(out_path, fmt, crc=crc, metadata=metadata)
+    writer = open_writer(out_path, fmt, crc=crc, metadata=metadata, storage=getattr(sources, "storage", None))
     try:
         by_name = {p.name: p for p in rank_plan.params}
         order = writer.arrange([TensorDecl(p.name, p.dtype, p.target_shape, p.kind) for p in rank_plan.params])
@@ -218,6 +219,8 @@ def run_rank_task(task: RankTask, *, sources: SourceFiles | None = None,
         dict(task.sources), verify_crc=False, identities=task.source_identities, storage=task.storage)
     try:
         opts = task.options
+        # object stores fetch the announced ranges in batches instead of one request per read
+        announce(task.plan, {r: readers.reader(r) for r in task.sources}, opts.max_memory)
         written = execute_rank(task.plan, readers, task.out_path, fmt=opts.format, max_memory=opts.max_memory,
                                crc=opts.crc, progress=progress, metadata=opts.metadata)
         readers.check_unchanged()

@@ -28,6 +28,7 @@ from typing import Callable, Iterable, Sequence
 from .storage import SourceChangedError, StorageOptions, storage_for
 
 BLOCK = 4 * 1024 * 1024
+REMOTE_BLOCK = 32 * 1024 * 1024
 Segments = Sequence[tuple[int, int]]  # (offset, length) byte ranges, in any order, possibly overlapping
 
 
@@ -44,25 +45,32 @@ class FileDigest:
 class HashRequest:
     path: str
     segments: tuple[tuple[int, int], ...] | None = None
+    # the identity the caller saw (when it indexed the file): a file that differs now changed
+    # since, and is refused rather than hashed
+    identity: tuple = ()
 
 
 def digest_file(path: str, *, segments: Segments | None = None, progress: Callable[[int], None] | None = None,
-                storage_options: StorageOptions | None = None) -> FileDigest:
+                storage_options: StorageOptions | None = None, expected_identity: tuple = ()) -> FileDigest:
     """sha256 of the whole file and the CRC32 of each of `segments`, in one sequential read.
 
     The file's identity is taken before and after: a file that changes while it is read is a
-    SourceChangedError, never a digest of a mix of old and new bytes.
+    SourceChangedError, never a digest of a mix of old and new bytes; so is one whose identity
+    is not `expected_identity` (when given) as it is opened.
     """
     storage = storage_for(path, storage_options)
     h = hashlib.sha256()
     crcs = _SegmentCrcs(segments or ())
-    buf = bytearray(BLOCK)
-    mv = memoryview(buf)
     f = storage.open_read(path)
+    # An object store answers a large read with several ranged GETs in flight: bigger blocks.
+    buf = bytearray(BLOCK if storage.scheme == "file" else REMOTE_BLOCK)
+    mv = memoryview(buf)
     pos = 0
     try:
+        if expected_identity and tuple(f.identity) != tuple(expected_identity):
+            raise SourceChangedError(f"{path}: changed since the job indexed it; rerun once it is stable")
         while pos < f.size:
-            n = f.pread_into(pos, mv[: min(BLOCK, f.size - pos)])
+            n = f.pread_into(pos, mv[: min(len(buf), f.size - pos)])
             if n <= 0:
                 break
             chunk = mv[:n]
@@ -121,7 +129,7 @@ def digest_files(requests: Iterable[HashRequest], *, threads: int = 2, progress:
 
     def one(i: int) -> FileDigest:
         return digest_file(reqs[i].path, segments=reqs[i].segments, progress=progress,
-                           storage_options=storage_options)
+                           storage_options=storage_options, expected_identity=reqs[i].identity)
 
     if threads <= 1 or len(todo) <= 1:
         for i in todo:
@@ -206,6 +214,8 @@ class HashCache:
         identity = self._identity(request.path)
         if identity is None or e.get("identity") != identity:
             return None
+        if request.identity and list(request.identity) != identity:
+            return None  # changed since the caller saw it: digest_file refuses it
         key = _segments_key(request.segments)
         if key is not None and e.get("segments") != key:
             return None

@@ -34,6 +34,22 @@ def is_secret_key(key: str) -> bool:
     return bool(_SECRET_KEY.search(str(key)))
 
 
+# `name=value` items of a command line or of Hydra's comma-joined ``override_dirname``
+_OVERRIDE_ITEM = re.compile(r"(?P<head>(?:^|(?<=[\s,\[\]'\"]))[+~]{0,2}(?P<name>[A-Za-z_][\w\-]*(?:\.[\w\-]+)*)=)"
+                            r"(?P<value>'[^'\n]*'|\"[^\"\n]*\"|[^,\s\]]*)", re.M)
+
+
+def mask_overrides(text: str) -> str:
+    """`text` with the value of every ``name=value`` item whose name is secret-looking masked
+    (``+storage.options.secret=SK`` on a command line, or inside ``a=1,b.secret=SK``)."""
+    def item(m: re.Match) -> str:
+        secret = is_secret_key(m.group("name").rsplit(".", 1)[-1])
+        empty = m.group("value") in ("", "null", "''", '""')
+        return m.group("head") + MASK if secret and not empty else m.group(0)
+
+    return _OVERRIDE_ITEM.sub(item, text)
+
+
 def mask_config(value: Any, key: str = "") -> Any:
     """A copy of a configuration tree with secret-looking keys' values and URL passwords masked."""
     if isinstance(value, dict):
@@ -42,16 +58,13 @@ def mask_config(value: Any, key: str = "") -> Any:
     if isinstance(value, list):
         return [mask_config(v, key) for v in value]
     if isinstance(value, str):
-        return mask_url(value)
+        return mask_overrides(mask_url(value))
     return value
 
 
 _YAML_OR_OVERRIDE = re.compile(r"^(?P<head>[ \t]*-?[ \t]*\+?(?P<name>[\w.\-]+)[ \t]*(?::[ \t]|=)[ \t]*)(?P<value>\S.*)$",
                                re.M)
 
-
-# key=value anywhere (Hydra joins overrides with commas in hydra.job.override_dirname)
-_INLINE = re.compile(r"(?P<head>(?P<name>[\w.+\-]+)=)(?P<value>'[^'\n]*'|\"[^\"\n]*\"|[^,\s'\"\]]+)")
 
 
 def mask_text(text: str) -> str:
@@ -62,5 +75,4 @@ def mask_text(text: str) -> str:
     def line(m: re.Match) -> str:
         return m.group("head") + MASK if secret(m.group("name"), m.group("value")) else m.group(0)
 
-    text = _YAML_OR_OVERRIDE.sub(line, mask_url(text))
-    return _INLINE.sub(line, text)
+    return mask_overrides(_YAML_OR_OVERRIDE.sub(line, mask_url(text)))

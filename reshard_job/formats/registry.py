@@ -32,10 +32,10 @@ def _ckpt_reader(source, *, verify_crc: bool) -> TensorReader:
     return CheckpointReader(source, verify_crc=verify_crc)
 
 
-def _ckpt_writer(target, *, crc: bool, metadata: dict | None) -> TensorWriter:
+def _ckpt_writer(target, *, crc: bool, metadata: dict | None, storage=None) -> TensorWriter:
     from .ckpt import CheckpointWriter
 
-    return CheckpointWriter(target, crc=crc)
+    return CheckpointWriter(target, crc=crc, storage=storage)
 
 
 def _safetensors_reader(source, *, verify_crc: bool) -> TensorReader:
@@ -44,12 +44,12 @@ def _safetensors_reader(source, *, verify_crc: bool) -> TensorReader:
     return SafetensorsReader(source, verify_crc=verify_crc)
 
 
-def _safetensors_writer(target, *, crc: bool, metadata: dict | None) -> TensorWriter:
+def _safetensors_writer(target, *, crc: bool, metadata: dict | None, storage=None) -> TensorWriter:
     from .safetensors import SafetensorsWriter
 
     if metadata is not None:  # e.g. {"format": "pt"} for loaders outside MindSpore
-        return SafetensorsWriter(target, metadata=metadata, mindspore=False, crc=crc)
-    return SafetensorsWriter(target, crc=crc)
+        return SafetensorsWriter(target, metadata=metadata, mindspore=False, crc=crc, storage=storage)
+    return SafetensorsWriter(target, crc=crc, storage=storage)
 
 
 _FORMATS = {
@@ -86,6 +86,8 @@ def open_reader(source, *, kind: str | None = None, verify_crc: bool = True) -> 
     return _FORMATS[kind].reader(source, verify_crc=verify_crc)
 
 
-def open_writer(target, kind: str, *, crc: bool = False, metadata: dict | None = None) -> TensorWriter:
-    """A writer into `target` (a path, or an open ``storage.AtomicWriter``)."""
-    return _FORMATS[check_kind(kind)].writer(target, crc=crc, metadata=metadata)
+def open_writer(target, kind: str, *, crc: bool = False, metadata: dict | None = None,
+                storage=None) -> TensorWriter:
+    """A writer into `target` (a path or URL, reached with the ``StorageOptions`` `storage`, or an
+    open ``storage.AtomicWriter``)."""
+    return _FORMATS[check_kind(kind)].writer(target, crc=crc, metadata=metadata, storage=storage)

@@ -170,6 +170,13 @@ class PositionedReader:
         return e.dtype, tuple(e.shape), e.kind, e.nbytes
 
     # --- raw reads ----------------------------------------------------------------------------
+    def expect_reads(self, ranges: list[tuple[int, int]], budget: int) -> None:
+        """Tell the file which (offset, length) ranges are about to be read; an object store
+        fetches them in coalesced batches of up to `budget` bytes, a local file ignores it."""
+        expect = getattr(self._file, "expect", None)
+        if expect is not None:
+            expect(ranges, budget)
+
     def pread_into(self, offset: int, view: memoryview) -> None:
         """Fill `view` from the file at `offset`; a short file is a format error."""
         if self._file is None:

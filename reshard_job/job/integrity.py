@@ -87,7 +87,9 @@ def _request(reader, names) -> tuple[HashRequest, list[tuple[str, list[tuple[int
     tensors = [(name, list(reader.entries[name].pieces)) for name in names if name in reader.entries]
     for _, pieces in tensors:
         segments.extend(pieces)
-    return HashRequest(reader.path, tuple(segments) if segments else None), tensors
+    # the identity the file had when indexed: one replaced since is refused, not hashed
+    seen = tuple(getattr(reader, "identity", ()) or ())
+    return HashRequest(reader.path, tuple(segments) if segments else None, seen), tensors
 
 
 def _tensor_spans(reader: SafetensorsReader) -> list[tuple[int, int, str]]:

@@ -37,10 +37,18 @@ def _inside(path: str, parent: str) -> bool:
     return path == parent or path.startswith(parent.rstrip(os.sep) + os.sep)
 
 
+def _url_key(url: str) -> str:
+    """A URL as a place: s3:// and s3a:// name one bucket, case of the scheme and end slashes do not count."""
+    scheme, _, rest = url.partition("://")
+    scheme = scheme.lower()
+    return f"{'s3' if scheme == 's3a' else scheme}://{rest.strip('/')}"
+
+
 def _under(path: str, parent: str) -> bool:
     """`path` is `parent` or below it, for URLs or local paths (local ones resolved)."""
     if "://" in path or "://" in parent:
-        return path.rstrip("/") == parent.rstrip("/") or path.startswith(parent.rstrip("/") + "/")
+        path, parent = _url_key(path), _url_key(parent)
+        return path == parent or path.startswith(parent + "/")
     return _inside(path, parent)
 
 
@@ -78,11 +86,12 @@ class OutputDir:
         A source strategy file kept next to its checkpoints as ``strategy.ckpt`` is the usual way to
         meet the first: writing the target strategy into that directory would replace it.
         """
-        sources = {os.path.realpath(f) if self.local else f: f for f in source_files}
+        sources = {os.path.realpath(f) if self.local else _url_key(f): f for f in source_files}
         root = os.path.realpath(self.path) if self.local else self.path
         for p in planned:
             rel = self.relative(p)
-            where = os.path.join(os.path.realpath(os.path.dirname(p)), os.path.basename(p)) if self.local else p
+            where = (os.path.join(os.path.realpath(os.path.dirname(p)), os.path.basename(p)) if self.local
+                     else _url_key(p))
             if where in sources:
                 raise OutputError(f"output.dir {self.path}: writing {rel} would replace the source file "
                                   f"{sources[where]}; choose another output.dir")
@@ -259,10 +268,11 @@ class OutputDir:
     def remove_temp_files(self) -> int:
         """Delete what writers of a killed run left (temporary files, unfinished uploads)."""
         try:
-            ranks = [e.name for e in self.storage.listdir(self.path) if e.name.startswith("rank_") and e.is_dir]
+            # a pattern, not the listed rank folders: on an object store a folder holding nothing
+            # but an unfinished upload is in no listing
+            return self.storage.remove_incomplete(self.path, ["rank_*", STATE_DIR, f"{STATE_DIR}/{TENSORS_DIR}"])
         except Exception:  # noqa: BLE001 - nothing to clean in a directory that cannot be listed
             return 0
-        return self.storage.remove_incomplete(self.path, ranks + [STATE_DIR, f"{STATE_DIR}/{TENSORS_DIR}"])
 
     # ------------------------------------------------------------------------------ manifest
     def write_manifest(self, manifest: dict) -> tuple[int, str]:

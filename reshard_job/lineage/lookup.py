@@ -30,7 +30,7 @@ from .entities import ArtifactInfo
 from .errors import AmbiguousReferenceError, AmbiguousRunError, LineageError, UnknownRunError
 from .manifests import OutputListing, read_listing
 from .models import Artifact, ArtifactLocation, Event, Run
-from .reading import content_digest, exists, is_directory
+from .reading import absolute, content_digest, exists, is_directory, path_forms
 
 # Enough candidates to say "matches N" without reading them all.
 _CANDIDATES = 11
@@ -88,7 +88,7 @@ def artifacts_with_digest_prefix(session: Session, prefix: str) -> list[Artifact
 
 def artifact_at_path(session: Session, path: str) -> tuple[Artifact, ArtifactLocation] | None:
     """The content most recently seen at `path` (absolute, or resolved through symbolic links)."""
-    candidates = {os.path.abspath(path), os.path.realpath(path)}
+    candidates = path_forms(path)
     row = session.execute(
         select(Artifact, ArtifactLocation).join(ArtifactLocation, ArtifactLocation.artifact_id == Artifact.id)
         .where(ArtifactLocation.path.in_(sorted(candidates)))
@@ -181,7 +181,7 @@ def _directory(session: Session, ref: str) -> DirectorySubject:
 
 
 def _existing_file(session: Session, ref: str) -> ContentSubject:
-    path = os.path.abspath(ref)
+    path = absolute(ref)
     try:
         digest, size = content_digest(path)
     except OSError as exc:
@@ -223,7 +223,7 @@ def _by_id_or_digest(session: Session, ref: str) -> Subject | None:
 
 
 def _recorded_path(session: Session, ref: str) -> ContentSubject:
-    path = os.path.abspath(ref)
+    path = absolute(ref)
     recorded = artifact_at_path(session, path)
     if recorded is None:
         if os.sep in ref or len(ref) < MIN_PREFIX_LENGTH:

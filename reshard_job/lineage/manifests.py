@@ -15,11 +15,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import posixpath
 from dataclasses import dataclass, replace
 
 from .digests import looks_like_sha256
 from .errors import LineageError
-from .reading import read_small_file
+from .reading import absolute, dirname, join, read_small_file, relative_to
 
 MANIFEST_NAME = "manifest.json"
 NODE_MANIFEST_PREFIX = "manifest."  # manifest.<node>.json: one target node's files (output.placement=per_node)
@@ -59,8 +60,8 @@ def read_listing(directory: str) -> OutputListing:
     A node's directory of ``output.placement=per_node`` outputs holds its node's manifest
     (``manifest.<node>.json``) and, unless the job's driver ran there, no ``manifest.json``: its
     node manifests then stand for it (the first one names the listing)."""
-    directory = os.path.abspath(directory)
-    manifest_path = os.path.join(directory, MANIFEST_NAME)
+    directory = absolute(directory)
+    manifest_path = join(directory, MANIFEST_NAME)
     try:
         data = read_small_file(manifest_path)
     except FileNotFoundError:
@@ -77,7 +78,9 @@ def read_listing(directory: str) -> OutputListing:
 
 def node_listings(directory: str) -> list[OutputListing]:
     """The node manifests (``manifest.<node>.json``) in `directory`, in name order: the directory
-    is those target nodes' output directory."""
+    is those target nodes' output directory (a local directory: node disks are never object stores)."""
+    if "://" in directory:
+        return []
     directory = os.path.abspath(directory)
     try:
         names = sorted(os.listdir(directory))
@@ -144,14 +147,12 @@ def _directory_written_into(written: list[tuple]) -> str | None:
     else the parent of the ``rank_<r>`` folders."""
     for path, kind, *_ in written:
         if kind == "strategy":
-            return os.path.dirname(path)
+            return dirname(path)
     for path, *_ in written:
-        return os.path.dirname(os.path.dirname(path))
+        return dirname(dirname(path))
     return None
 
 
 def _where_now(path: str, written_into: str | None, directory: str) -> str:
-    relative = os.path.relpath(path, written_into) if written_into else os.path.basename(path)
-    if relative.startswith(os.pardir + os.sep) or os.path.isabs(relative):
-        relative = os.path.basename(path)
-    return os.path.join(directory, relative)
+    relative = relative_to(path, written_into) if written_into else None
+    return join(directory, relative or posixpath.basename(path.rstrip("/")))

@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session
 from .entities import FileUse, RankMapEntry, RunDetails, RunInfo, sorted_files
 from .errors import UnknownRunError
 from .models import Artifact, Event, Run, RunPlan, RunRank
+from .reading import path_forms
 from .status import RunStatus
 
 
@@ -40,8 +41,7 @@ class RunFilter:
 
 
 def _path_forms(path: str) -> list[str]:
-    forms = {os.path.abspath(path), os.path.realpath(path)}
-    return sorted(form.rstrip(os.sep) or os.sep for form in forms)
+    return sorted(form.rstrip("/") or "/" for form in path_forms(path))
 
 
 def list_runs(session: Session, run_filter: RunFilter = RunFilter()) -> list[RunInfo]:
@@ -62,7 +62,7 @@ def list_runs(session: Session, run_filter: RunFilter = RunFilter()) -> list[Run
         conditions = []
         for path in _path_forms(f.output):
             conditions += [Run.output_dir == path,
-                           Run.output_dir.startswith(path.rstrip(os.sep) + os.sep, autoescape=True)]
+                           Run.output_dir.startswith(path.rstrip("/") + "/", autoescape=True)]
         wrote_it = select(Event.run_id).where(Event.direction == "output", Event.path.in_(_path_forms(f.output)))
         query = query.where(or_(*conditions, Run.id.in_(wrote_it)))
     if f.limit is not None:

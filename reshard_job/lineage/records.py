@@ -6,7 +6,6 @@ layer (which is opened in a thread while the job works).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from ..hashing import digest_file
@@ -36,6 +35,8 @@ class FileRecord:
 
     @classmethod
     def from_file(cls, path: str, kind: str, rank: int | None = None) -> "FileRecord":
-        """Hash the file at `path` (made absolute) and describe it."""
-        digest = digest_file(os.path.abspath(path))
+        """Hash the file at `path` (made absolute; a URL as it is) and describe it."""
+        from ..storage import absolute
+
+        digest = digest_file(absolute(path))
         return cls(path=digest.path, sha256=digest.sha256, size=digest.size, kind=kind, rank=rank)

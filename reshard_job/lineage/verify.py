@@ -25,7 +25,7 @@ from .lookup import artifact_at_path, artifacts_by_digest, resolve_run_id
 from .manifests import MANIFEST_NAME, OutputListing, node_listings, read_listing
 from .models import Event, Run
 from .queries import run_files
-from .reading import content_digest, exists, file_size, is_directory
+from .reading import absolute, content_digest, exists, file_size, is_directory
 
 STATES = ("ok", "missing", "changed", "unreadable", "unrecorded")
 
@@ -116,18 +116,18 @@ def verify_run(session: Session, run_id: str, *, include_inputs: bool = False) -
 
 def verify_path(session: Session, path: str) -> VerifyReport:
     """Compare the file at `path` with the content last recorded at that path."""
-    absolute = os.path.abspath(path)
-    recorded = artifact_at_path(session, absolute)
+    where = absolute(path)
+    recorded = artifact_at_path(session, where)
     if recorded is None:
-        raise LineageError(f"{absolute}: no file was ever recorded at this path")
+        raise LineageError(f"{where}: no file was ever recorded at this path")
     artifact, location = recorded
     runs = list(session.scalars(
         select(Event.run_id).where(Event.artifact_id == artifact.id,
-                                   or_(Event.path == location.path, Event.path == absolute))
+                                   or_(Event.path == location.path, Event.path == where))
         .distinct().order_by(Event.run_id)))
-    checked = check_file(absolute, artifact.digest, artifact.size, kind=artifact.kind, rank=artifact.rank,
+    checked = check_file(where, artifact.digest, artifact.size, kind=artifact.kind, rank=artifact.rank,
                          last_recorded=iso(location.last_seen), run_ids=runs)
-    return VerifyReport([checked], path=absolute)
+    return VerifyReport([checked], path=where)
 
 
 def _manifest_check(session: Session, listing: OutputListing) -> FileCheck:
@@ -196,9 +196,9 @@ def verify(session: Session, ref: str, *, include_inputs: bool = False) -> Verif
     except AmbiguousRunError:
         raise
     except LineageError as not_a_run:  # unknown, or too short for a prefix: maybe a file name
-        if artifact_at_path(session, os.path.abspath(ref)) is not None:
+        if artifact_at_path(session, absolute(ref)) is not None:
             return verify_path(session, ref)
         if isinstance(not_a_run, UnknownRunError):
-            raise LineageError(f"no run with id {ref!r} and no file recorded at {os.path.abspath(ref)}") from None
+            raise LineageError(f"no run with id {ref!r} and no file recorded at {absolute(ref)}") from None
         raise
     return verify_run(session, run_id, include_inputs=include_inputs)

@@ -51,10 +51,12 @@ def is_url(path: str | os.PathLike) -> bool:
 
 
 def absolute(path: str | os.PathLike, base: str | None = None) -> str:
-    """A URL unchanged; a local path with ``~`` expanded, made absolute (against `base` if given)."""
+    """A URL without a trailing slash (``s3://b/run7/`` and ``s3://b/run7`` name one prefix); a local
+    path with ``~`` expanded, made absolute (against `base` if given)."""
     text = os.fspath(path)
     if is_url(text):
-        return text
+        head, sep, rest = text.partition("://")
+        return f"{head}{sep}{rest.rstrip('/')}" if rest.strip("/") else text
     if text.startswith("file://"):
         text = text[len("file://"):]
     text = os.path.expanduser(text)

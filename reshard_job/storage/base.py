@@ -77,6 +77,11 @@ class RandomAccess(Protocol):
 
     Opening refuses anything but a regular file (a FIFO would block forever, a device never
     ends). `size` and `identity` are those seen at open time.
+
+    A back end may set ``index_window``: how many bytes a format reader walking record headers
+    should ask for at once. Readers default to a few MiB, right for local files (extra bytes come
+    from the page cache); an object store sets it small, since every byte asked for crosses the
+    network, and record data skipped by length should never be fetched.
     """
 
     path: str
@@ -182,7 +187,10 @@ class Storage(Protocol):
 
     def remove_incomplete(self, folder: str, recursive_into: Iterable[str] = ()) -> int:
         """Remove what interrupted writers left directly in `folder` and in its sub-folders named
-        in `recursive_into` (temporary files; unfinished multipart uploads); return how many."""
+        in `recursive_into` (temporary files; unfinished multipart uploads); return how many.
+
+        A name may be a glob pattern (``rank_*``): on an object store, a folder whose only
+        content is an unfinished upload does not exist in listings, so it cannot be named."""
 
     def lock(self, folder: str, holder: str) -> OutputLock:
         """Take the one-writer lock of an output folder; StorageError naming the current holder

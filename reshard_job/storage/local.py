@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import glob
 import os
 import re
 import stat
@@ -228,7 +229,13 @@ class LocalStorage:
         """Delete temporary files of killed writers: only names of the exact form ``AtomicFile``
         creates, never a user's own ``.notes.tmp``, and never through a symbolic link."""
         removed = 0
-        dirs = [folder] + [os.path.join(folder, d) for d in recursive_into]
+        dirs = [folder]
+        for d in recursive_into:
+            if glob.has_magic(d):  # matching folders, not links to folders elsewhere
+                dirs += [p for p in sorted(glob.glob(os.path.join(glob.escape(folder), d)))
+                         if os.path.isdir(p) and not os.path.islink(p)]
+            else:
+                dirs.append(os.path.join(folder, d))
         for d in dirs:
             try:
                 names = os.listdir(d)

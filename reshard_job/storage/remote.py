@@ -10,36 +10,46 @@ conditional puts for its lock. The pieces live in their own modules: ``s3file`` 
 
 Layout mirrors the local one: ``<prefix>/rank_<r>/<file>``, ``<prefix>/manifest.json``. A
 "folder" is a key prefix that has keys below it; ``makedirs`` does nothing, and a folder with
-nothing in it does not exist. Paths may be given with or without a trailing slash.
+nothing in it does not exist. Paths may be given with or without a trailing slash. An object
+cannot grow, so ``append`` (the resume journal) rewrites the small log object whole.
 
 Credentials (``storage.options`` keys such as ``key``/``secret``/``token``, or the environment)
 only ever reach s3fs: URLs are shown without any ``user:password@`` part, the storage's repr
 shows neither options nor keys, and no message includes them. botocore retries throttling, 5xx
-answers and dropped connections with exponential back-off (``standard`` mode, 5 attempts;
-``storage.options.config_kwargs.retries`` changes that), and a request that still fails becomes
+answers and dropped connections with exponential back-off (``standard`` mode, 5 attempts in all;
+``storage.options.config_kwargs.retries`` changes either), and a request that still fails becomes
 one ``StorageError`` line.
 
 s3fs objects are not fork-safe (their event loop thread does not survive ``fork``), and the job
-forks its workers; each process therefore builds its own client on first use.
+forks its workers; each process therefore builds its own client on first use. The parent's
+client must not even be closed in a child: its sockets and its event loop's epoll instance are
+shared with the parent, and closing them there unregisters the parent's connections from the
+parent's epoll, which then waits for answers it is never told about until the read timeout. A
+child therefore keeps the client it inherited untouched for its whole life (``_after_fork``).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import fnmatch
 import hashlib
+import logging
 import os
 import posixpath
 import threading
+import weakref
 from typing import Any, Iterable
 
-from .base import KIND_DIR, KIND_FILE, FileInfo, StorageError
-from .s3errors import is_absent, shorten, storage_error, strip_userinfo
+from .base import KIND_DIR, KIND_FILE, FileInfo, SourceChangedError, StorageError
+from .s3errors import error_code, is_absent, is_precondition_failed, shorten, storage_error, strip_userinfo
 
 S3_SCHEMES = ("s3", "s3a")
-DEFAULT_RETRIES = {"max_attempts": 5, "mode": "standard"}
+DEFAULT_RETRIES = {"total_max_attempts": 5, "mode": "standard"}  # botocore's max_attempts counts retries only
 CONNECT_TIMEOUT_SECONDS = 10
 READ_TIMEOUT_SECONDS = 120
 LIST_PAGE = 1000
+APPEND_MAX_BYTES = 64 * 1024 * 1024  # a log rewritten on every append must stay small
+APPEND_ATTEMPTS = 3
 
 
 def split_url(url: str) -> tuple[str, str, str]:
@@ -78,7 +88,9 @@ class S3Storage:
         self._fs = None
         self._fs_pid = -1
         self._fs_lock = threading.Lock()
+        _ALL_STORES.add(self)
         self._conditional_by_bucket: dict[str, bool] = {}
+        self._appended: dict[str, tuple[str, bytes]] = {}  # log URL -> (ETag, content) after our last append
 
     def __repr__(self) -> str:  # never the options: they may hold credentials
         return f"S3Storage({self.scheme}://, endpoint={self.endpoint or 'default'})"
@@ -110,7 +122,7 @@ class S3Storage:
         if self._endpoint_url:
             kwargs["endpoint_url"] = self._endpoint_url
         config = dict(kwargs.pop("config_kwargs", None) or {})
-        config.setdefault("retries", dict(DEFAULT_RETRIES))
+        config["retries"] = _retries(config.get("retries"))
         config.setdefault("connect_timeout", CONNECT_TIMEOUT_SECONDS)
         config.setdefault("read_timeout", READ_TIMEOUT_SECONDS)
         # Keep botocore's optional CRC32 request checksums off where not required: several
@@ -118,6 +130,7 @@ class S3Storage:
         config.setdefault("request_checksum_calculation", "when_required")
         config.setdefault("response_checksum_validation", "when_required")
         kwargs.update(config_kwargs=config, skip_instance_cache=True, use_listings_cache=False)
+        _quiet_client_logs()
         try:
             return s3fs.S3FileSystem(**kwargs)
         except TypeError as e:
@@ -287,12 +300,69 @@ class S3Storage:
         if not key:
             raise StorageError(f"{shorten(path)}: cannot write a bucket; give a key")
         body = bytes(data)
+        self._appended.pop(self._url(bucket, key), None)
         self.call("put_object", self._url(bucket, key), "writing it", Bucket=bucket, Key=key, Body=body)
         return len(body), hashlib.sha256(body).hexdigest()
+
+    def append(self, path: str, data: bytes) -> None:
+        """Add `data` at the end of a small log object by writing the whole object again.
+
+        An object cannot grow in place, and the journal's reader wants one object it can read in
+        a single GET, so each append is one PUT of the old content plus `data`: atomic (a reader
+        sees the object before or after, never a torn line) and durable once it returns. The
+        content and ETag of our last append are remembered, so the next one needs no GET: it is a
+        PUT conditional on that ETag where the store honours ``If-Match`` (else a HEAD compares
+        it first), and the object is read again only when someone else wrote it since. Each
+        append uploads the whole log: a line of about 250 bytes per target file, so 1000 target
+        ranks upload about 125 MB in all, next to terabytes of checkpoints.
+        """
+        _, bucket, key = split_url(path)
+        url = self._url(bucket, key)
+        if not key:
+            raise StorageError(f"{shorten(path)}: cannot write a bucket; give a key")
+        conditional = self.conditional_put(bucket, posixpath.dirname(key), url)
+        for _ in range(APPEND_ATTEMPTS):
+            etag, known = self._appended.pop(url, (None, None))
+            if known is not None and not conditional and self._etag_now(url) != etag:
+                known = None  # written by someone else since our last append
+            if known is None:
+                etag, known = self._read_log(url)
+            body = known + bytes(data)
+            if len(body) > APPEND_MAX_BYTES:
+                raise StorageError(f"{shorten(url)}: a log object may hold {APPEND_MAX_BYTES} bytes; appending "
+                                   f"would make it {len(body)}")
+            condition = ({"IfMatch": etag} if etag else {"IfNoneMatch": "*"}) if conditional else {}
+            try:
+                answer = self.call_raw("put_object", Bucket=bucket, Key=key, Body=body, **condition)
+            except Exception as e:  # noqa: BLE001
+                if conditional and (is_precondition_failed(e) or error_code(e) == "ConditionalRequestConflict"):
+                    continue  # written by someone else between our read and our write: read it again
+                raise storage_error(e, url, "appending to it", endpoint=self.endpoint, bucket=bucket) from None
+            self._appended[url] = (answer.get("ETag", ""), body)
+            return
+        raise SourceChangedError(f"{shorten(url)}: kept changing while this job appended to it; is another job "
+                                 "writing this output prefix?")
+
+    def _read_log(self, url: str) -> tuple[str | None, bytes]:
+        """(ETag, content) of a log object; (None, b"") when there is none yet."""
+        try:
+            with self.open_read(url) as reader:
+                if reader.size > APPEND_MAX_BYTES:
+                    raise StorageError(f"{shorten(url)}: {reader.size} bytes, more than a log object may hold "
+                                       f"({APPEND_MAX_BYTES})")
+                (data,) = reader.read_ranges([(0, reader.size)])
+                return reader.etag, data
+        except FileNotFoundError:
+            return None, b""
+
+    def _etag_now(self, url: str) -> str | None:
+        found = self.info(url)
+        return found.identity[1] if found is not None and found.is_file else None
 
     def remove(self, path: str) -> bool:
         _, bucket, key = split_url(path)
         url = self._url(bucket, key)
+        self._appended.pop(url, None)
         found = self.info(path) if key else None
         if found is None or not found.is_file:
             return False
@@ -305,19 +375,19 @@ class S3Storage:
 
     def remove_incomplete(self, folder: str, recursive_into: Iterable[str] = ()) -> int:
         """Abort the unfinished multipart uploads of killed writers directly in `folder` and in the
-        named sub-folders (uploads elsewhere under the prefix belong to no output of this job)."""
+        named sub-folders, or those matching a glob pattern (uploads elsewhere under the prefix
+        belong to no output of this job)."""
         _, bucket, key = split_url(folder)
         url = self._url(bucket, key)
         prefix = key + "/" if key else ""
-        folders = {prefix} | {prefix + d.strip("/") + "/" for d in recursive_into}
+        patterns = [d.strip("/") for d in recursive_into]
         removed = 0
         params: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix}
         while True:
             page = self.call("list_multipart_uploads", url, "listing its unfinished uploads", **params)
             for upload in page.get("Uploads") or ():
                 upload_key = upload["Key"]
-                if posixpath.dirname(upload_key) + "/" not in folders and \
-                        not (prefix == "" and "/" not in upload_key):
+                if not _in_folders(posixpath.dirname(upload_key[len(prefix):]), patterns):
                     continue
                 try:
                     self.call_raw("abort_multipart_upload", Bucket=bucket, Key=upload_key,
@@ -353,8 +423,68 @@ class S3Storage:
                        settle_seconds=self.settle_seconds)
 
 
+def _retries(given) -> dict:
+    """botocore's retry settings: the user's, completed with ours (a count given as botocore's
+    ``max_attempts``, retries after the first, replaces our total)."""
+    given = dict(given or {})
+    defaults = dict(DEFAULT_RETRIES)
+    if "max_attempts" in given:
+        defaults.pop("total_max_attempts")
+    return {**defaults, **given}
+
+
+def _in_folders(folder: str, patterns: list[str]) -> bool:
+    """Whether a sub-folder ('' for the folder itself) is one of `patterns` (names or globs; a
+    pattern's '*' does not cross a '/')."""
+    if not folder:
+        return True
+    return any(folder.count("/") == p.count("/") and fnmatch.fnmatchcase(folder, p) for p in patterns)
+
+
+# botocore says at INFO where it found credentials and the endpoint, once per process: in a job
+# with many workers that is noise on every run, so only their warnings are shown.
+CHATTY_LOGGERS = ("aiobotocore.credentials", "botocore.credentials", "botocore.configprovider")
+
+
+def _quiet_client_logs() -> None:
+    for name in CHATTY_LOGGERS:
+        logger = logging.getLogger(name)
+        if logger.level == logging.NOTSET:
+            logger.setLevel(logging.WARNING)
+
+
 _STORES: dict[tuple, S3Storage] = {}
 _STORES_LOCK = threading.Lock()
+_ALL_STORES: "weakref.WeakSet[S3Storage]" = weakref.WeakSet()
+_INHERITED_CLIENTS: list = []  # a forked child's copies of its parent's clients, never closed
+
+
+def _after_fork() -> None:
+    """In a forked child: set the parent's clients aside, alive and with their finalizers detached.
+
+    Collecting one would run s3fs's finaliser, which closes its connections through the parent's
+    event loop, unregistering the parent's sockets from the epoll instance both processes share
+    (see the module docstring). Locks held by the parent's threads at the fork are replaced.
+    """
+    global _STORES_LOCK
+    _STORES_LOCK = threading.Lock()
+    inherited = []
+    for store in list(_ALL_STORES):
+        store._fs_lock = threading.Lock()
+        if store._fs is not None and store._fs_pid != os.getpid():
+            inherited.append(store._fs)
+            store._fs = None
+    if not inherited:
+        return
+    _INHERITED_CLIENTS.extend(inherited)
+    ids = {id(fs) for fs in inherited}
+    for finalizer, info in list(getattr(weakref.finalize, "_registry", {}).items()):
+        if id(info.weakref()) in ids:
+            finalizer.detach()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)
 
 
 def _options_key(scheme: str, options) -> tuple:
@@ -366,6 +496,10 @@ def _options_key(scheme: str, options) -> tuple:
 def remote_storage(url: str, options) -> S3Storage:
     """The back end for `url` with `options` (``StorageOptions``); one per scheme and options, reused."""
     scheme = url.split("://", 1)[0].lower()
+    if strip_userinfo(url) != url:
+        # Credentials in a URL would end up in logs, manifests and lineage with the URL itself.
+        raise StorageError(f"{shorten(strip_userinfo(url))}: the URL holds credentials (user:secret@); give them "
+                           "in the environment, ~/.aws or storage.options instead")
     if scheme not in S3_SCHEMES:
         raise StorageError(f"{shorten(strip_userinfo(url))}: {scheme}:// is not supported "
                            f"(object stores are reached as s3://bucket/prefix)")

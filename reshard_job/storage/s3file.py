@@ -5,14 +5,21 @@ Two access patterns matter, and they want opposite things:
 - Indexing a ``.ckpt`` walks record headers: thousands of reads of a few bytes, mostly one
   after the other. One GET each would cost a round trip per header, so small reads are served
   from a read-ahead window. The window starts small (64 KiB) and doubles (up to 4 MiB) while
-  reads keep landing just past it, and falls back to small after a jump: walking small tensors
-  then costs a request per few MiB, walking large ones a request of 64 KiB per header, never a
-  download of the tensors skipped.
+  reads keep landing just past it (within a few KiB), and falls back to small after a jump:
+  walking small tensors then costs a request per few MiB, walking large ones a request of
+  64 KiB per header (``index_window`` asks format readers for windows that small), never a
+  download of the tensors skipped. Reading whole tensors one after the other, as a rank task
+  does, is sequential too and goes by 4 MiB requests.
 - Reading slices for a target rank asks for many ranges at once (``read_ranges``) or a few big
   ones. Neighbouring ranges are merged into requests of up to 8 MiB (``ranges.plan_requests``),
   up to 8 requests are in flight on the store's event loop, and each response is streamed
   straight into the caller's buffers in 1 MiB pieces: memory stays the caller's buffers plus a
   few MiB, however large the request.
+- A rank task reads its boxes one at a time, but announces them first (``expect``, from
+  ``read_ahead``): a read inside the announced ranges that misses fetches the announced ranges
+  from there on, up to a byte budget, as one such coalesced, parallel batch; later reads are
+  served from it. Dozens of small tensors scattered through a file then cost a request or two,
+  and nothing outside the announced ranges is fetched but the gaps worth reading.
 
 Every GET carries ``If-Match`` with the ETag seen at open, so an object replaced while the job
 reads it fails with ``SourceChangedError`` instead of mixing two versions' bytes. A response
@@ -22,6 +29,7 @@ cut off mid-stream is requested again (the bytes are the same: the ETag still ma
 from __future__ import annotations
 
 import asyncio
+import bisect
 import threading
 from typing import TYPE_CHECKING
 
@@ -35,9 +43,13 @@ if TYPE_CHECKING:
 MIN_READAHEAD = 64 * 1024
 MAX_READAHEAD = 4 * 1024 * 1024
 MAX_GAP = 1024 * 1024  # bytes of gap worth reading to save a round trip
+# A read starting at most this far past the window continues it (record headers lie between
+# tensors); a longer jump skipped data, and reading ahead would likely fetch more to skip.
+SEQUENTIAL_GAP = 4096
 MAX_REQUEST = 8 * 1024 * 1024
 STREAM_CHUNK = 1024 * 1024
 STREAM_ATTEMPTS = 3  # a body cut off mid-stream is fetched again this many times in all
+INDEX_WINDOW = MAX_GAP  # a header walk reads through records smaller than this (RandomAccess.index_window)
 
 
 def _stream_errors() -> tuple[type[BaseException], ...]:
@@ -56,6 +68,8 @@ def _stream_errors() -> tuple[type[BaseException], ...]:
 class ObjectReader:
     """``RandomAccess`` over one object version (see the module docstring)."""
 
+    index_window = INDEX_WINDOW
+
     def __init__(self, store: "S3Storage", url: str, bucket: str, key: str, size: int, etag: str,
                  identity: tuple, *, concurrency: int = 8):
         self.path = url
@@ -73,6 +87,11 @@ class ObjectReader:
         self._window = b""
         self._readahead = MIN_READAHEAD
         self._closed = False
+        self._expected: list[tuple[int, int]] = []  # announced reads, sorted and merged (expect)
+        self._expected_starts: list[int] = []
+        self._budget = 0
+        self._batch: list[tuple[int, bytearray]] = []  # fetched expected ranges, by offset
+        self._batch_starts: list[int] = []
 
     # -- RandomAccess --------------------------------------------------------------------------
     def pread_into(self, offset: int, view: memoryview) -> int:
@@ -88,10 +107,14 @@ class ObjectReader:
             if w_off <= offset and offset + n <= w_off + len(window):
                 view[:n] = window[offset - w_off:offset - w_off + n]
                 return n
+            if self._from_batch(offset, view[:n]):
+                return n
             if n >= MAX_READAHEAD:
                 self._fetch([(offset, n)], [view[:n]])
                 return n
-            sequential = bool(window) and w_off <= offset <= w_off + len(window) + self._readahead
+            if self._fetch_batch(offset, n) and self._from_batch(offset, view[:n]):
+                return n
+            sequential = bool(window) and w_off <= offset <= w_off + len(window) + SEQUENTIAL_GAP
             self._readahead = min(2 * self._readahead, MAX_READAHEAD) if sequential else MIN_READAHEAD
             length = min(max(n, self._readahead), self.size - offset)
             buf = bytearray(length)
@@ -111,9 +134,58 @@ class ObjectReader:
             buffers[i] = bytearray()  # drop each buffer once copied: peak = total + one range
         return out
 
+    def expect(self, ranges: list[tuple[int, int]], budget: int) -> None:
+        """Reads about to come (``read_ahead.announce``): a later read inside them that misses
+        fetches them from that point on, up to `budget` bytes, as coalesced parallel requests."""
+        merged: list[tuple[int, int]] = []
+        for offset, length in sorted(r for r in clip_ranges(list(ranges), self.size) if r[1] > 0):
+            if merged and offset <= merged[-1][0] + merged[-1][1]:
+                last_offset, last_length = merged[-1]
+                merged[-1] = (last_offset, max(last_length, offset + length - last_offset))
+            else:
+                merged.append((offset, length))
+        with self._lock:
+            self._expected, self._expected_starts = merged, [o for o, _ in merged]
+            self._budget = max(MIN_READAHEAD, budget)
+            self._batch, self._batch_starts = [], []
+            self._window = b""  # the header walk's last window: reads come from batches now
+
+    def _from_batch(self, offset: int, view: memoryview) -> bool:
+        i = bisect.bisect_right(self._batch_starts, offset) - 1
+        if i < 0:
+            return False
+        start, data = self._batch[i]
+        if offset + len(view) > start + len(data):
+            return False
+        view[:] = memoryview(data)[offset - start:offset - start + len(view)]
+        return True
+
+    def _fetch_batch(self, offset: int, n: int) -> bool:
+        """Fetch the expected ranges from `offset` on, up to the budget; False if it is not expected."""
+        i = bisect.bisect_right(self._expected_starts, offset) - 1
+        if i < 0 or offset + n > sum(self._expected[i]):
+            return False
+        wanted, total = [], 0
+        for start, length in self._expected[i:]:
+            start, length = max(start, offset), length - (max(start, offset) - start)
+            take = min(length, self._budget - total)
+            if take <= 0 or (wanted and take < length):
+                break  # whole ranges only, but the first, which may be longer than the budget
+            wanted.append((start, take))
+            total += take
+        if wanted[0][1] < n:
+            return False
+        self._batch = []  # the previous batch goes before the next one is fetched
+        buffers = [bytearray(length) for _, length in wanted]
+        self._fetch(wanted, [memoryview(b) for b in buffers])
+        self._batch = [(start, b) for (start, _), b in zip(wanted, buffers)]
+        self._batch_starts = [start for start, _ in wanted]
+        return True
+
     def close(self) -> None:
         self._closed = True
         self._window = b""
+        self._batch, self._expected = [], []
 
     def __enter__(self):
         return self
@@ -126,9 +198,10 @@ class ObjectReader:
         if self._closed:
             raise ValueError(f"{self.path}: reader is closed")
 
-    def _fetch(self, ranges: list[tuple[int, int]], sinks: list[memoryview]) -> None:
+    def _fetch(self, ranges: list[tuple[int, int]], sinks: list[memoryview], *, max_gap: int = MAX_GAP,
+               max_request: int = MAX_REQUEST) -> None:
         """Fill sinks[i] with the bytes of ranges[i] (already clipped to the object)."""
-        requests = plan_requests(ranges, max_gap=MAX_GAP, max_request=MAX_REQUEST)
+        requests = plan_requests(ranges, max_gap=max_gap, max_request=max_request)
         if requests:
             self._store.run(self._run_requests, requests, ranges, sinks)
 

@@ -418,3 +418,85 @@ def test_unsupported_scheme_is_one_line():
     with pytest.raises(StorageError) as err:
         storage_for("gs://bucket/x")
     one_line(err.value, "gs://bucket/x", "not supported")
+
+
+def test_urls_holding_credentials_are_refused_without_showing_them():
+    with pytest.raises(StorageError) as err:
+        storage_for("s3://AKIDEXAMPLE:wJalrXUtnFEMI@bucket/run7/ckpt")
+    one_line(err.value, "s3://bucket/run7/ckpt", "holds credentials", "storage.options", forbidden=("wJalr", "AKID"))
+
+
+# ---------------------------------------------------------------------------------- processes
+
+
+async def _collect_garbage() -> None:
+    import gc
+
+    gc.collect()
+
+
+def test_a_forked_child_leaves_the_parents_connections_alone(s3_server, s3_prefix):
+    """The child's copy of the parent's client shares the parent's sockets and epoll instance:
+    closing it there (s3fs's finaliser does, when the collector frees it on the child's event
+    loop thread) would leave the parent waiting for answers until its read timeout."""
+    store = S3Storage(endpoint_url=s3_server.endpoint, options=s3_server.options(config_kwargs=FAST_FAIL))
+    url = f"{s3_prefix}/object"
+    put(store, url, b"payload")
+    assert store.read_bytes(url, 100) == b"payload"  # the parent's connections are open and pooled
+    pid = os.fork()
+    if pid == 0:  # the child: its own client; then the collector runs on its event loop thread
+        code = 1
+        try:
+            code = 0 if store.read_bytes(url, 100) == b"payload" and store.info(url).size == 7 else 3
+            store.run(_collect_garbage)
+            time.sleep(0.5)  # whatever the collection scheduled on the loop runs now
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    started = time.monotonic()
+    for _ in range(5):
+        assert store.read_bytes(url, 100) == b"payload"
+        assert store.info(url).size == 7
+    assert time.monotonic() - started < FAST_FAIL["read_timeout"]
+
+
+# ---------------------------------------------------------------------------------- the journal's log
+
+
+def test_append_rewrites_the_log_and_keeps_what_others_wrote(s3_store, s3_prefix):
+    url = f"{s3_prefix}/.reshard_job/journal.jsonl"
+    s3_store.append(url, b"one\n")
+    s3_store.append(url, b"two\n")
+    assert s3_store.read_bytes(url, 100) == b"one\ntwo\n"
+    put(s3_store, url, b"rewritten by someone else\n")  # not through this store: its memory is stale
+    s3_store.append(url, b"three\n")
+    assert s3_store.read_bytes(url, 100) == b"rewritten by someone else\nthree\n"
+    s3_store.write_bytes(url, b"fresh\n")
+    s3_store.append(url, b"four\n")
+    assert s3_store.read_bytes(url, 100) == b"fresh\nfour\n"
+    other = S3Storage(endpoint_url=s3_store._endpoint_url, options=dict(s3_store._options), conditional_writes=False)
+    other.append(url, b"five\n")  # a store without conditional writes compares the ETag first
+    other.append(url, b"six\n")
+    assert other.read_bytes(url, 100) == b"fresh\nfour\nfive\nsix\n"
+
+
+def test_announced_reads_are_fetched_in_few_requests_and_only_where_announced(s3_store, s3_prefix):
+    data = os.urandom(24 * 1024 * 1024)
+    url = f"{s3_prefix}/announced.bin"
+    put(s3_store, url, data)
+    # what a rank task reads from a file: tiny tensors scattered through its first 2 MiB, and one
+    # large slice at the end; nothing from the 20 MiB between
+    tiny = [(i * 40_000, 120) for i in range(50)]
+    large = [(22 * 1024 * 1024, 1024 * 1024)]
+    with s3_store.open_read(url) as f:
+        f.expect(tiny + large, 4 * 1024 * 1024)
+        for offset, length in tiny + large:
+            view = memoryview(bytearray(length))
+            assert f.pread_into(offset, view) == length and bytes(view) == data[offset:offset + length]
+        assert f.requests <= 3, f.requests
+        assert f.bytes_fetched < 4 * 1024 * 1024, f.bytes_fetched
+        requests = f.requests
+        view = memoryview(bytearray(100))  # a read nobody announced still works, by itself
+        assert f.pread_into(10 * 1024 * 1024, view) == 100 and bytes(view) == data[10 * 1024 * 1024:][:100]
+        assert f.requests == requests + 1

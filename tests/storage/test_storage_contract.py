@@ -289,6 +289,20 @@ def test_remove_incomplete_leaves_other_folders_alone(backend):
     w.abort()
 
 
+def test_remove_incomplete_takes_folder_patterns(backend):
+    """A killed writer's only trace may be an unfinished upload, in a folder no listing shows."""
+    s = backend.storage
+    w = s.create(backend.path("rank_7", "x.ckpt"), large=True)
+    w.write(os.urandom(6 * 1024 * 1024))
+    deeper = s.create(backend.path("rank_7", "sub", "y.ckpt"), large=True)
+    deeper.write(os.urandom(6 * 1024 * 1024))
+    assert s.remove_incomplete(backend.root, ["other_*"]) == 0
+    assert s.remove_incomplete(backend.root, ["rank_*"]) == 1  # '*' stays within one folder level
+    assert s.remove_incomplete(backend.root, ["rank_*/sub"]) == 1
+    for writer in (w, deeper):
+        writer.abort()
+
+
 # ---------------------------------------------------------------------------------- lock
 
 

@@ -79,3 +79,21 @@ def test_a_file_changed_while_hashed_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(hashing._SegmentCrcs, "update", change_once)
     with pytest.raises(SourceChangedError, match="changed while it was being hashed"):
         digest_file(str(p), segments=[(0, 10)])
+
+
+def test_a_file_changed_since_it_was_indexed_is_refused_not_hashed(tmp_path):
+    p = tmp_path / "f.bin"
+    p.write_bytes(b"indexed content")
+    from reshard_job.storage import storage_for
+
+    seen = storage_for(str(p)).info(str(p)).identity
+    cache = HashCache(str(tmp_path / "cache.json"))
+    assert digest_files([HashRequest(str(p), identity=seen)], cache=cache)[0].identity == seen
+    cache.save()
+    p.write_bytes(b"replaced content, longer")  # replaced after the job indexed the file
+    request = HashRequest(str(p), identity=seen)
+    assert HashCache(str(tmp_path / "cache.json")).get(request) is None
+    digest_files([HashRequest(str(p))], cache=cache)  # the new content is cached under its own identity
+    assert cache.get(request) is None
+    with pytest.raises(SourceChangedError, match="changed since the job indexed it"):
+        digest_files([request], cache=cache)

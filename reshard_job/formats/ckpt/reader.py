@@ -155,6 +155,7 @@ class CheckpointReader(PositionedReader):
         self._rlen = array("q")  # record length (first record)
         self._multi: dict[int, tuple] = {}  # group -> its Records (several chunks) or map parts
         self._pos: dict[str, int] = {}
+        self._head = HEAD
         try:
             self._index()
         except BaseException:
@@ -206,9 +207,12 @@ class CheckpointReader(PositionedReader):
         size = self.size
         pos = 0
         wstart, window = 0, b""
+        # An object store asks for small windows: bytes of skipped tensors would cross the network.
+        fetch = getattr(self._file, "index_window", WINDOW)
+        self._head = min(HEAD, fetch // 2)  # a record's head then lies in the window just read
         while pos < size:
-            if pos + HEAD > wstart + len(window) and wstart + len(window) < size:
-                wstart, window = pos, self.pread(pos, min(WINDOW, size - pos))
+            if pos + self._head > wstart + len(window) and wstart + len(window) < size:
+                wstart, window = pos, self.pread(pos, min(fetch, size - pos))
             rel = pos - wstart
             if size - pos == CRC_TRAILER_LEN and window[rel : rel + 7] == CRC_MAGIC and self._names:
                 self.crc_stored = int.from_bytes(window[rel + 7 : rel + 17], "big")
@@ -318,7 +322,7 @@ class CheckpointReader(PositionedReader):
 
     def _parse_large(self, start: int, vstart: int, vend: int):
         """A record larger than a window: parse its head; fall back to fetching on demand."""
-        head = self.pread(vstart, min(HEAD, vend - vstart))
+        head = self.pread(vstart, min(self._head, vend - vstart))
         try:
             return self._parse_value(head, vstart, start, 0, vend - vstart)
         except IndexError:  # a field the head does not hold: fetch as the parser goes

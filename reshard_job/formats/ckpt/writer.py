@@ -72,17 +72,18 @@ class RecordSink:
 class CheckpointWriter:
     """Write a `.ckpt` file record by record; ``commit`` publishes it.
 
-    `target` is a path (written through ``reshard_job.storage``, atomically) or an open
-    ``storage.AtomicWriter``. Used as a context manager it commits on success and drops the
+    `target` is a path or URL (written through ``reshard_job.storage``, atomically, reaching an
+    object store with the ``StorageOptions`` `storage`) or an open ``storage.AtomicWriter``. Used as a context manager it commits on success and drops the
     unfinished output on error, so a reader never sees a partial file under the final name.
     """
 
-    def __init__(self, target, *, crc: bool = False, chunk_bytes: int = SLICE_BYTES, mode: int = 0o444):
+    def __init__(self, target, *, crc: bool = False, chunk_bytes: int = SLICE_BYTES, mode: int = 0o444,
+                 storage=None):
         if isinstance(target, (str, os.PathLike)):
-            from ...storage import storage_for
+            from ...storage import absolute, storage_for
 
-            path = os.path.abspath(os.fspath(target))
-            target = storage_for(path).create(path, mode=mode, large=True)
+            path = absolute(target)  # `storage`: the StorageOptions reaching a URL's store
+            target = storage_for(path, storage).create(path, mode=mode, large=True)
         self._file = target
         self.path = target.path
         self.crc = crc

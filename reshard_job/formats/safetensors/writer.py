@@ -114,6 +114,7 @@ class SafetensorsWriter:
         mindspore: bool = True,
         crc: bool | int = False,
         mode: int = 0o444,
+        storage=None,  # StorageOptions reaching the object store of a URL `target`
     ):
         if metadata is not None:
             if not isinstance(metadata, dict) or not all(
@@ -144,12 +145,12 @@ class SafetensorsWriter:
         self.tensors: dict[str, str] = {}
         self.header_len: int | None = None
         if isinstance(target, (str, os.PathLike)):
-            from ...storage import storage_for
+            from ...storage import absolute, storage_for
 
-            path = os.path.abspath(os.fspath(target))
+            path = absolute(target)
             # A CRC known only at the end is patched into the header afterwards, which needs a
             # buffered local file (O_DIRECT writes and uploads cannot go back).
-            target = storage_for(path).create(path, mode=mode, large=crc is not True)
+            target = storage_for(path, storage).create(path, mode=mode, large=crc is not True)
         self._file = target
         self.path = target.path
 
