@@ -23,7 +23,8 @@ Trade-offs chosen:
   next attempt of the same rank removes the temporary files earlier attempts left for that
   output (on the node that writes it, which matters for ``output.placement=per_node``).
 - **Fail fast, stop the rest, never hang.** The first rank that fails for good cancels every
-  other task (first politely, so they remove their temporary files, then by force) and is
+  other task (first politely, so they remove their temporary files, then by force, tidying up
+  after the killed ones on their nodes) and is
   raised as one line naming the rank, the node and the cause. Tasks that no live node can
   run (a placement resource nobody offers, more CPUs than any node has) are refused before
   anything starts, and a node that leaves for good while its ranks wait fails the run.
@@ -58,6 +59,8 @@ POLL_INTERVAL = 0.2  # seconds the driver waits for results before showing progr
 FEASIBILITY_CHECK_INTERVAL = 5.0  # seconds between checks that waiting tasks still have a node
 NODE_LOSS_GRACE = 60.0  # seconds a lost placement node may take to come back
 CANCEL_GRACE = 10.0  # seconds cancelled tasks get to clean up before they are killed
+KILL_WAIT = 5.0  # seconds to wait for killed tasks to be gone
+LEFTOVER_CLEANUP_TIMEOUT = 15.0  # seconds a stopped run spends removing killed tasks' temporary files
 CONNECT_TIMEOUT = 10.0
 TRANSIENT_BACKOFF = 1.0  # seconds before the first retry of a transient failure, doubling after
 TRANSIENT_BACKOFF_LIMIT = 30.0
@@ -268,7 +271,8 @@ class RayExecutor:
                     self._check_still_feasible({keys[r]: needs[keys[r]] for r in pending}, by_key, lost_since)
                     next_check = time.monotonic() + check_every
         except BaseException:
-            self._stop(pending)
+            killed = self._stop(pending)
+            self._remove_leftovers_after_kill([by_key[keys[ref]] for ref in killed])
             raise
         finally:
             try:
@@ -494,10 +498,11 @@ class RayExecutor:
         resource = self.placement(task.target_rank)
         return f"a Ray node offering {resource}" if resource else "an unknown Ray node"
 
-    def _stop(self, pending: set) -> None:
-        """Cancel every unfinished task: politely first (they remove their temporary files), then by force."""
+    def _stop(self, pending: set) -> list:
+        """Cancel every unfinished task: politely first (they remove their temporary files), then by
+        force. Returns the refs that had to be killed (their temporary files may still be there)."""
         if not pending:
-            return
+            return []
         ray = self._ray
         for ref in pending:
             try:
@@ -516,6 +521,48 @@ class RayExecutor:
                 ray.cancel(ref, force=True)
             except Exception:
                 pass
+        if left:  # let the kills land before anyone tidies up after them
+            try:
+                ray.wait(left, num_returns=len(left), timeout=KILL_WAIT)
+            except Exception:
+                pass
+        return left
+
+    def _remove_leftovers_after_kill(self, tasks: list[RankTask]) -> None:
+        """Remove the temporary files of tasks that were killed rather than stopped politely.
+
+        Ray's polite cancel is best effort (it can miss a task that is sleeping or between two
+        steps), so a stopped run tidies up on the node that wrote each output: the output folder
+        may be a node's own disk. Best effort, bounded in time: the run is already failing, and
+        a resumed run removes such files too.
+        """
+        if not tasks:
+            return
+        by_resource: dict[str, list[str]] = {}
+        for task in tasks:
+            resource = self.placement(task.target_rank)
+            if resource:
+                by_resource.setdefault(resource, []).append(task.out_path)
+            else:  # no placement: the output folder is shared, so it is visible here as well
+                _remove_leftovers(task.out_path)
+        if not by_resource:
+            return
+        ray = self._ray
+        try:
+            remote = ray.remote(_run_on_node)
+            refs = [remote.options(num_cpus=0, resources={res: float(UNITS_PER_TASK)}, max_retries=0,
+                                   retry_exceptions=False).remote(_remove_leftovers, tuple(paths))
+                    for res, paths in by_resource.items()]
+            ready, late = ray.wait(refs, num_returns=len(refs), timeout=LEFTOVER_CLEANUP_TIMEOUT)
+            for ref in late:
+                ray.cancel(ref, force=True)
+            for ref in ready:
+                try:
+                    ray.get(ref)
+                except Exception as e:
+                    log.warning("could not remove a stopped task's temporary files: %s", _first_line(e))
+        except Exception as e:
+            log.warning("could not remove the stopped tasks' temporary files: %s", _first_line(e))
 
 
 class _ProgressFeed:
@@ -705,6 +752,11 @@ def _tell(method, *args) -> None:
         method.remote(*args)
     except Exception:
         pass
+
+
+def _remove_leftovers(*out_paths: str) -> int:
+    """``_remove_leftovers_of`` for several outputs (a node task after a stopped run)."""
+    return sum(_remove_leftovers_of(path) for path in out_paths)
 
 
 def _remove_leftovers_of(out_path: str) -> int:

@@ -79,6 +79,42 @@ class HoldOnce:
 
 
 @dataclass(frozen=True)
+class HoldDeaf:
+    """Like HoldOnce, but a held attempt ignores Ray's polite cancel (as a task that misses the
+    interrupt does), so only a kill stops it, and the kill leaves its temporary file behind."""
+
+    signals: str
+    hold: frozenset = field(default_factory=frozenset)
+    wait: frozenset = field(default_factory=frozenset)
+
+    def __call__(self, task, progress=None):
+        from reshard_job.execute import run_rank_task
+
+        rank = task.target_rank
+        record_attempt(self.signals, rank)
+        if rank in self.wait and not _wait_until(
+                lambda: all(held_pid(self.signals, r) for r in self.hold), HOLD_LIMIT):
+            raise RuntimeError(f"ranks {sorted(self.hold)} were never held")
+        if rank not in self.hold:
+            return run_rank_task(task, progress=progress)
+        marker = Path(self.signals, f"{rank}.held")
+
+        def hold(n: int) -> None:
+            tmp = marker.with_suffix(".partial")
+            tmp.write_text(str(os.getpid()))
+            tmp.rename(marker)
+            deadline = time.monotonic() + HOLD_LIMIT
+            while time.monotonic() < deadline:
+                try:
+                    time.sleep(0.05)
+                except KeyboardInterrupt:
+                    Path(self.signals, f"{rank}.interrupted").touch()
+            raise RuntimeError(f"rank {rank} was held for {HOLD_LIMIT:.0f} s and never stopped")
+
+        return run_rank_task(task, progress=hold)
+
+
+@dataclass(frozen=True)
 class StorageKeepsResetting:
     """Every attempt fails as remote storage does when it drops the connection."""
 

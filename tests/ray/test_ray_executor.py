@@ -256,6 +256,31 @@ def test_driver_failing_while_journaling_stops_the_tasks_still_running(ray_clust
     assert files_under(out) == ["rank_3/checkpoint_3.ckpt"]  # the one that finished; the others stopped
 
 
+def test_tasks_deaf_to_the_polite_cancel_are_killed_and_their_temporary_files_removed(
+        ray_cluster, all_golden_scenarios, tmp_path):
+    """Ray's polite cancel can miss a task; the stop then kills it and tidies up on its node."""
+    sc = scenario(all_golden_scenarios, "S1_")
+    out = tmp_path / "ray"
+    tasks = plan_tasks(sc, out)
+    signals = tmp_path / "signals"
+    signals.mkdir()
+    held = frozenset({0, 1, 2})
+    runner = rank_runners.HoldDeaf(str(signals), hold=held, wait=frozenset({3}))
+
+    def journal(result):
+        assert temp_files_under(out), "the held ranks were writing when the driver failed"
+        raise OSError(28, "No space left on device")
+
+    executor = RayExecutor(ray_cluster.address, placement=two_node_placement(tasks), runner=runner, cancel_grace=2)
+    started = time.monotonic()
+    with pytest.raises(OSError, match="No space left"):
+        executor.run(tasks, on_bytes=lambda n: None, on_done=journal)
+    assert time.monotonic() - started < 60
+    assert all(rank_runners.held_pid(str(signals), r) for r in held)
+    # returned only once the killed tasks' temporary files were gone: no waiting needed here
+    assert files_under(out) == ["rank_3/checkpoint_3.ckpt"]
+
+
 def test_transient_failure_is_retried_then_reported_with_its_attempts(ray_cluster, all_golden_scenarios, tmp_path,
                                                                       capfd):
     sc = scenario(all_golden_scenarios, "S1_")
