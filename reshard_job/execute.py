@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Mapping
 from typing import Callable
 
 import numpy as np
@@ -23,6 +22,7 @@ from .formats import dtypes
 from .formats.base import TensorDecl, TensorReader, WrittenFile
 from .formats.boxes import Box, box_shape, intersect, split_rows
 from .formats.multifile import MultiFileReader
+from .formats.index import reader_index
 from .formats.registry import open_reader, open_writer
 from .formats.tensorfile import KIND_MAP, KIND_STR, Scratch
 from .plan import ACTION_COPY, ParamPlan, RankPlan, TensorMeta
@@ -34,45 +34,6 @@ DEFAULT_MAX_MEMORY = 32 * 1024 * 1024
 COPY_BLOCK = 4 * 1024 * 1024
 
 Progress = Callable[[int], None]
-
-
-_METAS: dict[tuple, TensorMeta] = {}
-
-
-class IndexView(Mapping):
-    """What a reader holds, as the planner sees it (name -> TensorMeta), without a copy per tensor:
-    metadata objects are shared between every tensor (and file) with the same dtype, shape and size."""
-
-    def __init__(self, reader: TensorReader):
-        self._reader = reader
-        self._describe = getattr(reader, "describe", None) or self._from_entry
-
-    def _from_entry(self, name: str) -> tuple:
-        e = self._reader.entries[name]
-        return e.dtype, tuple(e.shape), e.kind, e.nbytes
-
-    def __getitem__(self, name: str) -> TensorMeta:
-        key = self._describe(name)
-        meta = _METAS.get(key)
-        if meta is None:
-            meta = TensorMeta(*key)
-            if len(_METAS) < 100_000:
-                _METAS[key] = meta
-        return meta
-
-    def __contains__(self, name) -> bool:
-        return name in self._reader.entries
-
-    def __iter__(self):
-        return iter(self._reader.entries)
-
-    def __len__(self) -> int:
-        return len(self._reader.entries)
-
-
-def reader_index(reader: TensorReader) -> Mapping[str, TensorMeta]:
-    """What a reader holds, as the planner sees it."""
-    return IndexView(reader)
 
 
 class SourceFiles:

@@ -12,7 +12,7 @@ else (a rank of a sharded target) is refused, because its tensors are not the mo
 
 Which tensors. ``include="weights"`` (default) leaves out training state; ``include="all"``
 keeps everything. A name is training state when it starts with one of the optimizer prefixes
-(``OPTIMIZER_PREFIXES`` of the job schema: ``adam_m.``, ``adam_v.``, ``moments.``, ``accu_grads.``,
+(``OPTIMIZER_PREFIXES`` of the topology: ``adam_m.``, ``adam_v.``, ``moments.``, ``accu_grads.``,
 ``exp_avg.`` ...) or is one of the optimizer's and training loop's own scalars and counters
 (``TRAINING_STATE_NAMES``: ``global_step``, ``learning_rate``, ``epoch_num``, ``step_num``,
 ``loss_scale``, ``scale_sense``, ``current_iterator_step``, ``last_overflow_iterator_step``,
@@ -48,7 +48,7 @@ from .execute import DEFAULT_MAX_MEMORY, FORMAT_SAFETENSORS, Progress, execute_r
 from .formats import dtypes
 from .formats.ckpt import WrittenFile
 from .formats.multifile import MultiFileSources
-from .job.schema import OPTIMIZER_PREFIXES
+from .topology import OPTIMIZER_PREFIXES
 from .plan import ParamPlan, RankPlan
 from .storage.atomic import write_bytes_atomic
 

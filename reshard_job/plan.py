@@ -73,6 +73,7 @@ from typing import Iterable, Iterator, Mapping, NamedTuple, Sequence
 from .errors import MissingRankError, PlanError
 from .formats import dtypes
 from .formats.boxes import Box, box_size, full_box
+from .formats.index import TensorMeta
 from .formats.strategy import ParamLayout
 from .layout import Layout, common_ndim, is_flattened, unflatten
 from .text import bounded_list, quoted, rank_ranges, shorten
@@ -90,15 +91,6 @@ PLAN_VERSION = 3
 # Missing source ranks listed per (parameter, target rank) once a copy pattern is known to need
 # more source ranks than the stage has files: the rest is counted, not listed.
 MISSING_SAMPLE = 16
-
-
-class TensorMeta(NamedTuple):
-    """What a source file holds under one name (a tuple: an index holds one per name and rank)."""
-
-    dtype: str
-    shape: tuple[int, ...]
-    kind: str = "tensor"  # tensor | str | map
-    nbytes: int = 0
 
 
 SourceIndex = Mapping[int, Mapping[str, TensorMeta]]  # global source rank -> name -> meta

@@ -33,7 +33,7 @@ from .storage import StorageOptions, absolute, is_url, storage_for
 from .text import shorten
 
 if TYPE_CHECKING:
-    from .formats.mindformers import MindFormersSource
+    from .mindformers import MindFormersSource
     from .formats.strategy import StrategyFile
     from .topology import Topology
 
@@ -163,7 +163,7 @@ def is_mindformers_source(src_dir: str | None) -> bool:
     """Whether `src_dir` is a MindFormers 2.x save (its root or one iteration folder), not rank folders."""
     if src_dir is None or is_url(src_dir):
         return False
-    from .formats.mindformers import is_mindformers_checkpoint
+    from .mindformers import is_mindformers_checkpoint
 
     if not is_mindformers_checkpoint(src_dir):
         return False
@@ -176,7 +176,7 @@ def is_mindformers_source(src_dir: str | None) -> bool:
 def discover_mindformers(src_dir: str, iteration: int | None = None) -> tuple[RankFiles, "MindFormersSource"]:
     """One iteration of a MindFormers save: every storage rank's files (model file, opt file), with
     their identities, and the parsed save (layouts from metadata.json, every file's header checked)."""
-    from .formats.mindformers import load_mindformers
+    from .mindformers import load_mindformers
 
     source = load_mindformers(absolute(src_dir), iteration)
     storage = storage_for(source.folder)

@@ -27,6 +27,7 @@ import numpy as np
 
 from ..errors import FormatError, PlanError
 from .boxes import Box
+from .index import reader_index
 from .safetensors import SafetensorsReader
 from .tensorfile import TensorEntry
 
@@ -175,8 +176,6 @@ class MultiFileSources:
 
     def index(self):
         """What every rank holds, as the planner sees it (rank -> name -> TensorMeta)."""
-        from ..execute import reader_index
-
         return {rank: reader_index(self.reader(rank)) for rank in sorted(self.paths)}
 
     def close(self) -> None:

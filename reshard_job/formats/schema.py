@@ -91,8 +91,7 @@ def _build(file_name: str, package: str, messages, oneofs=None):
             if f.name in field_names:
                 f.oneof_index = idx
     pool = descriptor_pool.DescriptorPool()
-    fd = pool.Add(fdp)
-    fd = pool.FindFileByName(file_name)
+    pool.Add(fdp)
     classes = {}
     for full in messages:
         desc = pool.FindMessageTypeByName(f"{package}.{full}" if package else full)

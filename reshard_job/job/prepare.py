@@ -28,7 +28,7 @@ from ..demo import ensure_demo
 from ..errors import ConfigError, PlanError, ReshardError
 from ..execute import SourceFiles
 from ..export import INDEX_FILE, ExportLayout, check_against_index, plan_export, read_index
-from ..formats.mindformers import MindFormersSource
+from ..mindformers import MindFormersSource
 from ..formats.tensorfile import KIND_TENSOR
 from ..plan import Plan, Planner, TensorMeta, identical_mismatch
 from ..sources import (LoadedStrategy, RankFiles, discover, discover_export, discover_mindformers, is_export_source,
@@ -238,7 +238,6 @@ def _with_demo(source: SourceSpec, demo_root: str | None) -> SourceSpec:
 
 def _usable_ranks(found: RankFiles, strategy: LoadedStrategy, source: SourceSpec) -> dict[int, str]:
     devices = strategy.topology.devices
-    extra = sorted(r for r in found.files if r >= devices)
     for rank, others in sorted(found.ignored.items())[:8]:
         if rank < devices:
             log.info("rank_%d: using %s, ignoring %s", rank, os.path.basename(str(found.files[rank])),

@@ -38,7 +38,7 @@ from .ranges import Request, clip_ranges, plan_requests
 from .s3errors import is_absent, storage_error
 
 if TYPE_CHECKING:
-    from .remote import S3Storage
+    from .s3calls import S3Calls
 
 MIN_READAHEAD = 64 * 1024
 MAX_READAHEAD = 4 * 1024 * 1024
@@ -70,7 +70,7 @@ class ObjectReader:
 
     index_window = INDEX_WINDOW
 
-    def __init__(self, store: "S3Storage", url: str, bucket: str, key: str, size: int, etag: str,
+    def __init__(self, store: "S3Calls", url: str, bucket: str, key: str, size: int, etag: str,
                  identity: tuple, *, concurrency: int = 8):
         self.path = url
         self.size = size

@@ -43,7 +43,7 @@ from .base import LockedError
 from .s3errors import error_code, is_absent, is_precondition_failed, shorten, storage_error
 
 if TYPE_CHECKING:
-    from .remote import S3Storage
+    from .s3calls import S3Calls
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ def _age(answer: dict) -> float:
 class ObjectLock:
     """``OutputLock`` held as a lease object (see the module docstring)."""
 
-    def __init__(self, store: "S3Storage", folder_url: str, bucket: str, key: str, record: LeaseRecord,
+    def __init__(self, store: "S3Calls", folder_url: str, bucket: str, key: str, record: LeaseRecord,
                  etag: str, conditional: bool):
         self.folder = folder_url
         self.record = record
@@ -188,7 +188,7 @@ class ObjectLock:
         self._etag = answer["ETag"]
 
 
-def _read(store: "S3Storage", bucket: str, key: str, folder_url: str) -> CurrentLock | None:
+def _read(store: "S3Calls", bucket: str, key: str, folder_url: str) -> CurrentLock | None:
     try:
         answer = store.call_raw("get_object", Bucket=bucket, Key=key)
         body = store.run(_read_body, answer["Body"])
@@ -206,7 +206,7 @@ async def _read_body(body) -> bytes:
         body.close()
 
 
-def supports_conditional_put(store: "S3Storage", bucket: str, folder_key: str, folder_url: str) -> bool:
+def supports_conditional_put(store: "S3Calls", bucket: str, folder_key: str, folder_url: str) -> bool:
     """Whether the store refuses a second ``PUT If-None-Match: *`` of one key (probed once)."""
     probe = f"{folder_key}/{PROBE_PREFIX}{uuid.uuid4().hex}" if folder_key else f"{PROBE_PREFIX}{uuid.uuid4().hex}"
     try:
@@ -234,7 +234,7 @@ def supports_conditional_put(store: "S3Storage", bucket: str, folder_key: str, f
             pass
 
 
-def acquire(store: "S3Storage", folder_url: str, bucket: str, folder_key: str, holder: str, *,
+def acquire(store: "S3Calls", folder_url: str, bucket: str, folder_key: str, holder: str, *,
             lease_seconds: float = DEFAULT_LEASE_SECONDS, settle_seconds: float = DEFAULT_SETTLE_SECONDS,
             conditional: bool | None = None) -> ObjectLock:
     """Take the lock of the output prefix `folder_key`, or raise ``LockedError`` naming the holder."""

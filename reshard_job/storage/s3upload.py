@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from .s3errors import storage_error
 
 if TYPE_CHECKING:
-    from .remote import S3Storage
+    from .s3calls import S3Calls
 
 PART_SIZE = 8 * 1024 * 1024
 PARTS_PER_DOUBLING = 1000
@@ -33,7 +33,7 @@ MAX_IN_FLIGHT = 2
 class MultipartUpload:
     """``AtomicWriter`` for one object (see the module docstring)."""
 
-    def __init__(self, store: "S3Storage", url: str, bucket: str, key: str, *, part_size: int = PART_SIZE,
+    def __init__(self, store: "S3Calls", url: str, bucket: str, key: str, *, part_size: int = PART_SIZE,
                  max_in_flight: int = MAX_IN_FLIGHT):
         self.path = url
         self.size = 0

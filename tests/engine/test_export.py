@@ -25,7 +25,7 @@ from reshard_job.export import (
     read_index, shard_file_name,
 )
 from reshard_job.formats.ckpt import CheckpointReader
-from reshard_job.formats.mindformers import load_mindformers
+from reshard_job.mindformers import load_mindformers
 from reshard_job.formats.strategy import read_strategy
 from reshard_job.plan import ParamPlan, Planner, RankPlan
 from reshard_job.topology import Topology

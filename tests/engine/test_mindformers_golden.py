@@ -16,7 +16,7 @@ import pytest
 
 from reshard_job.execute import FORMAT_CKPT, FORMAT_SAFETENSORS, execute_rank
 from reshard_job.formats.ckpt import CheckpointReader
-from reshard_job.formats.mindformers import load_mindformers
+from reshard_job.mindformers import load_mindformers
 from reshard_job.formats.strategy import read_strategy
 from reshard_job.plan import Planner
 from reshard_job.topology import Topology

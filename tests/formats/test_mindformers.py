@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from reshard_job.errors import FormatError, PlanError, ReshardError
 from reshard_job.execute import execute_rank
 from reshard_job.formats.ckpt import CheckpointReader
-from reshard_job.formats.mindformers import (
+from reshard_job.mindformers import (
     MindFormersFormatError, is_mindformers_checkpoint, load_mindformers, parse_metadata, resolve_iteration,
     synthesize_strategy,
 )

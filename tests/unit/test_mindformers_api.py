@@ -20,7 +20,7 @@ from safetensors import safe_open
 from reshard_job import api
 from reshard_job.errors import ConfigError, PlanError, ReshardError
 from reshard_job.formats.ckpt import CheckpointReader
-from reshard_job.formats.mindformers import load_mindformers
+from reshard_job.mindformers import load_mindformers
 from reshard_job.formats.safetensors import SafetensorsReader
 from reshard_job.job.prepare import prepare
 from reshard_job.job.spec import SourceSpec, TargetSpec

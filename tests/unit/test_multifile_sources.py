@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from reshard_job.execute import SourceFiles, current_identity, run_rank_task
-from reshard_job.formats.mindformers import load_mindformers
+from reshard_job.mindformers import load_mindformers
 from reshard_job.formats.multifile import MultiFileReader
 from reshard_job.formats.safetensors import SafetensorsReader
 from reshard_job.plan import Planner

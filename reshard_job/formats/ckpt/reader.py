@@ -14,7 +14,6 @@ bytes, locally or from an object store alike.
 
 from __future__ import annotations
 
-import os
 import sys
 import zlib
 from array import array

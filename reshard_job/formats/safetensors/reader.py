@@ -6,10 +6,14 @@ from __future__ import annotations
 import json
 import zlib
 from math import prod
+from typing import TYPE_CHECKING
 
 from ...errors import SafetensorsFormatError
 from .. import dtypes
 from ..tensorfile import PositionedReader, TensorEntry
+if TYPE_CHECKING:
+    import numpy as np
+
 from .header import CRC_KEY, FORMAT_KEY, INT4_MARK, MAX_HEADER_BYTES, METADATA_KEY
 
 

@@ -43,15 +43,15 @@ import re
 from dataclasses import dataclass, field, replace
 from math import prod
 
-from ..errors import FormatError
-from ..layout import coords, mixed_radix
-from ..plan import TensorMeta
-from ..topology import Topology
-from . import dtypes
-from .boxes import Box
-from .multifile import MultiFileReader, MultiFileSources
-from .safetensors import SafetensorsReader
-from .strategy import FORMAT_PROTOBUF, MERGED_KEY, AxisEntry, ParamLayout, StrategyFile
+from .errors import FormatError
+from .formats import dtypes
+from .formats.index import TensorMeta
+from .layout import coords, mixed_radix
+from .topology import Topology
+from .formats.boxes import Box
+from .formats.multifile import MultiFileReader, MultiFileSources
+from .formats.safetensors import SafetensorsReader
+from .formats.strategy import FORMAT_PROTOBUF, MERGED_KEY, AxisEntry, ParamLayout, StrategyFile
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 METADATA_FILE = "metadata.json"

@@ -1,0 +1,60 @@
+"""What a reader holds, as the planner sees it: name -> ``TensorMeta`` (dtype, shape, kind, size).
+
+Kept beside the readers (not in the planner) because every source set builds one per rank,
+single-file or multi-file alike; the planner only reads these values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import NamedTuple
+
+from .base import TensorReader
+
+
+class TensorMeta(NamedTuple):
+    """What a source file holds under one name (a tuple: an index holds one per name and rank)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    kind: str = "tensor"  # tensor | str | map
+    nbytes: int = 0
+
+
+_METAS: dict[tuple, TensorMeta] = {}
+
+
+class IndexView(Mapping):
+    """What a reader holds, as the planner sees it (name -> TensorMeta), without a copy per tensor:
+    metadata objects are shared between every tensor (and file) with the same dtype, shape and size."""
+
+    def __init__(self, reader: TensorReader):
+        self._reader = reader
+        self._describe = getattr(reader, "describe", None) or self._from_entry
+
+    def _from_entry(self, name: str) -> tuple:
+        e = self._reader.entries[name]
+        return e.dtype, tuple(e.shape), e.kind, e.nbytes
+
+    def __getitem__(self, name: str) -> TensorMeta:
+        key = self._describe(name)
+        meta = _METAS.get(key)
+        if meta is None:
+            meta = TensorMeta(*key)
+            if len(_METAS) < 100_000:
+                _METAS[key] = meta
+        return meta
+
+    def __contains__(self, name) -> bool:
+        return name in self._reader.entries
+
+    def __iter__(self):
+        return iter(self._reader.entries)
+
+    def __len__(self) -> int:
+        return len(self._reader.entries)
+
+
+def reader_index(reader: TensorReader) -> Mapping[str, TensorMeta]:
+    """What a reader holds, as the planner sees it."""
+    return IndexView(reader)
