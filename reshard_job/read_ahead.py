@@ -72,7 +72,13 @@ def expected_ranges(plan: "RankPlan", entries: Mapping[int, Mapping[str, "Tensor
 
 
 def announce(plan: "RankPlan", readers: Mapping[int, object], budget: int) -> None:
-    """Hand each reader the ranges it will serve, with an equal share of `budget` bytes to buffer."""
+    """Hand each reader the ranges it will serve, with an equal share of `budget` bytes to buffer.
+
+    Only readers that want them are told (local files do not): working the ranges out costs a
+    walk over every copy of the plan, noticeable for checkpoints of very many small tensors."""
+    readers = {r: reader for r, reader in readers.items() if getattr(reader, "wants_read_ahead", False)}
+    if not readers:
+        return
     entries = {r: getattr(reader, "entries", {}) for r, reader in readers.items()}
     ranges = expected_ranges(plan, entries)
     share = max(MIN_BUDGET, budget // max(1, len(ranges)))

@@ -170,6 +170,11 @@ class PositionedReader:
         return e.dtype, tuple(e.shape), e.kind, e.nbytes
 
     # --- raw reads ----------------------------------------------------------------------------
+    @property
+    def wants_read_ahead(self) -> bool:
+        """Whether announced reads help this file (an object store batches them; a local file does not)."""
+        return getattr(self._file, "expect", None) is not None
+
     def expect_reads(self, ranges: list[tuple[int, int]], budget: int) -> None:
         """Tell the file which (offset, length) ranges are about to be read; an object store
         fetches them in coalesced batches of up to `budget` bytes, a local file ignores it."""
