@@ -104,7 +104,7 @@ def _fast_value(b, p: int, end: int):
     if p + 1 >= end or b[p] != 0x12 or b[p + 1] >= 0x80:
         return None
     n = b[p + 1]
-    dtype = b[p + 2:p + 2 + n]
+    dtype = bytes(b[p + 2:p + 2 + n])  # hashable: names are looked up by these bytes
     p += 2 + n
     if p >= end or b[p] != 0x1A:
         return None
@@ -209,9 +209,16 @@ class CheckpointReader(PositionedReader):
         # An object store asks for small windows: bytes of skipped tensors would cross the network.
         fetch = getattr(self._file, "index_window", WINDOW)
         self._head = min(HEAD, fetch // 2)  # a record's head then lies in the window just read
+        # One window buffer, refilled in place: a fresh one per window is a fresh mapping (large
+        # buffers are mmapped, see job/memory.py) whose pages the kernel must zero on first touch,
+        # which cost more than the reads themselves.
+        buffer = bytearray(min(fetch, size))
         while pos < size:
             if pos + self._head > wstart + len(window) and wstart + len(window) < size:
-                wstart, window = pos, self.pread(pos, min(fetch, size - pos))
+                n = min(fetch, size - pos)
+                window = buffer if n == len(buffer) else bytearray(n)
+                self.pread_into(pos, memoryview(window))
+                wstart = pos
             rel = pos - wstart
             if size - pos == CRC_TRAILER_LEN and window[rel : rel + 7] == CRC_MAGIC and self._names:
                 self.crc_stored = int.from_bytes(window[rel + 7 : rel + 17], "big")
