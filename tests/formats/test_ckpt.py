@@ -595,3 +595,19 @@ def test_tensor_hashes_across_staging_buffers(tmp_path):
     assert w.result.sha256 == hashlib.sha256((tmp_path / "big.ckpt").read_bytes()).hexdigest()
     with CheckpointReader(tmp_path / "big.ckpt") as r:
         assert np.array_equal(r.read("t2"), blobs["t2"])
+
+
+@pytest.mark.parametrize("data", [
+    b"\n\x00",                          # an empty record: no name, nothing after it
+    b"\n\x04\n\x00\x12\x00",            # a name and an empty tensor, ending with the file
+    b"\n\x03\n\x00\x12",                # a tensor field cut after its key
+    b"\n\x06\n\x00\x12\x02\x08\x05",    # a dims key whose value is the record's last byte
+    b"\n\x05\n\x00\x12\x01\x08",        # a dims key and no value: the record ends first
+])
+def test_records_cut_short_at_the_end_of_the_file_are_format_errors(tmp_path, data):
+    # The fast record parser reads ahead of each field's key: at the file's last byte that must
+    # be a format error naming the file, never an IndexError.
+    path = tmp_path / "short.ckpt"
+    path.write_bytes(data)
+    with pytest.raises(CheckpointFormatError, match="short.ckpt"):
+        CheckpointReader(path).close()

@@ -80,7 +80,7 @@ def _fast_value(b, p: int, end: int):
 
     Returns (tag bytes, dims tuple, dtype bytes, content offset, content length) or None when the
     record is of another form (the general parser then handles it)."""
-    if b[p] != 0x0A or b[p + 1] >= 0x80:
+    if end - p < 2 or b[p] != 0x0A or b[p + 1] >= 0x80:  # every index below stays under `end`
         return None
     n = b[p + 1]
     tag = b[p + 2:p + 2 + n]
@@ -92,6 +92,8 @@ def _fast_value(b, p: int, end: int):
         return None
     dims = []
     while p < end and b[p] == 0x08:
+        if p + 1 >= end:
+            return None
         v = b[p + 1]
         if v < 0x80:
             dims.append(v)
