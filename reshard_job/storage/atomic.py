@@ -11,7 +11,10 @@ buffered write copies every byte into freshly allocated page-cache pages, and on
 machines that copy, not the disk, is the slowest part of writing a checkpoint; the dirty pages
 must then be flushed by ``fsync`` anyway before the rename may expose the file. Writing straight
 from two reused, block-aligned staging buffers costs almost no CPU, and a writer thread hashes and
-writes one buffer while the caller fills the other. The last, partial block is written padded and
+writes one buffer while the caller fills the other; hashing and writing a buffer overlap (a
+second thread hashes while the first waits on the disk), so the write time is not the hash time
+plus the disk time. The same thread feeds the digests of byte ranges asked for with
+``write_hashed`` (a checkpoint's per-tensor digests), so the caller's thread does not hash at all. The last, partial block is written padded and
 the file truncated to its real length. Where ``O_DIRECT`` is refused (tmpfs, some network file
 systems) the file is written buffered.
 """
@@ -24,6 +27,7 @@ import mmap
 import os
 import threading
 import uuid
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from ..errors import OutputError
@@ -117,15 +121,26 @@ class _DirectFile:
         self._fill = 0
         self._size = 0
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="direct-write")
+        self._hash_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="direct-hash")
         self._pending: Future | None = None
         self._closed = False
+        self._written = 0  # bytes passed to write so far
+        self._taps: deque = deque()  # [start, end, hasher]: file ranges whose bytes feed hasher too
 
     def fileno(self) -> int:
         return self._fd
 
-    def write(self, data) -> int:
+    def write(self, data, tap=None) -> int:
         mv = memoryview(data).cast("B")
         total = len(mv)
+        if tap is not None and total:
+            # recorded before the bytes are staged: a block handed over has all its taps listed
+            last = self._taps[-1] if self._taps else None
+            if last is not None and last[2] is tap and last[1] == self._written:
+                last[1] += total
+            else:
+                self._taps.append([self._written, self._written + total, tap])
+        self._written += total
         while len(mv):
             buf = self._bufs[self._cur]
             n = min(self._chunk - self._fill, len(mv))
@@ -149,14 +164,30 @@ class _DirectFile:
 
     def _write_block(self, index: int, length: int, padded: int) -> None:
         view = memoryview(self._bufs[index])
-        self._hash.update(view[:length])
-        done = 0
-        while done < padded:
-            n = os.write(self._fd, view[done:padded])
-            if n <= 0:
-                raise OSError(errno.EIO, "short write")
-            done += n
+        # one buffer at a time (the hand-over waits), so the hash still sees the bytes in order
+        hashed = self._hash_pool.submit(self._hash_block, view[:length], self._size)
+        try:
+            done = 0
+            while done < padded:
+                n = os.write(self._fd, view[done:padded])
+                if n <= 0:
+                    raise OSError(errno.EIO, "short write")
+                done += n
+        finally:
+            hashed.result()  # the buffer is refilled only after its hash has read it
         self._size += length
+
+    def _hash_block(self, view: memoryview, start: int) -> None:
+        self._hash.update(view)
+        end = start + len(view)
+        taps = self._taps
+        while taps and taps[0][0] < end:
+            t0, t1, hasher = taps[0]
+            lo, hi = max(t0, start), min(t1, end)
+            hasher.update(view[lo - start:hi - start])
+            if t1 > end:
+                break  # continues in the next block
+            taps.popleft()
 
     def flush(self) -> None:
         """Write everything staged (the last block padded) and cut the file to its real length."""
@@ -176,6 +207,7 @@ class _DirectFile:
                 self._pending.exception()  # wait; its error (if any) was or will be reported elsewhere
         finally:
             self._pool.shutdown(wait=True)
+            self._hash_pool.shutdown(wait=True)
             for b in self._bufs:
                 _STAGING.give(b)
             self._bufs = []
@@ -239,6 +271,20 @@ class AtomicFile:
             raise _write_error(self.path, e) from None
         if not self.direct:  # the direct sink hashes in its writer thread
             self._hash.update(data)
+        self.size += memoryview(data).nbytes
+
+    def write_hashed(self, data, hasher) -> None:
+        """``write``, feeding `hasher` too: from the writer's hash thread when writing directly
+        (complete once ``commit`` returns), else at once (see ``storage.base.write_hashed``)."""
+        if not self.direct:
+            hasher.update(data)
+            self.write(data)
+            return
+        try:
+            self._f.write(data, hasher)
+        except OSError as e:
+            self.abort()
+            raise _write_error(self.path, e) from None
         self.size += memoryview(data).nbytes
 
     @property

@@ -130,6 +130,21 @@ class AtomicWriter(Protocol):
         """Overwrite bytes already written (the running hash does not cover the change)."""
 
 
+def write_hashed(writer: AtomicWriter, data, hasher) -> None:
+    """Write `data` and feed it to `hasher` too (a tensor's own digest beside the file's).
+
+    A writer with a ``write_hashed`` of its own may feed `hasher` later, from the thread that hashes
+    the file, but always in write order and before its ``commit`` returns: read the hasher only
+    after committing. Elsewhere the bytes are hashed here, at once.
+    """
+    own = getattr(writer, "write_hashed", None)
+    if own is not None:
+        own(data, hasher)
+        return
+    hasher.update(data)
+    writer.write(data)
+
+
 @runtime_checkable
 class OutputLock(Protocol):
     """Held while a job writes an output directory; released by ``release`` or by the holder's death."""

@@ -29,6 +29,11 @@ from .records import CRC_MAGIC, CRC_TRAILER_LEN, Record, parse_tensor_proto
 
 WINDOW = 4 * 1024 * 1024  # bytes fetched per read while walking small records
 HEAD = 64 * 1024  # bytes fetched at the start of a record larger than a window
+# Where records run larger than this, the walk fetches only the first SMALL_HEAD bytes of each
+# record instead of whole windows: reading every byte of a file of 250 KiB tensors to find their
+# headers cost more than the rest of opening it (page-cache copies are not free either).
+LARGE_RECORD = 32 * 1024
+SMALL_HEAD = 4096
 
 
 def _ascii(raw: bytes) -> str:
@@ -209,16 +214,26 @@ class CheckpointReader(PositionedReader):
         pos = 0
         wstart, window = 0, b""
         # An object store asks for small windows: bytes of skipped tensors would cross the network.
-        fetch = getattr(self._file, "index_window", WINDOW)
+        fetch = getattr(self._file, "index_window", None)
+        # Local files: a short read per record once records are large (a request is cheap);
+        # an object store keeps its windows (a request costs a round trip).
+        large = LARGE_RECORD if fetch is None else fetch
+        fetch = fetch or WINDOW
         self._head = min(HEAD, fetch // 2)  # a record's head then lies in the window just read
         # One window buffer, refilled in place: a fresh one per window is a fresh mapping (large
         # buffers are mmapped, see job/memory.py) whose pages the kernel must zero on first touch,
         # which cost more than the reads themselves.
         buffer = bytearray(min(fetch, size))
+        head_buffer = bytearray(min(SMALL_HEAD, size))
+        typical = 0  # moving average of record lengths (large weights often alternate with tiny biases)
         while pos < size:
             if pos + self._head > wstart + len(window) and wstart + len(window) < size:
-                n = min(fetch, size - pos)
-                window = buffer if n == len(buffer) else bytearray(n)
+                if typical >= large:  # the next record is likely large too: its head is enough
+                    n = min(SMALL_HEAD, size - pos)
+                    window = head_buffer if n == len(head_buffer) else bytearray(n)
+                else:
+                    n = min(fetch, size - pos)
+                    window = buffer if n == len(buffer) else bytearray(n)
                 self.pread_into(pos, memoryview(window))
                 wstart = pos
             rel = pos - wstart
@@ -241,6 +256,7 @@ class CheckpointReader(PositionedReader):
                 self._add(pos, window, wstart, vpos, vend)
             except wire.WireError as e:
                 raise self._error(f"record at offset {pos}: {e}") from None
+            typical = (3 * typical + vend - pos) >> 2
             pos = vend
 
     def _add(self, pos: int, window, wstart: int, vpos: int, vend: int) -> None:
@@ -250,7 +266,7 @@ class CheckpointReader(PositionedReader):
             if rel_end <= len(window):
                 tag, kind, rec, parts = self._parse_value(window, wstart, pos, vpos, rel_end)
             else:
-                tag, kind, rec, parts = self._parse_large(pos, wstart + vpos, vend)
+                tag, kind, rec, parts = self._parse_large(pos, wstart + vpos, vend, window, wstart)
             self._record(sys.intern(tag), kind, rec, parts)
             return
         tag, dims, dtype, coff, clen = fast
@@ -328,9 +344,14 @@ class CheckpointReader(PositionedReader):
         _SHARED_NAMES.insert(0, (self._names, self._pos))
         del _SHARED_NAMES[4:]
 
-    def _parse_large(self, start: int, vstart: int, vend: int):
-        """A record larger than a window: parse its head; fall back to fetching on demand."""
-        head = self.pread(vstart, min(self._head, vend - vstart))
+    def _parse_large(self, start: int, vstart: int, vend: int, window=None, wstart: int = 0):
+        """A record larger than a window: parse its head (from `window` where that holds it, which
+        then began at file offset `wstart`); fall back to fetching on demand."""
+        want = min(self._head, vend - vstart)
+        if window is not None and wstart <= vstart and vstart + min(want, SMALL_HEAD // 2) <= wstart + len(window):
+            head = memoryview(window)[vstart - wstart:]
+        else:
+            head = self.pread(vstart, want)
         try:
             return self._parse_value(head, vstart, start, 0, vend - vstart)
         except IndexError:  # a field the head does not hold: fetch as the parser goes

@@ -17,6 +17,7 @@ import numpy as np
 
 from ...errors import LayoutError
 from .. import dtypes
+from ...storage.base import write_hashed
 from ..base import TensorDecl, WrittenFile
 from .records import CRC_MAGIC, SLICE_BYTES, default_chunks, map_record, record_header
 
@@ -51,22 +52,21 @@ class RecordSink:
         mv = memoryview(data).cast("B")
         if self.written + len(mv) > self.total:
             raise ValueError(f"parameter {self.name!r}: more bytes than its dims and dtype hold")
-        self._hash.update(mv)
         while len(mv):
             take = min(self._left, len(mv))
-            self._w._emit(mv[:take], record=True)
+            self._w._emit(mv[:take], record=True, tap=self._hash)
             mv = mv[take:]
             self._left -= take
             self.written += take
             self._advance()
 
-    def close(self) -> str:
+    def close(self) -> None:
+        """The tensor is complete. Its digest is known once the file is committed (the output may
+        hash it in its writer thread): ``CheckpointWriter.commit`` returns it in ``tensors``."""
         self._advance()  # records of zero bytes after the last data
         if self.written != self.total:
             raise ValueError(f"parameter {self.name!r}: got {self.written} of {self.total} bytes")
-        digest = self._hash.hexdigest()
-        self._w._tensor_done(self.name, digest)
-        return digest
+        self._w._tensor_done(self.name, self._hash)
 
 
 class CheckpointWriter:
@@ -90,15 +90,19 @@ class CheckpointWriter:
         self.chunk_bytes = chunk_bytes
         self._crc = 0
         self._open_sink: RecordSink | None = None
-        self.tensors: dict[str, str] = {}
+        self.tensors: dict = {}  # name -> sha256 hex, or its hasher until commit
 
     # --- low level ------------------------------------------------------------------------------
-    def _emit(self, data, *, record: bool) -> None:
-        self._file.write(data)
+    def _emit(self, data, *, record: bool, tap=None) -> None:
+        if tap is None:
+            self._file.write(data)
+        else:
+            write_hashed(self._file, data, tap)
         if record and self.crc:
             self._crc = zlib.crc32(data, self._crc)
 
-    def _tensor_done(self, name: str, digest: str) -> None:
+    def _tensor_done(self, name: str, digest) -> None:
+        """`digest`: the hex string, or a hasher still being fed until the file is committed."""
         self.tensors[name] = digest
         self._open_sink = None
 
@@ -134,9 +138,11 @@ class CheckpointWriter:
         dt = dtypes.lookup(dtype)
         if dt.storage is not None and array.dtype.itemsize != dt.itemsize:
             raise ValueError(f"parameter {name!r}: array of {array.dtype} cannot hold {dtype}")
+        flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
         sink = self.begin(name, dtype, array.shape if dims is None else dims)
-        sink.write(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
-        return sink.close()
+        sink.write(flat)
+        sink.close()
+        return hashlib.sha256(flat).hexdigest()
 
     def add_bytes(self, name: str, dtype: str, dims, data, chunk_sizes: list[int] | None = None) -> str:
         mv = memoryview(data).cast("B")
@@ -152,7 +158,8 @@ class CheckpointWriter:
                 return digest
         sink = self.begin(name, dtype, dims, chunk_sizes)
         sink.write(mv)
-        return sink.close()
+        sink.close()
+        return hashlib.sha256(mv).hexdigest()
 
     def add_str(self, name: str, text: str, dims=(0,)) -> str:
         """A string entry as MindSpore writes append_dict strings: dims [0], UTF-32LE content."""
@@ -183,7 +190,8 @@ class CheckpointWriter:
         except BaseException:
             self._file.abort()  # never leave the temporary file behind
             raise
-        return WrittenFile(self.path, size, digest, dict(self.tensors))
+        tensors = {name: d if isinstance(d, str) else d.hexdigest() for name, d in self.tensors.items()}
+        return WrittenFile(self.path, size, digest, tensors)
 
     def abort(self) -> None:
         self._file.abort()
