@@ -202,6 +202,7 @@ def parse_protobuf_strategy(data: bytes, path: str | None = None) -> StrategyFil
         raise StrategyFormatError(path, "no parameter layouts or operator strategies: not a strategy file")
     layouts: dict[str, ParamLayout] = {}
     shared: dict[ParamLayout, ParamLayout] = {}
+    checked: dict[tuple, ParamLayout] = {}  # raw fields -> their validated layout
     for item in msg.parallel_layout_item:
         name = item.param_name
         if not isinstance(name, str):  # proto2 strings holding invalid UTF-8 come back as bytes
@@ -216,15 +217,22 @@ def parse_protobuf_strategy(data: bytes, path: str | None = None) -> StrategyFil
             tensor_map: tuple = maps[0]
         else:  # one TensorMap per dimension (multi-axis); the empty pad entry of 1-D tensors drops out
             tensor_map = tuple(m for m in maps if m)
-        layouts[name] = _interned(shared, ParamLayout(
-            dev_matrix=_dev_matrix(tuple(pl.dev_matrix[0].dim), path, name),
-            tensor_map=_tensor_map(tensor_map, path, name),
-            opt_shard_step=int(pl.opt_weight_shard_step),
-            opt_shard_size=int(pl.opt_weight_shard_size),
-            param_split_shape=tuple(pl.param_split_shape[0].dim) if pl.param_split_shape else (),
-            indices_offset=tuple(pl.indices_offset[0].dim) if pl.indices_offset else (),
-            field=int(pl.field),
-        ))
+        raw = (tuple(pl.dev_matrix[0].dim), tensor_map, int(pl.opt_weight_shard_step),
+               int(pl.opt_weight_shard_size),
+               tuple(pl.param_split_shape[0].dim) if pl.param_split_shape else (),
+               tuple(pl.indices_offset[0].dim) if pl.indices_offset else (), int(pl.field))
+        layout = checked.get(raw)
+        if layout is None:  # validated once per distinct layout (a bad one fails at its first parameter)
+            layout = checked[raw] = _interned(shared, ParamLayout(
+                dev_matrix=_dev_matrix(raw[0], path, name),
+                tensor_map=_tensor_map(tensor_map, path, name),
+                opt_shard_step=raw[2],
+                opt_shard_size=raw[3],
+                param_split_shape=raw[4],
+                indices_offset=raw[5],
+                field=raw[6],
+            ))
+        layouts[name] = layout
     bad = next((it.node_name for it in msg.parallel_strategy_item if not isinstance(it.node_name, str)), None)
     if bad is not None:
         raise StrategyFormatError(path, f"operator name {quoted(bad)} is not valid UTF-8")

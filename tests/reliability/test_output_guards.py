@@ -233,14 +233,14 @@ class _FullDisk:
     def __init__(self, f, room: int, at_flush: bool):
         self._f, self._room, self._at_flush = f, room, at_flush
 
-    def write(self, data):
+    def write(self, data, *tap):  # tap: the direct sink's per-tensor hasher, passed through
         n = memoryview(data).nbytes
         if not self._at_flush and n > self._room:
-            self._f.write(memoryview(data).cast("B")[: self._room])  # what fitted stays in the temp file
+            self._f.write(memoryview(data).cast("B")[: self._room], *tap)  # what fitted stays in the temp file
             self._room = 0
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         self._room -= n
-        return self._f.write(data)
+        return self._f.write(data, *tap)
 
     def flush(self):
         if self._at_flush and self._room < 0:
