@@ -153,28 +153,37 @@ def execute_rank(
     crc: bool = False,
     progress: Progress | None = None,
     metadata: dict | None = None,
-) -> WrittenFile:
-    """Write one target rank's file from its plan; atomic (published only when complete)."""
+    publish_later: bool = False,
+):
+    """Write one target rank's file from its plan; atomic (published only when complete).
+
+    Returns the ``WrittenFile``; with `publish_later`, (WrittenFile, handle) where the file is
+    complete but not yet durable nor visible until ``handle.publish()`` (handle None: published)."""
     writer = open_writer(out_path, fmt, crc=crc, metadata=metadata, storage=getattr(sources, "storage", None))
     try:
         by_name = {p.name: p for p in rank_plan.params}
         order = writer.arrange([TensorDecl(p.name, p.dtype, p.target_shape, p.kind) for p in rank_plan.params])
         for name in order:
             _write_param(writer, by_name[name], sources, max_memory, progress)
-        return writer.commit()
+        if publish_later and hasattr(writer, "seal"):
+            return writer.seal()
+        written = writer.commit()
+        return (written, None) if publish_later else written
     except BaseException:
         writer.abort()
         raise
 
 
 def run_rank_task(task: RankTask, *, sources: SourceFiles | None = None,
-                  progress: Progress | None = None) -> RankResult:
+                  progress: Progress | None = None, publish_later: bool = False):
     """Produce one target file from a ``RankTask``; `sources` may hold already-open readers.
 
     The sources are checked against the identities the job hashed, before the first read and
     after the last, so a file changed under the job fails the task instead of feeding it.
+    With `publish_later`, returns (RankResult, handle): see ``execute_rank``.
     """
     started = time.monotonic()
+    handle = None
     own = sources is None
     readers = sources if sources is not None else SourceFiles(
         dict(task.sources), verify_crc=False, identities=task.source_identities, storage=task.storage)
@@ -183,17 +192,23 @@ def run_rank_task(task: RankTask, *, sources: SourceFiles | None = None,
         # object stores fetch the announced ranges in batches instead of one request per read
         announce(task.plan, {r: readers.reader(r) for r in task.sources}, opts.max_memory)
         written = execute_rank(task.plan, readers, task.out_path, fmt=opts.format, max_memory=opts.max_memory,
-                               crc=opts.crc, progress=progress, metadata=opts.metadata)
+                               crc=opts.crc, progress=progress, metadata=opts.metadata,
+                               publish_later=publish_later)
+        if publish_later:
+            written, handle = written
         readers.check_unchanged()
     except BaseException:
+        if handle is not None:
+            handle.abort()  # written from sources that changed since: never published
         if not own:
             raise
         readers.close()
         raise
     if own:
         readers.close()
-    return RankResult(task.target_rank, written.path, written.size, written.sha256, dict(written.tensors),
-                      task.plan.bytes_read, time.monotonic() - started, socket.gethostname(), task.part)
+    result = RankResult(task.target_rank, written.path, written.size, written.sha256, dict(written.tensors),
+                        task.plan.bytes_read, time.monotonic() - started, socket.gethostname(), task.part)
+    return (result, handle) if publish_later else result
 
 
 def _write_param(writer, p: ParamPlan, sources: SourceFiles, max_memory: int, progress: Progress | None) -> None:

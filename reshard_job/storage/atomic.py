@@ -261,6 +261,8 @@ class AtomicFile:
         except OSError as e:
             raise OutputError(f"{parent}: cannot write here ({e.strerror})") from None
         self._done = False
+        self._sealed = False
+        self._sealed_fd: int | None = None
         self._rewritten = False
 
     def write(self, data) -> None:
@@ -313,15 +315,39 @@ class AtomicFile:
 
     def commit(self) -> tuple[int, str]:
         """Flush, fsync, rename into place; return (size, hex digest)."""
-        if self._done:
+        result = self.seal()
+        self.publish()
+        return result
+
+    def seal(self) -> tuple[int, str]:
+        """Finish writing (every byte written and hashed) without publishing: (size, hex digest).
+        The file becomes durable and visible with ``publish``; ``abort`` still drops it.
+
+        Publishing several sealed files together (``publish`` from as many threads) costs one flush
+        of the device instead of one per file: on a virtual disk each flush makes the host write out
+        what it cached, about 0.6 s per 500 MB here, and concurrent fsyncs share it."""
+        if self._done or self._sealed:
             raise RuntimeError(f"{self.path}: already committed or aborted")
         try:
             self._f.flush()
             if self.fsync:
-                os.fsync(self._f.fileno())
+                self._sealed_fd = os.dup(self._f.fileno())  # fsync after the writer's own close
             self._f.close()
             if self._rewritten:
                 self._rehash()
+        except OSError as e:
+            self.abort()
+            raise _write_error(self.path, e) from None
+        self._sealed = True
+        return self.size, self._hash.hexdigest()
+
+    def publish(self) -> None:
+        """Make a sealed file durable (fsync) and visible under its final name (atomic rename)."""
+        if self._done or not self._sealed:
+            raise RuntimeError(f"{self.path}: not sealed, or already committed or aborted")
+        try:
+            if self._sealed_fd is not None:
+                os.fsync(self._sealed_fd)
             os.chmod(self.tmp_path, file_mode(self.mode))
             if os.path.isdir(self.path):
                 raise IsADirectoryError(errno.EISDIR, "a directory is in the way", self.path)
@@ -329,10 +355,19 @@ class AtomicFile:
         except OSError as e:
             self.abort()
             raise _write_error(self.path, e) from None
+        finally:
+            self._close_sealed()
         self._done = True
         if self.fsync:
             fsync_dir(os.path.dirname(self.path))
-        return self.size, self._hash.hexdigest()
+
+    def _close_sealed(self) -> None:
+        fd, self._sealed_fd = self._sealed_fd, None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
     def abort(self) -> None:
         """Drop the temporary file; the final name is left as it was."""
@@ -343,6 +378,7 @@ class AtomicFile:
             self._f.close()
         except OSError:
             pass
+        self._close_sealed()
         try:
             os.unlink(self.tmp_path)
         except FileNotFoundError:

@@ -181,17 +181,31 @@ class CheckpointWriter:
 
     # --- finishing ------------------------------------------------------------------------------
     def commit(self) -> WrittenFile:
+        return self._finish(publish_now=True)[0]
+
+    def seal(self):
+        """Finish the file without publishing it: (WrittenFile, handle). ``handle.publish()`` makes it
+        durable and visible, ``handle.abort()`` drops it; handle is None where the output cannot
+        wait (it was published here already: an object-store upload, for one)."""
+        return self._finish(publish_now=False)
+
+    def _finish(self, *, publish_now: bool):
+        handle = None
         try:
             if self._open_sink is not None:
                 raise RuntimeError(f"parameter {self._open_sink.name!r} was not finished")
             if self.crc:
                 self._emit(CRC_MAGIC + self._crc.to_bytes(10, "big"), record=False)
-            size, digest = self._file.commit()
+            if publish_now or not hasattr(self._file, "seal"):
+                size, digest = self._file.commit()
+            else:
+                size, digest = self._file.seal()
+                handle = self._file
         except BaseException:
             self._file.abort()  # never leave the temporary file behind
             raise
         tensors = {name: d if isinstance(d, str) else d.hexdigest() for name, d in self.tensors.items()}
-        return WrittenFile(self.path, size, digest, tensors)
+        return WrittenFile(self.path, size, digest, tensors), handle
 
     def abort(self) -> None:
         self._file.abort()
