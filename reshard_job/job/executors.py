@@ -80,20 +80,27 @@ class LocalExecutor:
                     size = 0
             _publish(batch, on_done)
         finally:
-            if batch:  # unwinding: keep what is complete (a rerun resumes after it)
-                try:
-                    _publish(batch, on_done)
-                except Exception:
-                    for _, handle in batch:
-                        if handle is not None:
-                            handle.abort()
-                    batch.clear()
+            _land_what_is_finished(batch, on_done)
 
     def _sources_for(self, task: RankTask) -> SourceFiles | None:
         if self.sources is None:
             return None
         self.sources.identities.update(task.source_identities)
         return self.sources
+
+
+def _land_what_is_finished(batch: list, on_done: OnDone) -> None:
+    """Unwinding (an error, an interruption): publish and journal the finished files, so a rerun
+    resumes after them; if that fails too, drop them (the rerun redoes them)."""
+    if not batch:
+        return
+    try:
+        _publish(batch, on_done)
+    except Exception:  # noqa: BLE001 (the error being unwound is the one to report)
+        for _, handle in batch:
+            if handle is not None:
+                handle.abort()
+        batch.clear()
 
 
 def _publish(batch: list, on_done: OnDone) -> None:
@@ -161,11 +168,12 @@ def _report(n: int) -> None:
         _counter.value += n
 
 
-def _run_in_worker(task: RankTask) -> RankResult:
+def _run_in_worker(task: RankTask):
+    """(RankResult, SealedFile or None): the parent publishes the file, in a batch with others."""
     sources = _shared_sources
     if sources is not None:
         sources.identities.update(task.source_identities)
-    return run_rank_task(task, sources=sources, progress=_report)
+    return run_rank_task(task, sources=sources, progress=_report, publish_later=True)
 
 
 # ------------------------------------------------------------------------------- parent side
@@ -179,6 +187,8 @@ def _run_pool(tasks, workers: int, sources, on_bytes: OnBytes, on_done: OnDone) 
     pool = ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_init_worker,
                                initargs=(counter, os.getpid()))
     pending = set()
+    batch: list = []  # finished in workers, published here together (see LocalExecutor._run_here)
+    size = 0
     try:
         # largest ranks first, so one big rank does not finish alone at the end
         for t in sorted(tasks, key=lambda t: -t.plan.bytes_written):
@@ -187,14 +197,21 @@ def _run_pool(tasks, workers: int, sources, on_bytes: OnBytes, on_done: OnDone) 
             done, pending = wait(pending, timeout=POLL_S, return_when=FIRST_COMPLETED)
             seen = _forward(counter, seen, on_bytes)
             for fut in done:
-                on_done(fut.result())  # re-raises a worker's error here
+                result, handle = fut.result()  # re-raises a worker's error here
+                batch.append((result, handle))
+                size += result.size
+            if size >= PUBLISH_BATCH:
+                _publish(batch, on_done)
+                size = 0
         _forward(counter, seen, on_bytes)
         pool.shutdown(wait=True)
+        _publish(batch, on_done)
     except BaseException:
         _stop(pool, pending)
         raise
     finally:
         _shared_sources = None
+        _land_what_is_finished(batch, on_done)
 
 
 def _forward(counter, seen: int, on_bytes: OnBytes) -> int:

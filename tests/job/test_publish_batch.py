@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import pickle
 
 import pytest
 
@@ -15,12 +16,13 @@ from reshard_job.storage.atomic import TMP_SUFFIX, AtomicFile
 from reshard_job.tasks import RankResult
 
 
-def _sealed(path, data: bytes):
+def _sealed(path, data: bytes, portable: bool = False):
     f = AtomicFile(path, direct=True)
     f.write(data)
     size, digest = f.seal()
     assert not os.path.exists(path)  # sealed: complete, not visible yet
-    return RankResult(0, str(path), size, digest, {}), f
+    # portable: the picklable handle a worker process hands to the job process
+    return RankResult(0, str(path), size, digest, {}), (pickle.loads(pickle.dumps(f.sealed())) if portable else f)
 
 
 def _temp_files(root):
@@ -45,7 +47,7 @@ def test_a_batch_lands_in_order_once_published(tmp_path):
 
 
 def test_one_that_cannot_be_published_is_removed_and_raised_after_the_others_landed(tmp_path):
-    batch = [_sealed(tmp_path / f"rank_{i}" / "c.ckpt", b"x" * 100) for i in range(3)]
+    batch = [_sealed(tmp_path / f"rank_{i}" / "c.ckpt", b"x" * 100, portable=True) for i in range(3)]
     os.makedirs(tmp_path / "rank_1" / "c.ckpt")  # a directory in the way of rank 1
     landed = []
     with pytest.raises(OutputError) as err:

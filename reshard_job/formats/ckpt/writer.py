@@ -200,7 +200,7 @@ class CheckpointWriter:
                 size, digest = self._file.commit()
             else:
                 size, digest = self._file.seal()
-                handle = self._file
+                handle = self._file.sealed()
         except BaseException:
             self._file.abort()  # never leave the temporary file behind
             raise
