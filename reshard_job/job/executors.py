@@ -107,15 +107,11 @@ def _publish(batch: list, on_done: OnDone) -> None:
     """Publish the batch's files from as many threads (their fsyncs share the device flushes), then
     land them in order; emptied as they land. The first failure is raised after the others landed."""
     handles = [h for _, h in batch if h is not None]
-    errors: list[BaseException | None] = [None] * len(handles)
-    if len(handles) == 1:
-        try:
-            handles[0].publish()
-        except Exception as e:  # noqa: BLE001 (re-raised below, after the others)
-            errors[0] = e
-    elif handles:
+    if len(handles) > 1:
         with ThreadPoolExecutor(max_workers=min(PUBLISH_THREADS, len(handles)), thread_name_prefix="publish") as ex:
-            errors = [f.exception() for f in [ex.submit(h.publish) for h in handles]]
+            errors = list(ex.map(_try_publish, handles))
+    else:
+        errors = [_try_publish(h) for h in handles]
     failed = {id(h): e for h, e in zip(handles, errors) if e is not None}
     first = None
     while batch:
@@ -127,6 +123,14 @@ def _publish(batch: list, on_done: OnDone) -> None:
         on_done(result)
     if first is not None:
         raise first
+
+
+def _try_publish(handle) -> Exception | None:
+    try:
+        handle.publish()
+    except Exception as e:  # noqa: BLE001 (raised by _publish after the others landed)
+        return e
+    return None
 
 
 # ------------------------------------------------------------------------------- worker side

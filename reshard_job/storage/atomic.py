@@ -301,27 +301,23 @@ class AtomicFile:
         self._rewritten = False
 
     def write(self, data) -> None:
-        try:
-            self._f.write(data)
-        except OSError as e:
-            self.abort()
-            raise _write_error(self.path, e) from None
-        if not self.direct:  # the direct sink hashes in its writer thread
-            self._hash.update(data)
-        self.size += memoryview(data).nbytes
+        self.write_hashed(data, None)
 
     def write_hashed(self, data, hasher) -> None:
-        """``write``, feeding `hasher` too: from the writer's hash thread when writing directly
-        (complete once ``commit`` returns), else at once (see ``storage.base.write_hashed``)."""
-        if not self.direct:
-            hasher.update(data)
-            self.write(data)
-            return
+        """``write``, feeding `hasher` (if any) too: from the writer's hash thread when writing
+        directly (complete once the file is sealed), else at once (``storage.base.write_hashed``)."""
         try:
-            self._f.write(data, hasher)
+            if self.direct:  # the direct sink hashes in its writer thread
+                self._f.write(data, hasher)
+            else:
+                self._f.write(data)
         except OSError as e:
             self.abort()
             raise _write_error(self.path, e) from None
+        if not self.direct:
+            self._hash.update(data)
+            if hasher is not None:
+                hasher.update(data)
         self.size += memoryview(data).nbytes
 
     @property
