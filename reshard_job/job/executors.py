@@ -73,8 +73,7 @@ class LocalExecutor:
             for t in tasks:
                 result, handle = run_rank_task(t, sources=self._sources_for(t), progress=on_bytes,
                                                publish_later=True)
-                batch.append((result, handle))
-                size += result.size
+                size += _finished(batch, result, handle, on_done)
                 if size >= PUBLISH_BATCH:
                     _publish(batch, on_done)
                     size = 0
@@ -87,6 +86,16 @@ class LocalExecutor:
             return None
         self.sources.identities.update(task.source_identities)
         return self.sources
+
+
+def _finished(batch: list, result: RankResult, handle, on_done: OnDone) -> int:
+    """A rank is written: a sealed file joins the batch (its bytes are returned); one already
+    published (handle None: an object-store upload, another format's writer) lands at once."""
+    if handle is None:
+        on_done(result)
+        return 0
+    batch.append((result, handle))
+    return result.size
 
 
 def _land_what_is_finished(batch: list, on_done: OnDone) -> None:
@@ -202,8 +211,7 @@ def _run_pool(tasks, workers: int, sources, on_bytes: OnBytes, on_done: OnDone) 
             seen = _forward(counter, seen, on_bytes)
             for fut in done:
                 result, handle = fut.result()  # re-raises a worker's error here
-                batch.append((result, handle))
-                size += result.size
+                size += _finished(batch, result, handle, on_done)
             if size >= PUBLISH_BATCH:
                 _publish(batch, on_done)
                 size = 0

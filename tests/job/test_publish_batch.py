@@ -64,3 +64,17 @@ def test_sealed_digest_is_the_published_files(tmp_path):
     handle.publish()
     assert result.sha256 == hashlib.sha256((tmp_path / "c.ckpt").read_bytes()).hexdigest()
     assert result.size == len(data)
+
+
+def test_a_file_published_already_lands_at_once_and_a_sealed_one_waits(tmp_path):
+    from reshard_job.job.executors import _finished
+
+    batch, landed = [], []
+    uploaded = RankResult(1, "s3://bucket/out/rank_1/c.ckpt", 10, "0" * 64, {})
+    assert _finished(batch, uploaded, None, landed.append) == 0
+    assert landed == [uploaded] and batch == []
+    sealed = _sealed(tmp_path / "rank_0" / "c.ckpt", b"y" * 4096)
+    assert _finished(batch, sealed[0], sealed[1], landed.append) == 4096
+    assert landed == [uploaded] and batch == [sealed]
+    _publish(batch, landed.append)
+    assert landed == [uploaded, sealed[0]]
