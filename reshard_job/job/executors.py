@@ -67,7 +67,7 @@ class LocalExecutor:
         under their temporary names) until PUBLISH_BATCH bytes or the last rank, then are made
         durable together — one device flush for the batch instead of one per file — and land in
         order. A failure or an interruption still publishes and lands what was finished."""
-        batch: list[tuple[RankResult, object]] = []
+        batch: list[_Sealed] = []
         size = 0
         try:
             for t in tasks:
@@ -88,58 +88,71 @@ class LocalExecutor:
         return self.sources
 
 
+class _Sealed:
+    """A finished rank waiting in a batch: its result, its sealed file, and how publishing went
+    (kept here, so publishing interrupted half-way and retried never publishes a file twice)."""
+
+    __slots__ = ("result", "handle", "published", "error")
+
+    def __init__(self, result: RankResult, handle):
+        self.result, self.handle = result, handle
+        self.published = False
+        self.error: Exception | None = None
+
+    def publish(self) -> None:
+        if self.published or self.error is not None:
+            return
+        try:
+            self.handle.publish()
+            self.published = True
+        except Exception as e:  # noqa: BLE001 (raised by _publish after the others landed)
+            self.error = e
+
+
 def _finished(batch: list, result: RankResult, handle, on_done: OnDone) -> int:
     """A rank is written: a sealed file joins the batch (its bytes are returned); one already
     published (handle None: an object-store upload, another format's writer) lands at once."""
     if handle is None:
         on_done(result)
         return 0
-    batch.append((result, handle))
+    batch.append(_Sealed(result, handle))
     return result.size
 
 
 def _land_what_is_finished(batch: list, on_done: OnDone) -> None:
     """Unwinding (an error, an interruption): publish and journal the finished files, so a rerun
-    resumes after them; if that fails too, drop them (the rerun redoes them)."""
+    resumes after them; if that fails too, drop what was not published (the rerun redoes it)."""
     if not batch:
         return
     try:
         _publish(batch, on_done)
     except Exception:  # noqa: BLE001 (the error being unwound is the one to report)
-        for _, handle in batch:
-            if handle is not None:
-                handle.abort()
+        for entry in batch:
+            if not entry.published:
+                entry.handle.abort()
         batch.clear()
 
 
 def _publish(batch: list, on_done: OnDone) -> None:
     """Publish the batch's files from as many threads (their fsyncs share the device flushes), then
     land them in order; emptied as they land. The first failure is raised after the others landed."""
-    handles = [h for _, h in batch if h is not None]
-    if len(handles) > 1:
-        with ThreadPoolExecutor(max_workers=min(PUBLISH_THREADS, len(handles)), thread_name_prefix="publish") as ex:
-            errors = list(ex.map(_try_publish, handles))
+    todo = [e for e in batch if not e.published and e.error is None]
+    if len(todo) > 1:
+        with ThreadPoolExecutor(max_workers=min(PUBLISH_THREADS, len(todo)), thread_name_prefix="publish") as ex:
+            list(ex.map(_Sealed.publish, todo))
     else:
-        errors = [_try_publish(h) for h in handles]
-    failed = {id(h): e for h, e in zip(handles, errors) if e is not None}
+        for e in todo:
+            e.publish()
     first = None
     while batch:
-        result, handle = batch.pop(0)
-        error = failed.get(id(handle)) if handle is not None else None
-        if error is not None:  # publish aborted it: its temporary file is gone
-            first = first or error
-            continue
-        on_done(result)
+        entry = batch[0]
+        if entry.error is not None:  # publish aborted it: its temporary file is gone
+            first = first or entry.error
+        else:
+            on_done(entry.result)
+        batch.pop(0)
     if first is not None:
         raise first
-
-
-def _try_publish(handle) -> Exception | None:
-    try:
-        handle.publish()
-    except Exception as e:  # noqa: BLE001 (raised by _publish after the others landed)
-        return e
-    return None
 
 
 # ------------------------------------------------------------------------------- worker side
@@ -203,27 +216,29 @@ def _run_pool(tasks, workers: int, sources, on_bytes: OnBytes, on_done: OnDone) 
     batch: list = []  # finished in workers, published here together (see LocalExecutor._run_here)
     size = 0
     try:
-        # largest ranks first, so one big rank does not finish alone at the end
-        for t in sorted(tasks, key=lambda t: -t.plan.bytes_written):
-            pending.add(pool.submit(_run_in_worker, t))
-        while pending:
-            done, pending = wait(pending, timeout=POLL_S, return_when=FIRST_COMPLETED)
-            seen = _forward(counter, seen, on_bytes)
-            for fut in done:
-                result, handle = fut.result()  # re-raises a worker's error here
-                size += _finished(batch, result, handle, on_done)
-            if size >= PUBLISH_BATCH:
-                _publish(batch, on_done)
-                size = 0
-        _forward(counter, seen, on_bytes)
-        pool.shutdown(wait=True)
+        try:
+            # largest ranks first, so one big rank does not finish alone at the end
+            for t in sorted(tasks, key=lambda t: -t.plan.bytes_written):
+                pending.add(pool.submit(_run_in_worker, t))
+            while pending:
+                done, pending = wait(pending, timeout=POLL_S, return_when=FIRST_COMPLETED)
+                seen = _forward(counter, seen, on_bytes)
+                for fut in done:
+                    result, handle = fut.result()  # re-raises a worker's error here
+                    size += _finished(batch, result, handle, on_done)
+                if size >= PUBLISH_BATCH:
+                    _publish(batch, on_done)
+                    size = 0
+            _forward(counter, seen, on_bytes)
+            pool.shutdown(wait=True)
+        except BaseException:
+            _stop(pool, pending)
+            raise
+        finally:
+            _shared_sources = None
         _publish(batch, on_done)
-    except BaseException:
-        _stop(pool, pending)
-        raise
     finally:
-        _shared_sources = None
-        _land_what_is_finished(batch, on_done)
+        _land_what_is_finished(batch, on_done)  # an error or interruption: the finished files land
 
 
 def _forward(counter, seen: int, on_bytes: OnBytes) -> int:
@@ -238,7 +253,7 @@ def _stop(pool: ProcessPoolExecutor, pending) -> None:
     temporary files, removed by the job), never wait for a rank to finish."""
     for fut in pending:
         fut.cancel()
-    processes = list(getattr(pool, "_processes", {}).values())
+    processes = list((getattr(pool, "_processes", None) or {}).values())  # None once shut down
     for p in processes:
         try:
             p.kill()

@@ -11,7 +11,7 @@ import pickle
 import pytest
 
 from reshard_job.errors import OutputError
-from reshard_job.job.executors import _publish
+from reshard_job.job.executors import _finished, _publish, _Sealed
 from reshard_job.storage.atomic import TMP_SUFFIX, AtomicFile
 from reshard_job.tasks import RankResult
 
@@ -22,7 +22,7 @@ def _sealed(path, data: bytes, portable: bool = False):
     size, digest = f.seal()
     assert not os.path.exists(path)  # sealed: complete, not visible yet
     # portable: the picklable handle a worker process hands to the job process
-    return RankResult(0, str(path), size, digest, {}), (pickle.loads(pickle.dumps(f.sealed())) if portable else f)
+    return _Sealed(RankResult(0, str(path), size, digest, {}), pickle.loads(pickle.dumps(f.sealed())) if portable else f)
 
 
 def _temp_files(root):
@@ -60,21 +60,37 @@ def test_one_that_cannot_be_published_is_removed_and_raised_after_the_others_lan
 
 def test_sealed_digest_is_the_published_files(tmp_path):
     data = os.urandom(9 << 20)  # more than one staging block
-    result, handle = _sealed(tmp_path / "c.ckpt", data)
-    handle.publish()
+    entry = _sealed(tmp_path / "c.ckpt", data)
+    result = entry.result
+    entry.handle.publish()
     assert result.sha256 == hashlib.sha256((tmp_path / "c.ckpt").read_bytes()).hexdigest()
     assert result.size == len(data)
 
 
 def test_a_file_published_already_lands_at_once_and_a_sealed_one_waits(tmp_path):
-    from reshard_job.job.executors import _finished
-
     batch, landed = [], []
     uploaded = RankResult(1, "s3://bucket/out/rank_1/c.ckpt", 10, "0" * 64, {})
     assert _finished(batch, uploaded, None, landed.append) == 0
     assert landed == [uploaded] and batch == []
     sealed = _sealed(tmp_path / "rank_0" / "c.ckpt", b"y" * 4096)
-    assert _finished(batch, sealed[0], sealed[1], landed.append) == 4096
-    assert landed == [uploaded] and batch == [sealed]
+    assert _finished(batch, sealed.result, sealed.handle, landed.append) == 4096
+    assert landed == [uploaded] and [e.result for e in batch] == [sealed.result]
     _publish(batch, landed.append)
-    assert landed == [uploaded, sealed[0]]
+    assert landed == [uploaded, sealed.result]
+
+
+def test_publishing_retried_after_an_interruption_publishes_nothing_twice(tmp_path):
+    batch = [_sealed(tmp_path / f"rank_{i}" / "c.ckpt", b"z" * 100) for i in range(3)]
+    landed = []
+
+    def interrupted_after_the_first(r):
+        landed.append(r.path)
+        if len(landed) == 1:
+            raise KeyboardInterrupt  # a Ctrl-C while journaling the first
+    with pytest.raises(KeyboardInterrupt):
+        _publish(batch, interrupted_after_the_first)
+    assert all(e.published for e in batch[1:])
+    _publish(batch, lambda r: landed.append(r.path))  # the retry while unwinding: publishes none again
+    assert landed[-2:] == [str(tmp_path / f"rank_{i}" / "c.ckpt") for i in (1, 2)]
+    assert all((tmp_path / f"rank_{i}" / "c.ckpt").read_bytes() == b"z" * 100 for i in range(3))
+    assert _temp_files(tmp_path) == []
