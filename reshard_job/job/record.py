@@ -136,7 +136,10 @@ class LineageRecorder:
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
         if self._opened.done() and self._opened.exception() is None:
-            self._opened.result()[0].close()
+            from .signals import held
+
+            with held():  # a signal inside SQLAlchemy's close would be logged with a traceback
+                self._opened.result()[0].close()
 
     # ------------------------------------------------------------------------------ errors
     def translate(self, e: BaseException) -> BaseException:

@@ -65,6 +65,29 @@ def interruptible(deferred: bool = False):
                 signal.signal(s, h)
 
 
+@contextmanager
+def held():
+    """Hold SIGINT/SIGTERM while code we do not own runs (a database driver closing its connection
+    logs an exception raised inside it with a traceback), then act on a signal that came meanwhile
+    as the handler in place would have. Where signals act at once already (after a first one) or
+    are ignored, nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.getsignal(s) for s in EXIT_CODES}
+    noted: list[int] = []
+    held_here = [s for s, h in previous.items() if callable(h)]
+    for s in held_here:
+        signal.signal(s, lambda signum, frame: noted.append(signum))
+    try:
+        yield
+    finally:
+        for s in held_here:
+            signal.signal(s, previous[s])
+    if noted:
+        previous[noted[0]](noted[0], None)
+
+
 def ignore() -> None:
     """After the result is committed there is nothing left to stop: signals no longer interrupt."""
     if threading.current_thread() is threading.main_thread():

@@ -106,3 +106,19 @@ def test_interrupts_at_random_moments_in_a_1gb_conversion(tmp_path_factory):
     source = make_big_source(root, n_tensors=8, rows=8192, cols=4096)  # 8 x 128 MiB float32 = 1 GiB
     counts = _campaign(tmp_path_factory.mktemp("signals"), source, tries=60, seed=2026)
     assert counts["interrupted"] >= 40, counts
+
+
+def test_a_signal_held_during_foreign_code_acts_right_after():
+    """``signals.held``: a SIGTERM while a database driver closes its connection is not raised
+    inside it (its pool would log a traceback) but right after, as the job's handler would."""
+    from reshard_job.job.signals import Interrupted, held, interruptible
+
+    reached = []
+    with pytest.raises(Interrupted) as err:
+        with interruptible():
+            with held():
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.05)  # the handler has run by now: only noted
+                reached.append("end of the held block")
+    assert reached == ["end of the held block"]
+    assert err.value.exit_code == 143
