@@ -30,8 +30,10 @@ class RecordSink:
     of a file being rewritten.
     """
 
-    def __init__(self, writer: "CheckpointWriter", name: str, records: list[tuple[tuple[int, ...], str, int]]):
+    def __init__(self, writer: "CheckpointWriter", name: str, records: list[tuple[tuple[int, ...], str, int]],
+                 defer_hash: bool = True):
         self._w = writer
+        self._defer = defer_hash  # hashed by the output's writer thread (digest known at commit)
         self.name = name
         self._records = list(records)
         self._next = 0
@@ -52,21 +54,29 @@ class RecordSink:
         mv = memoryview(data).cast("B")
         if self.written + len(mv) > self.total:
             raise ValueError(f"parameter {self.name!r}: more bytes than its dims and dtype hold")
+        if not self._defer:
+            self._hash.update(mv)
+        tap = self._hash if self._defer else None
         while len(mv):
             take = min(self._left, len(mv))
-            self._w._emit(mv[:take], record=True, tap=self._hash)
+            self._w._emit(mv[:take], record=True, tap=tap)
             mv = mv[take:]
             self._left -= take
             self.written += take
             self._advance()
 
-    def close(self) -> None:
-        """The tensor is complete. Its digest is known once the file is committed (the output may
-        hash it in its writer thread): ``CheckpointWriter.commit`` returns it in ``tensors``."""
+    def close(self) -> str | None:
+        """The tensor is complete: its sha256, or None where the output hashes it in its writer
+        thread (known once the file is committed: ``CheckpointWriter.commit`` returns it in ``tensors``)."""
         self._advance()  # records of zero bytes after the last data
         if self.written != self.total:
             raise ValueError(f"parameter {self.name!r}: got {self.written} of {self.total} bytes")
-        self._w._tensor_done(self.name, self._hash)
+        if self._defer:
+            self._w._tensor_done(self.name, self._hash)
+            return None
+        digest = self._hash.hexdigest()
+        self._w._tensor_done(self.name, digest)
+        return digest
 
 
 class CheckpointWriter:
@@ -111,7 +121,8 @@ class CheckpointWriter:
         """Records go in the order given."""
         return [t.name for t in tensors]
 
-    def begin(self, name: str, dtype: str, dims, chunk_sizes: list[int] | None = None) -> RecordSink:
+    def begin(self, name: str, dtype: str, dims, chunk_sizes: list[int] | None = None, *,
+              defer_hash: bool = True) -> RecordSink:
         """Start a tensor whose bytes will be passed to the returned sink's ``write``."""
         dims = tuple(int(d) for d in dims)
         if dtype == dtypes.STR_TYPE:
@@ -121,13 +132,14 @@ class CheckpointWriter:
             raise LayoutError(f"parameter {name!r}: unknown dtype {dtype!r}")
         if chunk_sizes is None:
             chunk_sizes = default_chunks(prod(dims) * dt.itemsize, self.chunk_bytes)
-        return self.begin_records(name, [(dims, dtype, n) for n in chunk_sizes])
+        return self.begin_records(name, [(dims, dtype, n) for n in chunk_sizes], defer_hash=defer_hash)
 
-    def begin_records(self, name: str, records: list[tuple[tuple[int, ...], str, int]]) -> RecordSink:
+    def begin_records(self, name: str, records: list[tuple[tuple[int, ...], str, int]], *,
+                      defer_hash: bool = True) -> RecordSink:
         """Start a tensor stored in exactly these records (dims, dtype, content length each)."""
         if self._open_sink is not None:
             raise RuntimeError(f"parameter {self._open_sink.name!r} is still being written")
-        self._open_sink = RecordSink(self, name, records)
+        self._open_sink = RecordSink(self, name, records, defer_hash)
         return self._open_sink
 
     def add(self, name: str, array: np.ndarray, dtype: str | None = None, dims=None) -> str:
@@ -138,11 +150,9 @@ class CheckpointWriter:
         dt = dtypes.lookup(dtype)
         if dt.storage is not None and array.dtype.itemsize != dt.itemsize:
             raise ValueError(f"parameter {name!r}: array of {array.dtype} cannot hold {dtype}")
-        flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-        sink = self.begin(name, dtype, array.shape if dims is None else dims)
-        sink.write(flat)
-        sink.close()
-        return hashlib.sha256(flat).hexdigest()
+        sink = self.begin(name, dtype, array.shape if dims is None else dims, defer_hash=False)
+        sink.write(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+        return sink.close()
 
     def add_bytes(self, name: str, dtype: str, dims, data, chunk_sizes: list[int] | None = None) -> str:
         mv = memoryview(data).cast("B")
@@ -156,10 +166,9 @@ class CheckpointWriter:
                 digest = hashlib.sha256(mv).hexdigest()
                 self.tensors[name] = digest
                 return digest
-        sink = self.begin(name, dtype, dims, chunk_sizes)
+        sink = self.begin(name, dtype, dims, chunk_sizes, defer_hash=False)  # its digest is returned
         sink.write(mv)
-        sink.close()
-        return hashlib.sha256(mv).hexdigest()
+        return sink.close()
 
     def add_str(self, name: str, text: str, dims=(0,)) -> str:
         """A string entry as MindSpore writes append_dict strings: dims [0], UTF-32LE content."""
