@@ -291,24 +291,66 @@ def _fill_tensor(sink, p: ParamPlan, sources: SourceFiles, max_memory: int, prog
     row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * storage.itemsize if shape else storage.itemsize
     budget = max(storage.itemsize, max_memory // 2)
     whole = tuple((0, n) for n in shape)
+    room = getattr(sink, "room", None)
+    if room is not None and shape and row_bytes and room() > 0:
+        _fill_in_place(sink, p, sources, storage, row_bytes, budget, progress)
+        return
     for piece in split_rows(whole, row_bytes, budget):
+        _assemble_and_write(sink, p, sources, storage, piece, row_bytes, budget, progress)
+
+
+def _fill_in_place(sink, p: ParamPlan, sources: SourceFiles, storage, row_bytes: int, budget: int,
+                   progress: Progress | None) -> None:
+    """Whole rows read straight into the output's staging space (no assembly copy); only the rows
+    that straddle a staging block, or rows larger than one, go through the assembly buffer."""
+    shape = p.target_shape
+    rest = tuple((0, n) for n in shape[1:])
+    budget_rows = max(1, budget // row_bytes)
+    row = 0
+    while row < shape[0]:
+        room = sink.room()
+        if room >= row_bytes:
+            n = min(room // row_bytes, budget_rows, shape[0] - row)
+            piece = ((row, row + n),) + rest
+            buf = np.frombuffer(sink.reserve(n * row_bytes), dtype=storage).reshape(box_shape(piece))
+            try:
+                _fill_piece(buf, p, sources, storage, piece)
+            finally:
+                del buf  # the staging space must not stay exported once committed
+            sink.commit(n * row_bytes)
+            if progress:
+                progress(n * row_bytes)
+        else:
+            n = 1
+            _assemble_and_write(sink, p, sources, storage, ((row, row + 1),) + rest, row_bytes, budget, progress)
+        row += n
+
+
+def _assemble_and_write(sink, p: ParamPlan, sources: SourceFiles, storage, box, row_bytes: int, budget: int,
+                        progress: Progress | None) -> None:
+    for piece in split_rows(box, row_bytes, budget):
         buf = _ASSEMBLY.array(box_shape(piece), storage)
-        for c in p.copies:
-            overlap = intersect(c.target_box, piece) if piece else ()
-            if overlap is None:
-                continue
-            src_box = tuple((sa + (oa - ta), sa + (ob - ta)) for (sa, _), (ta, _), (oa, ob) in
-                            zip(c.source_box, c.target_box, overlap))
-            index = tuple(slice(a - pa, b - pa) for (a, b), (pa, _) in zip(overlap, piece))
-            view = buf[index] if index else buf  # a 0-d array indexed by () would give a scalar copy
-            reader = sources.reader(c.source_rank)
-            _check_source(reader, p, src_box)
-            if view.flags.c_contiguous:
-                reader.read_box(p.name, src_box, out=view)
-            else:  # stage the box contiguously, then place it
-                staged = _STAGING.array(box_shape(src_box), storage)
-                view[...] = reader.read_box(p.name, src_box, out=staged)
+        _fill_piece(buf, p, sources, storage, piece)
         sink.write(buf.reshape(-1).view(np.uint8))
         if progress:
             progress(buf.nbytes)
+
+
+def _fill_piece(buf: np.ndarray, p: ParamPlan, sources: SourceFiles, storage, piece) -> None:
+    """Fill `buf` (shaped as `piece`, a box of the target tensor) from the plan's copies."""
+    for c in p.copies:
+        overlap = intersect(c.target_box, piece) if piece else ()
+        if overlap is None:
+            continue
+        src_box = tuple((sa + (oa - ta), sa + (ob - ta)) for (sa, _), (ta, _), (oa, ob) in
+                        zip(c.source_box, c.target_box, overlap))
+        index = tuple(slice(a - pa, b - pa) for (a, b), (pa, _) in zip(overlap, piece))
+        view = buf[index] if index else buf  # a 0-d array indexed by () would give a scalar copy
+        reader = sources.reader(c.source_rank)
+        _check_source(reader, p, src_box)
+        if view.flags.c_contiguous:
+            reader.read_box(p.name, src_box, out=view)
+        else:  # stage the box contiguously, then place it
+            staged = _STAGING.array(box_shape(src_box), storage)
+            view[...] = reader.read_box(p.name, src_box, out=staged)
 

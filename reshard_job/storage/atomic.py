@@ -152,6 +152,32 @@ class _DirectFile:
                 self._hand_over(self._chunk, self._chunk)
         return total
 
+    def room(self) -> int:
+        """Bytes that ``reserve`` can hand out now: what is left of the current staging block."""
+        return self._chunk - self._fill
+
+    def reserve(self, n: int) -> memoryview:
+        """Writable staging space for the next `n` bytes (at most ``room()``), to be filled in place
+        (a source read straight into it is one copy less than ``write``); ``commit_reserved`` takes it."""
+        if not 0 < n <= self._chunk - self._fill:
+            raise ValueError(f"cannot reserve {n} bytes: {self._chunk - self._fill} left in the block")
+        return memoryview(self._bufs[self._cur])[self._fill:self._fill + n]
+
+    def commit_reserved(self, n: int, tap=None) -> None:
+        """The first `n` reserved bytes are filled: they follow what was written before."""
+        if not 0 <= n <= self._chunk - self._fill:
+            raise ValueError(f"cannot commit {n} bytes: {self._chunk - self._fill} left in the block")
+        if tap is not None and n:
+            last = self._taps[-1] if self._taps else None
+            if last is not None and last[2] is tap and last[1] == self._written:
+                last[1] += n
+            else:
+                self._taps.append([self._written, self._written + n, tap])
+        self._written += n
+        self._fill += n
+        if self._fill == self._chunk:
+            self._hand_over(self._chunk, self._chunk)
+
     def _hand_over(self, length: int, padded: int) -> None:
         self._wait()
         self._pending = self._pool.submit(self._write_block, self._cur, length, padded)
@@ -210,7 +236,10 @@ class _DirectFile:
             self._pool.shutdown(wait=True)
             self._hash_pool.shutdown(wait=True)
             for b in self._bufs:
-                _STAGING.give(b)
+                try:
+                    _STAGING.give(b)
+                except BufferError:  # a reserved view still alive (an error mid-fill): left to the GC
+                    pass
             self._bufs = []
             os.close(self._fd)
 
@@ -319,6 +348,23 @@ class AtomicFile:
             if hasher is not None:
                 hasher.update(data)
         self.size += memoryview(data).nbytes
+
+    def room(self) -> int:
+        """Bytes ``reserve`` can hand out now (0: this file takes bytes through ``write`` only)."""
+        return self._f.room() if self.direct else 0
+
+    def reserve(self, n: int) -> memoryview:
+        """Writable space for the next `n` bytes, at most ``room()`` (direct files only)."""
+        return self._f.reserve(n)
+
+    def commit_reserved(self, n: int, hasher=None) -> None:
+        """The first `n` bytes of the reserved space are filled; `hasher` is fed them as by ``write_hashed``."""
+        try:
+            self._f.commit_reserved(n, hasher)
+        except OSError as e:
+            self.abort()
+            raise _write_error(self.path, e) from None
+        self.size += n
 
     @property
     def can_rewrite(self) -> bool:

@@ -65,3 +65,32 @@ def test_a_writer_without_its_own_write_hashed_hashes_at_once():
     w, h = Plain(), hashlib.sha256()
     write_hashed(w, b"abc", h)
     assert bytes(w.data) == b"abc" and h.hexdigest() == hashlib.sha256(b"abc").hexdigest()
+
+
+@pytest.mark.parametrize("seed", [3, 4])
+def test_reserved_space_filled_in_place_lands_between_writes(tmp_path, seed):
+    """``reserve``/``commit_reserved`` (filling the staging block in place) interleaved with
+    ``write``: the file holds the bytes in order, and file and tapped digests cover exactly them."""
+    rng = random.Random(seed)
+    f = AtomicFile(tmp_path / "out.bin", direct=True)
+    assert f.direct and f.room() > 0
+    data, tapped, h = [], [], hashlib.sha256()
+    while sum(map(len, data)) < (30 << 20):
+        if rng.random() < 0.3:
+            d = rng.randbytes(rng.choice([1, 300, rng.randint(1, 9 << 20)]))
+            f.write(d)
+        else:
+            want = rng.choice([1, 4096, rng.randint(1, 3 << 20)])
+            n = min(want, f.room())
+            d = rng.randbytes(n)
+            view = f.reserve(n)
+            view[:] = d
+            del view
+            f.commit_reserved(n, h)
+            tapped.append(d)
+        data.append(d)
+    size, digest = f.commit()
+    whole = b"".join(data)
+    assert (tmp_path / "out.bin").read_bytes() == whole and size == len(whole)
+    assert digest == hashlib.sha256(whole).hexdigest()
+    assert h.hexdigest() == hashlib.sha256(b"".join(tapped)).hexdigest()

@@ -41,6 +41,7 @@ class RecordSink:
         self._hash = hashlib.sha256()
         self.total = sum(n for _, _, n in self._records)
         self.written = 0
+        self._reserved: memoryview | None = None
         self._advance()
 
     def _advance(self) -> None:
@@ -64,6 +65,32 @@ class RecordSink:
             self._left -= take
             self.written += take
             self._advance()
+
+    def room(self) -> int:
+        """Bytes ``reserve`` can hand out now: 0 where the output takes bytes through ``write`` only."""
+        room = getattr(self._w._file, "room", None)
+        return min(room(), self._left) if room is not None else 0
+
+    def reserve(self, n: int) -> memoryview:
+        """Writable space in the output for this tensor's next `n` bytes (at most ``room()``), to be
+        filled in place and taken by ``commit``: the bytes are not copied on their way to the file."""
+        if n > self.room():
+            raise ValueError(f"parameter {self.name!r}: cannot reserve {n} bytes, {self.room()} available")
+        self._reserved = self._w._file.reserve(n)
+        return self._reserved
+
+    def commit(self, n: int) -> None:
+        """The first `n` bytes of the space from ``reserve`` hold the tensor's next bytes."""
+        view, self._reserved = self._reserved[:n], None
+        if not self._defer:
+            self._hash.update(view)
+        if self._w.crc:
+            self._w._crc = zlib.crc32(view, self._w._crc)
+        del view  # the staging buffer must not stay exported once handed over
+        self._w._file.commit_reserved(n, self._hash if self._defer else None)
+        self._left -= n
+        self.written += n
+        self._advance()
 
     def close(self) -> str | None:
         """The tensor is complete: its sha256, or None where the output hashes it in its writer
