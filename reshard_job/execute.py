@@ -226,14 +226,33 @@ def _write_param(writer, p: ParamPlan, sources: SourceFiles, max_memory: int, pr
     sink = writer.begin(p.name, p.dtype, p.target_shape)
     if p.action == ACTION_COPY or not dtypes.BY_NAME[p.dtype].sliceable:
         reader = sources.reader(p.copies[0].source_rank)
-        _check_source(reader, p, p.copies[0].source_box)
-        for block in reader.iter_content(p.name, COPY_BLOCK):
-            sink.write(block)
-            if progress:
-                progress(len(block))
+        entry = _check_source(reader, p, p.copies[0].source_box)
+        room = getattr(sink, "room", None)
+        if room is not None and room() > 0 and hasattr(reader, "read_logical") \
+                and getattr(entry, "stored_bytes", -1) == sink.total:
+            _copy_in_place(sink, reader, entry, progress)
+        else:
+            for block in reader.iter_content(p.name, COPY_BLOCK):
+                sink.write(block)
+                if progress:
+                    progress(len(block))
     else:
         _fill_tensor(sink, p, sources, max_memory, progress)
     sink.close()
+
+
+def _copy_in_place(sink, reader, entry, progress: Progress | None) -> None:
+    """A tensor copied whole, read straight into the output's staging space (no block copy)."""
+    done, total = 0, sink.total
+    while done < total:
+        n = min(sink.room(), total - done)
+        if n <= 0:  # cannot happen while bytes are due; never spin
+            raise RuntimeError(f"parameter {entry.name!r}: the output took {done} of {total} bytes")
+        reader.read_logical(entry, done, sink.reserve(n))
+        sink.commit(n)
+        done += n
+        if progress:
+            progress(n)
 
 
 def _check_source(reader: TensorReader, p: ParamPlan, box: Box):
