@@ -277,6 +277,14 @@ def _small_tensor(p: ParamPlan, sources: SourceFiles) -> np.ndarray:
     small parameters pays for, so each source entry is looked up once and whole boxes are one read."""
     storage = dtypes.BY_NAME[p.dtype].storage
     buf = _ASSEMBLY.array(p.target_shape, storage)
+    if len(p.copies) == 1:  # the commonest case: one whole source tensor, one positioned read
+        c = p.copies[0]
+        reader = sources.reader(c.source_rank)
+        span = reader.whole_span(p.name) if hasattr(reader, "whole_span") else None
+        if (span is not None and span[0] == p.dtype and c.source_box == _full(span[1])
+                and c.target_box == _full(p.target_shape) and span[3] == buf.nbytes):
+            reader.pread_into(span[2], memoryview(buf.reshape(-1).view(np.uint8)))
+            return buf.reshape(-1).view(np.uint8)
     entries: dict[int, object] = {}
     for c in p.copies:
         reader = sources.reader(c.source_rank)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import signal
 import subprocess
 import time
@@ -91,6 +92,7 @@ def _campaign(tmp_path: Path, source, tries: int, seed: int) -> dict[str, int]:
         # be quicker than the two-worker reference, and a signal after the end tests nothing
         counts[_interrupt_once(cwd, args, out, signum, rng.uniform(0.2, duration * 0.9))] += 1
         _check_rerun(cwd, args, out, reference)
+        shutil.rmtree(cwd)  # a 1 GiB campaign would otherwise keep 60 outputs on disk
     return counts
 
 

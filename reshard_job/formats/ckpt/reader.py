@@ -455,6 +455,19 @@ class CheckpointReader(PositionedReader):
             shape = ()  # MindSpore reads dims [0] as a scalar
         return self._dtype[i], shape, kind, self._len[i]
 
+    def whole_span(self, name: str) -> tuple[str, tuple[int, ...], int, int] | None:
+        """(dtype, shape, offset, length) of a tensor stored in one record, straight from the
+        index columns (no TensorEntry built: the many-small-parameters path reads through this);
+        None for anything else, which is read, and refused where bad, through its entry."""
+        i = self._pos.get(name)
+        if i is None or i in self._multi or _KINDS[self._kind[i]] != KIND_TENSOR:
+            return None
+        dtype, shape, _, stored = self.describe(name)
+        dt = dtypes.BY_NAME.get(dtype)
+        if dt is None or dt.storage is None or any(d < 0 for d in shape) or prod(shape) * dt.itemsize != stored:
+            return None
+        return dtype, shape, self._off[i], stored
+
     def names(self) -> list[str]:
         return list(self._pos)
 
