@@ -161,8 +161,8 @@ def execute_rank(
     complete but not yet durable nor visible until ``handle.publish()`` (handle None: published)."""
     writer = open_writer(out_path, fmt, crc=crc, metadata=metadata, storage=getattr(sources, "storage", None))
     try:
-        by_name = {p.name: p for p in rank_plan.params}
-        order = writer.arrange([TensorDecl(p.name, p.dtype, p.target_shape, p.kind) for p in rank_plan.params])
+        by_name = {p.name: p for p in rank_plan.params}  # ParamPlan views are made on access: once each
+        order = writer.arrange([TensorDecl(p.name, p.dtype, p.target_shape, p.kind) for p in by_name.values()])
         for name in order:
             _write_param(writer, by_name[name], sources, max_memory, progress)
         if publish_later and hasattr(writer, "seal"):
