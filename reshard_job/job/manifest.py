@@ -13,6 +13,8 @@ import datetime as dt
 import hashlib
 import json
 
+from ..jsonchunks import iter_json
+
 MANIFEST_VERSION = 1
 
 
@@ -21,8 +23,13 @@ def canonical_json(obj) -> bytes:
 
 
 def manifest_digest(manifest: dict) -> str:
+    """sha256 of ``canonical_json`` of the manifest without its own digest, hashed piece by piece
+    (a manifest of a million per-tensor digests is hundreds of MB as one string)."""
     body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
-    return hashlib.sha256(canonical_json(body)).hexdigest()
+    h = hashlib.sha256()
+    for piece in iter_json(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False):
+        h.update(piece.encode("utf-8"))
+    return h.hexdigest()
 
 
 def job_fingerprint(*, source_files: list[dict], source_strategy: dict | None, target_strategy_sha256: str | None,

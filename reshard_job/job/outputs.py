@@ -21,6 +21,7 @@ import socket
 
 from ..errors import OutputError
 from ..hashing import digest_file
+from ..jsonchunks import iter_json
 from ..storage import LockedError, Storage
 from .journal import STATE_DIR, TENSORS_DIR, Journal, JournalEntry
 
@@ -276,8 +277,16 @@ class OutputDir:
 
     # ------------------------------------------------------------------------------ manifest
     def write_manifest(self, manifest: dict) -> tuple[int, str]:
-        data = (json.dumps(manifest, indent=2, sort_keys=False) + "\n").encode("utf-8")
-        return self.storage.write_bytes(self.manifest_path, data, mode=0o444)
+        """``json.dumps(manifest, indent=2)`` and a newline, atomically; locally written piece by
+        piece (a manifest of a million per-tensor digests is hundreds of MB as one string)."""
+        if not self.local:
+            data = (json.dumps(manifest, indent=2, sort_keys=False) + "\n").encode("utf-8")
+            return self.storage.write_bytes(self.manifest_path, data, mode=0o444)
+        with self.storage.create(self.manifest_path, mode=0o444) as f:
+            for piece in iter_json(manifest, indent=2):
+                f.write(piece.encode("utf-8"))
+            f.write(b"\n")
+        return f.result
 
     def relative(self, path: str) -> str:
         if self.local:

@@ -1,0 +1,42 @@
+"""``iter_json`` joins to exactly what ``json.dumps`` gives with the same options: the manifest's
+own digest and its file are written from these pieces."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from reshard_job.jsonchunks import iter_json
+
+SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70),
+                    st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=12))  # text: \n, é, \u2028
+KEYS = st.one_of(st.text(max_size=8), st.integers(0, 9))  # an int key is converted by json.dumps
+VALUES = st.recursive(SCALARS, lambda inner: st.one_of(st.lists(inner, max_size=4),
+                                                       st.dictionaries(KEYS, inner, max_size=4)), max_leaves=25)
+OPTIONS = [dict(indent=2), dict(sort_keys=True, separators=(",", ":"), ensure_ascii=False), dict(),
+           dict(indent=4, sort_keys=True, ensure_ascii=False)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(obj=st.dictionaries(st.text(max_size=8), VALUES, max_size=6), which=st.integers(0, len(OPTIONS) - 1),
+       split_depth=st.integers(0, 3))
+def test_pieces_join_to_json_dumps(obj, which, split_depth):
+    opts = OPTIONS[which]
+    try:
+        want = json.dumps(obj, **opts)
+    except TypeError:  # keys json cannot sort (an int beside a str): refused the same way
+        with pytest.raises(TypeError):
+            "".join(iter_json(obj, split_depth=split_depth, **opts))
+        return
+    assert "".join(iter_json(obj, split_depth=split_depth, **opts)) == want
+
+
+def test_a_manifest_shaped_document_comes_in_pieces_no_larger_than_one_rank():
+    tensors = {str(r): {f"layer{i}.w": f"{i:064x}" for i in range(2000)} for r in range(4)}
+    doc = {"run_id": "x", "target": {"files": [{"rank": 0, "path": "/a\nb"}]}, "tensors": tensors, "empty": {}}
+    pieces = list(iter_json(doc, indent=2))
+    assert "".join(pieces) == json.dumps(doc, indent=2)
+    assert max(map(len, pieces)) < len(json.dumps(tensors["0"], indent=2)) * 1.1 < len("".join(pieces)) / 3
