@@ -206,7 +206,9 @@ def run_rank_task(task: RankTask, *, sources: SourceFiles | None = None,
         raise
     if own:
         readers.close()
-    result = RankResult(task.target_rank, written.path, written.size, written.sha256, dict(written.tensors),
+    tensors = written.tensors  # the finished writer's own dict: no copy (a million digests, many small tensors)
+    result = RankResult(task.target_rank, written.path, written.size, written.sha256,
+                        tensors if type(tensors) is dict else dict(tensors),
                         task.plan.bytes_read, time.monotonic() - started, socket.gethostname(), task.part)
     return (result, handle) if publish_later else result
 

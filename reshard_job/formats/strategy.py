@@ -21,6 +21,7 @@ import glob
 import json
 import os
 import re
+import sys
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -207,6 +208,7 @@ def parse_protobuf_strategy(data: bytes, path: str | None = None) -> StrategyFil
         name = item.param_name
         if not isinstance(name, str):  # proto2 strings holding invalid UTF-8 come back as bytes
             raise StrategyFormatError(path, f"parameter name {quoted(name)} is not valid UTF-8")
+        name = sys.intern(name)  # one string per name, shared with the other strategy and the checkpoint indexes
         pl = item.parallel_layouts
         if not pl.dev_matrix:
             raise StrategyFormatError(path, f"parameter {quoted(name)}: layout has no dev_matrix")

@@ -84,8 +84,9 @@ def run_job(spec: JobSpec, emit: Callable[[str], None] = print) -> JobResult:
 
 
 def _convert(spec: JobSpec, prepared: Prepared, recorder) -> JobResult:
-    plan_json = _plan_json(prepared)
-    recorder.record_plan(lambda: plan_json)
+    # built by the lineage thread when it records it, and dropped then: for a model of many
+    # parameters the document is tens of MB that the conversion has no use for
+    recorder.record_plan(lambda: _plan_json(prepared))
     if prepared.missing:
         raise MissingRankError(prepared.missing, prepared.source.checkpoints)
     cluster_layout(spec, prepared.target.devices)  # target.cluster against devices read from target.strategy
