@@ -134,14 +134,7 @@ class _DirectFile:
     def write(self, data, tap=None) -> int:
         mv = memoryview(data).cast("B")
         total = len(mv)
-        if tap is not None and total:
-            # recorded before the bytes are staged: a block handed over has all its taps listed
-            last = self._taps[-1] if self._taps else None
-            if last is not None and last[2] is tap and last[1] == self._written:
-                last[1] += total
-            else:
-                self._taps.append([self._written, self._written + total, tap])
-        self._written += total
+        self._account(total, tap)  # before the bytes are staged: a block handed over has all its taps listed
         while len(mv):
             buf = self._bufs[self._cur]
             n = min(self._chunk - self._fill, len(mv))
@@ -167,6 +160,13 @@ class _DirectFile:
         """The first `n` reserved bytes are filled: they follow what was written before."""
         if not 0 <= n <= self._chunk - self._fill:
             raise ValueError(f"cannot commit {n} bytes: {self._chunk - self._fill} left in the block")
+        self._account(n, tap)
+        self._fill += n
+        if self._fill == self._chunk:
+            self._hand_over(self._chunk, self._chunk)
+
+    def _account(self, n: int, tap) -> None:
+        """The next `n` bytes of the file, fed to `tap` too (if any): extend its last range or add one."""
         if tap is not None and n:
             last = self._taps[-1] if self._taps else None
             if last is not None and last[2] is tap and last[1] == self._written:
@@ -174,9 +174,6 @@ class _DirectFile:
             else:
                 self._taps.append([self._written, self._written + n, tap])
         self._written += n
-        self._fill += n
-        if self._fill == self._chunk:
-            self._hand_over(self._chunk, self._chunk)
 
     def _hand_over(self, length: int, padded: int) -> None:
         self._wait()
