@@ -68,12 +68,22 @@ class Topology:
                 layouts.setdefault(m.group(2), {})[stage] = lay
         else:
             _check_single_stage(sf)
+            # one mapping per distinct layout object (equal layouts are one object once parsed)
+            alike: dict[int, dict[int, ParamLayout]] = {}
             for key, lay in sf.layouts.items():
-                layouts.setdefault(key, {})[0] = lay
+                per = alike.get(id(lay))
+                if per is None:
+                    per = alike[id(lay)] = {0: lay}
+                layouts[key] = per
         if not layouts:
             raise LayoutError(f"{where}: strategy file has no parameter layouts")
         shared: dict[tuple, dict[int, ParamLayout]] = {}  # parameters laid out alike share one mapping
-        layouts = {name: shared.setdefault(tuple(per.items()), per) for name, per in layouts.items()}
+        canonical: dict[int, dict[int, ParamLayout]] = {}  # id of a mapping -> its shared equal
+        for name, per in layouts.items():
+            same = canonical.get(id(per))
+            if same is None:
+                same = canonical[id(per)] = shared.setdefault(tuple(per.items()), per)
+            layouts[name] = same
         stages = sorted({s for per in layouts.values() for s in per})
         missing = missing_stages(stages)
         if missing:

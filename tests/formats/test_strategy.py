@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import reshard_job
 from reshard_job.errors import ReshardError, StrategyFormatError
-from reshard_job.formats import schema
+from reshard_job.formats import schema, wire
 from reshard_job.formats.strategy import (FORMAT_JSON, FORMAT_PROTOBUF, ParamLayout, StrategyFile, StrategyItem,
                                           format_for, merge_pipeline_strategies, merge_pipeline_strategys,
                                           read_strategy, to_json_bytes, to_protobuf_bytes, write_strategy)
@@ -439,3 +439,52 @@ def test_random_flat_strategies_round_trip_in_both_formats(tmp_path_factory, sf)
         assert back.current_stage == sf.current_stage
     # JSON keeps one item per node name (it is an object keyed by name)
     assert read_strategy(d / "s.ckpt").items == sf.items
+
+
+# ================================================================================ layouts read by their bytes
+
+
+def _layout_item(name: str, layouts_messages: list[bytes], extra: bytes = b"") -> bytes:
+    """One ParallelLayoutItem encoded by hand: the name, then each given ParallelLayouts encoding as
+    its own field-2 occurrence (protobuf merges repeated occurrences of a message field)."""
+    def field(number: int, payload: bytes) -> bytes:
+        return wire.len_field(number, len(payload)) + payload
+
+    body = field(1, name.encode()) + b"".join(field(2, m) for m in layouts_messages) + extra
+    return field(3, body)
+
+
+def _layouts(dev_matrix, tensor_map, step=0, size=-1) -> bytes:
+    pl = schema.ParallelLayouts()
+    pl.dev_matrix.add().dim.extend(dev_matrix)
+    pl.tensor_map.add().dim.extend(tensor_map)
+    pl.opt_weight_shard_step, pl.opt_weight_shard_size, pl.field = step, size, 0
+    return pl.SerializeToString()
+
+
+def test_layouts_shared_by_bytes_read_as_protobuf_reads_them(monkeypatch):
+    """Items are matched to an already-decoded layout by their encoded bytes; odd encodings (a
+    layouts field given twice, which protobuf merges; unknown fields; a field order no writer
+    uses) must come out exactly as reading every item through protobuf gives them."""
+    from reshard_job.formats import strategy as strategy_module
+
+    a, b, c = _layouts((2, 4), (1, -1)), _layouts((8,), (0,), step=2, size=2), _layouts((4, 2), (0, 1), step=4)
+    unknown = wire.key(9, wire.VARINT) + wire.encode_varint(7)
+    stage = schema.ParallelStrategyMap()
+    stage.current_stage = 1
+    reversed_order = wire.len_field(2, len(b)) + b + wire.len_field(1, 1) + b"r"
+    data = (stage.SerializeToString()
+            + b"".join(_layout_item(f"w{i}", [a if i % 2 else b]) for i in range(6))
+            + _layout_item("merged", [a, c])  # protobuf: a's and c's repeated fields, c's scalars
+            + _layout_item("plain_c", [c])  # must not take the merged item's layout
+            + _layout_item("unknown_after", [b], extra=unknown)
+            + wire.len_field(3, len(reversed_order)) + reversed_order
+            + _layout_item("w_last", [a]))
+    sf = strategy_module.parse_protobuf_strategy(data, "s.ckpt")
+    monkeypatch.setattr(strategy_module, "_layout_bytes", lambda data: None)  # every item through protobuf
+    reference = strategy_module.parse_protobuf_strategy(data, "s.ckpt")
+    assert list(sf.layouts.items()) == list(reference.layouts.items())
+    assert sf.layouts["merged"] != sf.layouts["plain_c"]
+    assert sf.layouts["merged"].opt_shard_step == 4
+    assert sf.layouts["w0"] is sf.layouts["w2"] is sf.layouts["unknown_after"] is sf.layouts["r"]
+    assert sf.layouts["w1"] is sf.layouts["w_last"]
