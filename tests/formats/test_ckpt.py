@@ -611,3 +611,77 @@ def test_records_cut_short_at_the_end_of_the_file_are_format_errors(tmp_path, da
     path.write_bytes(data)
     with pytest.raises(CheckpointFormatError, match="short.ckpt"):
         CheckpointReader(path).close()
+
+
+# ================================================================================ many records alike
+
+
+@st.composite
+def record_runs(draw):
+    """Records as MindSpore's loader sees them, drawn so that neighbours often share everything but
+    the name (the indexer's shortcut) and sometimes the name too (a tensor in two chunks, a name
+    given again later), with str entries and records of 128 bytes or more between them."""
+    names = ["w", "x", "adam_m.w", "é"]
+    shapes = [(2, 2), (2, 2), (4,), (70,)]
+    out = []
+    for _ in range(draw(st.integers(1, 24))):
+        kind = draw(st.sampled_from(["tensor", "tensor", "tensor", "str", "chunks"]))
+        name = "s" if kind == "str" else draw(st.sampled_from(names))
+        if out and out[-1][0] == name:
+            continue  # consecutive records of one name are one tensor's chunks: only "chunks" makes those
+        if kind == "str":
+            out.append((name, [], "str", draw(st.sampled_from(["", "abc"])).encode("utf-32-le")))
+            continue
+        shape = draw(st.sampled_from(shapes))
+        content = bytes([draw(st.integers(0, 255))]) * (prod(shape) * 2)
+        if kind == "chunks":  # two records of half the bytes each, both with the full dims
+            half = len(content) // 2
+            out += [(name, list(shape), "Float16", content[:half]), (name, list(shape), "Float16", content[half:])]
+        else:
+            out.append((name, list(shape), "Float16", content))
+    return out
+
+
+@FAST
+@given(records=record_runs())
+def test_index_of_records_alike_equals_protobufs_reading(tmp_path_factory, records):
+    """Each group of consecutive records under one name is one entry, a later group replaces an
+    earlier one, and every entry's bytes are those protobuf finds, however alike the records are."""
+    data = b"".join(proto_record(*r) for r in records)
+    path = write_file(tmp_path_factory.mktemp("alike") / "a.ckpt", data)
+    groups: list[tuple[str, list]] = []
+    for name, dims, dtype, content in records:
+        if groups and groups[-1][0] == name:
+            groups[-1][1].append((dims, dtype, content))
+        else:
+            groups.append((name, [(dims, dtype, content)]))
+    last = {name: parts for name, parts in groups}
+    order = [n for n in dict.fromkeys(reversed([g[0] for g in groups]))][::-1]
+    with CheckpointReader(path) as r:
+        assert [g.name for g in r.groups] == [g[0] for g in groups]
+        assert list(r.entries) == order
+        for name, parts in last.items():
+            entry = r.entries[name]
+            assert len(r.records_of(entry)) == len(parts)
+            if parts[0][1] == "str":
+                assert r.read_str(name) == parts[-1][2].decode("utf-32-le")
+            else:
+                assert entry.dtype == "Float16"
+                assert entry.shape == tuple(parts[-1][0])
+                assert r.read(name).tobytes() == b"".join(p[2] for p in parts)
+
+
+def test_record_alike_but_for_a_trailing_field_is_read_as_protobuf_reads_it(tmp_path):
+    """A record whose bytes after the name equal its neighbour's but which goes on (here a second
+    tag field: protobuf keeps the last) must not be taken for its neighbour's twin."""
+    content = b"\x01\x02\x03\x04"
+    second = proto_record("b", [2], "Float16", content)
+    retag = b"\x0a\x01z"  # Value field 1 again: the tag becomes "z"
+    second = b"\x0a" + bytes([second[1] + len(retag)]) + second[2:] + retag
+    data = proto_record("a", [2], "Float16", content) + second + proto_record("c", [2], "Float16", content)
+    expected = schema.Checkpoint()
+    expected.ParseFromString(data)
+    assert [v.tag for v in expected.value] == ["a", "z", "c"]
+    with CheckpointReader(write_file(tmp_path / "t.ckpt", data)) as r:
+        assert list(r.entries) == ["a", "z", "c"]
+        assert all(r.read(n).tobytes() == content for n in r.entries)

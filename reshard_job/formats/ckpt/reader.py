@@ -226,7 +226,52 @@ class CheckpointReader(PositionedReader):
         buffer = bytearray(min(fetch, size))
         head_buffer = bytearray(min(SMALL_HEAD, size))
         typical = 0  # moving average of record lengths (large weights often alternate with tiny biases)
+        # Many small tensors alike (experts, their optimizer states) differ only in their names: the
+        # bytes after a record's name (dims, dtype, content length) repeat. A record whose bytes
+        # there equal the last common record's, and whose length says nothing follows its content,
+        # is added without parsing those fields again.
+        tail = b""  # the last common record's bytes from its TensorProto key to its content
+        tail_len = tail_clen = 0
+        tail_dtype: str = ""
+        tail_shape: tuple = ()
+        names, kinds, dtype_col, shape_col = self._names, self._kind, self._dtype, self._shape
+        off_col, len_col, rec_col, rlen_col, pos_table = self._off, self._len, self._rec, self._rlen, self._pos
+        intern = sys.intern
         while pos < size:
+            rel = pos - wstart
+            if tail_len and rel + 3 < len(window) and window[rel] == 0x0A:
+                vlen = window[rel + 1]
+                if vlen < 0x80:  # records under 128 bytes
+                    v = rel + 2
+                elif window[rel + 2] < 0x80:  # under 16 KiB
+                    vlen = (vlen & 0x7F) | window[rel + 2] << 7
+                    v = rel + 3
+                else:
+                    v = len(window)  # larger: the full path
+                rel_end = v + vlen
+                if rel_end <= len(window) and window[v] == 0x0A and window[v + 1] < 0x80:
+                    q = v + 2 + window[v + 1]
+                    if q + tail_len + tail_clen == rel_end and window[q:q + tail_len] == tail:
+                        try:
+                            name = intern(window[v + 2:q].decode("utf-8"))
+                        except UnicodeDecodeError:
+                            raise self._error(f"record at offset {pos}: parameter name is not valid UTF-8") from None
+                        if not names or names[-1] != name:  # the same name again is a chunk: the full path
+                            vend = wstart + rel_end
+                            if name in pos_table:
+                                del pos_table[name]  # a later group replaces an earlier one, at the end
+                            pos_table[name] = len(names)
+                            names.append(name)
+                            kinds.append(0)
+                            dtype_col.append(tail_dtype)
+                            shape_col.append(tail_shape)
+                            off_col.append(wstart + q + tail_len)
+                            len_col.append(tail_clen)
+                            rec_col.append(pos)
+                            rlen_col.append(vend - pos)
+                            typical = (3 * typical + vend - pos) >> 2
+                            pos = vend
+                            continue
             if pos + self._head > wstart + len(window) and wstart + len(window) < size:
                 if typical >= large:  # the next record is likely large too: its head is enough
                     n = min(SMALL_HEAD, size - pos)
@@ -253,13 +298,20 @@ class CheckpointReader(PositionedReader):
                 raise self._error(f"record at offset {pos} needs {vlen} bytes but the file ends after "
                                   f"{size - vstart} (file truncated?)")
             try:
-                self._add(pos, window, wstart, vpos, vend)
+                common = self._add(pos, window, wstart, vpos, vend)
             except wire.WireError as e:
                 raise self._error(f"record at offset {pos}: {e}") from None
+            if common is not None:
+                coff, tail_start = common
+                tail = bytes(window[tail_start:coff])
+                tail_len, tail_clen = len(tail), len_col[-1]
+                tail_dtype, tail_shape = dtype_col[-1], shape_col[-1]
             typical = (3 * typical + vend - pos) >> 2
             pos = vend
 
-    def _add(self, pos: int, window, wstart: int, vpos: int, vend: int) -> None:
+    def _add(self, pos: int, window, wstart: int, vpos: int, vend: int):
+        """Index one record. For a new one-record tensor of the common form, returns (its content's
+        offset in `window`, where its TensorProto field starts there); else None."""
         rel_end = vend - wstart
         fast = _fast_value(window, vpos, rel_end) if rel_end <= len(window) else None
         if fast is None:
@@ -269,17 +321,17 @@ class CheckpointReader(PositionedReader):
                 tag, kind, rec, parts = self._parse_large(pos, wstart + vpos, vend, window, wstart)
             self._record(sys.intern(tag), kind, rec, parts)
             return
-        tag, dims, dtype, coff, clen = fast
+        raw_tag, dims, dtype, coff, clen = fast
         name = _DTYPES.get(dtype) or _DTYPES.setdefault(dtype, _ascii(dtype))
         try:
-            tag = sys.intern(tag.decode("utf-8"))
+            tag = sys.intern(raw_tag.decode("utf-8"))
         except UnicodeDecodeError:
             raise wire.WireError("parameter name is not valid UTF-8") from None
         names = self._names
         if names and names[-1] == tag or name == dtypes.STR_TYPE:  # a chunk of a large tensor; a str entry
             kind = KIND_STR if name == dtypes.STR_TYPE else KIND_TENSOR
             self._record(tag, kind, Record(pos, vend - pos, dims, name, wstart + coff, clen), None)
-            return
+            return None
         i = len(names)  # the common case, inline: a new one-record tensor
         names.append(tag)
         self._kind.append(0)
@@ -293,6 +345,7 @@ class CheckpointReader(PositionedReader):
         if tag in pos_table:
             del pos_table[tag]  # a later group replaces an earlier one, at the end
         pos_table[tag] = i
+        return coff, vpos + 2 + len(raw_tag)
 
     def _record(self, tag: str, kind: str, rec: Record | None, parts: list | None) -> None:
         """Add a record: to the current group when it continues the same tag, else as a new group."""
