@@ -106,7 +106,7 @@ def _run(prepared, paths: dict[int, str], options: WriteOptions, workers: int = 
     results: dict[int, WrittenFile] = {}
 
     def done(r: RankResult) -> None:
-        results[r.part if r.part is not None else r.target_rank] = WrittenFile(r.path, r.size, r.sha256, r.tensors)
+        results[r.part if r.part is not None else r.target_rank] = WrittenFile(r.path, r.size, r.sha256, dict(r.tensors.items()))
 
     tasks = rank_tasks(prepared, paths, options)
     LocalExecutor(workers, prepared.readers).run(tasks, on_bytes=lambda n: None, on_done=done)

@@ -20,12 +20,13 @@ import numpy as np
 from .errors import FormatError, PlanError
 from .formats import dtypes
 from .formats.base import TensorDecl, TensorReader, WrittenFile
+from .formats.digests import TensorDigests
 from .formats.boxes import Box, box_shape, intersect, split_rows
 from .formats.multifile import MultiFileReader
 from .formats.index import reader_index
 from .formats.registry import open_reader, open_writer
-from .formats.tensorfile import KIND_MAP, KIND_STR, Scratch
-from .plan import ACTION_COPY, ParamPlan, RankPlan, TensorMeta
+from .formats.tensorfile import KIND_MAP, KIND_STR, KIND_TENSOR, Scratch
+from .plan import ACTION_COPY, ParamPlan, ParamPlans, RankPlan, TensorMeta
 from .read_ahead import announce
 from .storage import SourceChangedError, StorageOptions, storage_for
 from .tasks import FORMAT_CKPT, FORMAT_SAFETENSORS, RankResult, RankTask, files_of  # noqa: F401 (re-exported)
@@ -161,10 +162,14 @@ def execute_rank(
     complete but not yet durable nor visible until ``handle.publish()`` (handle None: published)."""
     writer = open_writer(out_path, fmt, crc=crc, metadata=metadata, storage=getattr(sources, "storage", None))
     try:
-        by_name = {p.name: p for p in rank_plan.params}  # ParamPlan views are made on access: once each
-        order = writer.arrange([TensorDecl(p.name, p.dtype, p.target_shape, p.kind) for p in by_name.values()])
-        for name in order:
-            _write_param(writer, by_name[name], sources, max_memory, progress)
+        params = rank_plan.params
+        if getattr(writer, "writes_in_given_order", False) and isinstance(params, ParamPlans):
+            _write_in_order(writer, params, sources, max_memory, progress)
+        else:
+            by_name = {p.name: p for p in params}  # ParamPlan views are made on access: once each
+            order = writer.arrange([TensorDecl(p.name, p.dtype, p.target_shape, p.kind) for p in by_name.values()])
+            for name in order:
+                _write_param(writer, by_name[name], sources, max_memory, progress)
         if publish_later and hasattr(writer, "seal"):
             return writer.seal()
         written = writer.commit()
@@ -208,9 +213,59 @@ def run_rank_task(task: RankTask, *, sources: SourceFiles | None = None,
         readers.close()
     tensors = written.tensors  # the finished writer's own dict: no copy (a million digests, many small tensors)
     result = RankResult(task.target_rank, written.path, written.size, written.sha256,
-                        tensors if type(tensors) is dict else dict(tensors),
+                        tensors if isinstance(tensors, (dict, TensorDigests)) else dict(tensors),
                         task.plan.bytes_read, time.monotonic() - started, socket.gethostname(), task.part)
     return (result, handle) if publish_later else result
+
+
+def _write_in_order(writer, params: ParamPlans, sources: SourceFiles, max_memory: int,
+                    progress: Progress | None) -> None:
+    """Every parameter, in plan order, into a writer that stores them in the order given.
+
+    A model of many small parameters pays per parameter, not per byte: a small tensor copied whole
+    from one source tensor stored in one record (experts and their optimizer states, mostly) is
+    read from the source's read-ahead window and written as one record, without a ParamPlan view
+    or an assembly buffer. Anything else, or a source entry that is not what the plan expects,
+    goes through ``_write_param``, which reads, checks and refuses in detail."""
+    whole: dict[int, tuple | None] = {}  # id of a plan slice -> its source extents when a whole small copy
+    readers: dict[int, object] = {}
+    pending = 0  # bytes done but not yet reported (reporting per tensor would cost as much as the copy)
+    for tensor, piece in zip(params.tensors, params.slices):
+        extents = whole.get(id(piece), _UNKNOWN)
+        if extents is _UNKNOWN:
+            extents = whole[id(piece)] = _whole_small_copy(piece)  # slices live as long as `params`
+        if extents is not None and tensor.kind == KIND_TENSOR and tensor.itemsize:
+            rank = piece[1][0].source_rank
+            reader = readers.get(rank)
+            if reader is None:
+                reader = readers[rank] = sources.reader(rank)
+            span = reader.whole_span(tensor.name) if hasattr(reader, "whole_span") else None
+            if span is not None and span[1] == extents and span[0] == tensor.dtype:
+                writer.add_bytes(tensor.name, tensor.dtype, piece[0], reader.read_near(span[2], piece[2]))
+                pending += piece[2]
+                if pending >= _REPORT_EVERY and progress:
+                    progress(pending)
+                    pending = 0
+                continue
+        _write_param(writer, ParamPlan._shared(tensor, *piece), sources, max_memory, progress)
+    if pending and progress:
+        progress(pending)
+
+
+_UNKNOWN = object()
+_REPORT_EVERY = 4 << 20
+
+
+def _whole_small_copy(piece: tuple) -> tuple | None:
+    """For a plan slice (target shape, copies, nbytes) that copies one whole source tensor into the
+    whole target tensor, small enough to write as one record: the source tensor's extents."""
+    target_shape, copies, nbytes = piece
+    if not 0 < nbytes <= SMALL_TENSOR or len(copies) != 1:
+        return None
+    c = copies[0]
+    if c.target_box != _full(target_shape) or any(lo for lo, _ in c.source_box):
+        return None
+    return tuple(hi for _, hi in c.source_box)
 
 
 def _write_param(writer, p: ParamPlan, sources: SourceFiles, max_memory: int, progress: Progress | None) -> None:

@@ -10,7 +10,19 @@ target rank's digests, for the manifest).
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
+from itertools import islice
 from typing import Iterator
+
+CHUNK_ITEMS = 8192  # items of a large mapping encoded per ``json.dumps`` call
+
+
+def plain(obj):
+    """``default=`` for ``json.dumps``: a mapping that is not a dict (a file's tensor digests)
+    is written as the dict it stands for."""
+    if isinstance(obj, Mapping):
+        return dict(obj.items())
+    raise TypeError(f"Object of type {type(obj).__name__} is not JSON serializable")
 
 
 def iter_json(obj, *, indent: int | None = None, sort_keys: bool = False, separators=None,
@@ -27,8 +39,11 @@ def iter_json(obj, *, indent: int | None = None, sort_keys: bool = False, separa
 
 
 def _pieces(obj, depth: int, split_depth: int, opts: dict) -> Iterator[str]:
+    if isinstance(obj, Mapping) and not isinstance(obj, dict):
+        yield from _mapping_pieces(obj, depth, opts)
+        return
     if depth >= split_depth or not isinstance(obj, dict) or not obj or not all(isinstance(k, str) for k in obj):
-        text = json.dumps(obj, **opts)
+        text = json.dumps(obj, default=plain, **opts)
         indent = opts["indent"]
         if indent is not None and depth and "\n" in text:  # JSON strings never hold a raw newline
             text = text.replace("\n", "\n" + " " * (indent * depth))
@@ -47,3 +62,29 @@ def _pieces(obj, depth: int, split_depth: int, opts: dict) -> Iterator[str]:
         yield (item_sep if i else "") + json.dumps(key, ensure_ascii=opts["ensure_ascii"]) + key_sep
         yield from _pieces(obj[key], depth + 1, split_depth, opts)
     yield ("\n" + " " * (indent * depth) + "}") if indent is not None else "}"
+
+
+def _mapping_pieces(obj: Mapping, depth: int, opts: dict) -> Iterator[str]:
+    """A mapping of string keys to plain values (a file's tensor digests, made on the fly) in
+    chunks of ``CHUNK_ITEMS``: never the whole of it as a dict or as one string."""
+    if opts["sort_keys"]:
+        keys = sorted(obj)
+        items = ((k, obj[k]) for k in keys)
+    else:
+        items = iter(obj.items())
+    indent = opts["indent"]
+    close = ("\n" + " " * (indent * depth) + "}") if indent is not None else "}"
+    first = True
+    while True:
+        chunk = dict(islice(items, CHUNK_ITEMS))
+        if not chunk:
+            break
+        text = next(_pieces(chunk, depth, depth, opts))  # "{" + items + close, indented for `depth`
+        body = text[1:len(text) - len(close)]
+        if first:
+            yield "{" + body
+            first = False
+        else:
+            # indented, every body begins with its own newline and indent: a comma joins them
+            yield ("," if indent is not None else opts["separators"][0]) + body
+    yield "{}" if first else close

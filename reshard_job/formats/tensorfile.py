@@ -53,6 +53,8 @@ class Scratch:
         return self.get(prod(shape) * dtype.itemsize).view(dtype).reshape(shape)
 
 
+NEAR_WINDOW = 1 << 20  # bytes read at once by ``read_near``
+
 _SPANS = Scratch()
 _BLOCKS = Scratch()
 
@@ -115,6 +117,8 @@ class PositionedReader:
             self._file = source
         self.size = self._file.size
         self.identity = self._file.identity
+        self._near: memoryview | None = None  # the window of ``read_near``
+        self._near_start = self._near_len = 0
 
     # --- file handle -------------------------------------------------------------------------
     def _open(self, path: str) -> "RandomAccess":
@@ -129,6 +133,7 @@ class PositionedReader:
             raise self._error(text[len(path) + 2:] if text.startswith(path + ": ") else text) from None
 
     def close(self) -> None:
+        self._near = None
         if self._file is not None:
             self._file.close()
             self._file = None
@@ -189,6 +194,27 @@ class PositionedReader:
         n = self._file.pread_into(offset, view)
         if n < len(view):
             raise self._error(f"unexpected end of file at byte {offset + n} (file truncated?)")
+
+    def read_near(self, offset: int, nbytes: int) -> memoryview:
+        """Bytes [offset, offset+nbytes) as a view that stays valid until the next call.
+
+        For the many small tensors of a large model, read in file order: one positioned read of a
+        window serves the tensors that follow it, instead of a system call each. An object store
+        gets one exact read per call (its announced ranges are fetched in batches already)."""
+        rel = offset - self._near_start
+        if self._near is not None and rel >= 0 and rel + nbytes <= self._near_len:
+            return self._near[rel:rel + nbytes]
+        if nbytes > NEAR_WINDOW // 4 or self.wants_read_ahead:
+            view = memoryview(bytearray(nbytes))
+            self.pread_into(offset, view)
+            return view
+        if self._near is None:
+            self._near = memoryview(bytearray(NEAR_WINDOW))
+        n = max(nbytes, min(NEAR_WINDOW, self.size - offset))
+        self._near_len = 0  # the window is being refilled: nothing in it is valid until it is
+        self.pread_into(offset, self._near[:n])
+        self._near_start, self._near_len = offset, n
+        return self._near[:nbytes]
 
     def pread(self, offset: int, nbytes: int) -> bytes:
         buf = bytearray(nbytes)

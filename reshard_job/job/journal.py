@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from ..jsonchunks import iter_json
 from ..storage import Storage
 
 STATE_DIR = ".reshard_job"
@@ -86,7 +87,7 @@ class Journal:
 
     def append(self, entry: JournalEntry) -> None:
         self.storage.makedirs(self.storage.parent(self._tensors_path(entry.rank)))
-        self.storage.write_bytes(self._tensors_path(entry.rank), json.dumps(entry.tensors).encode(), mode=0o644)
+        self.storage.write_bytes(self._tensors_path(entry.rank), "".join(iter_json(entry.tensors)).encode(), mode=0o644)
         self.storage.append(self.path, entry.line())
 
     def tensors(self, rank: int) -> dict[str, str]:

@@ -13,13 +13,13 @@ import datetime as dt
 import hashlib
 import json
 
-from ..jsonchunks import iter_json
+from ..jsonchunks import iter_json, plain
 
 MANIFEST_VERSION = 1
 
 
 def canonical_json(obj) -> bytes:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=plain).encode("utf-8")
 
 
 def manifest_digest(manifest: dict) -> str:

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..errors import OutputError
+from ..jsonchunks import plain
 from ..lineage.records import FileRecord
 from ..storage import storage_for
 from ..tasks import RankResult
@@ -338,7 +339,7 @@ class NodeOutputs:
             node_target = {**target, "files": files, "placement": "per_node", "cluster": self.cluster}
             manifest = build(target=node_target, tensors={str(f["rank"]): tensors[str(f["rank"])] for f in files},
                              node=node)
-            data = (json.dumps(manifest, indent=2) + "\n").encode("utf-8")
+            data = (json.dumps(manifest, indent=2, default=plain) + "\n").encode("utf-8")
             strat = target.get("strategy")
             paths[node] = self.out.storage.join(self.out.path, node_manifest_name(node))
             calls[node] = (PublishRequest(self.out.path, node, tuple(NodeFile(f["rank"], self.out.relative(f["path"]),

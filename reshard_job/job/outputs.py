@@ -21,7 +21,7 @@ import socket
 
 from ..errors import OutputError
 from ..hashing import digest_file
-from ..jsonchunks import iter_json
+from ..jsonchunks import iter_json, plain
 from ..storage import LockedError, Storage
 from .journal import STATE_DIR, TENSORS_DIR, Journal, JournalEntry
 
@@ -280,7 +280,7 @@ class OutputDir:
         """``json.dumps(manifest, indent=2)`` and a newline, atomically; locally written piece by
         piece (a manifest of a million per-tensor digests is hundreds of MB as one string)."""
         if not self.local:
-            data = (json.dumps(manifest, indent=2, sort_keys=False) + "\n").encode("utf-8")
+            data = (json.dumps(manifest, indent=2, sort_keys=False, default=plain) + "\n").encode("utf-8")
             return self.storage.write_bytes(self.manifest_path, data, mode=0o444)
         with self.storage.create(self.manifest_path, mode=0o444) as f:
             for piece in iter_json(manifest, indent=2):

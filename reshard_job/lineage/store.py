@@ -154,7 +154,8 @@ class LineageStore:
             self._record_files(session, run_id, "output", outputs)
             if plan is not None:
                 self._store_plan(session, run, plan, rank_rows)
-            elif session.get(RunPlan, run_id) is None:
+            elif session.scalar(select(RunPlan.run_id).where(RunPlan.run_id == run_id)) is None:
+                # (asked by key alone: loading the row would parse a plan of millions of entries)
                 raise LineageError(f"run {run_id} has no plan: pass plan= or call record_plan first")
             run.status = RunStatus.COMPLETED
             run.error = None

@@ -40,3 +40,52 @@ def test_a_manifest_shaped_document_comes_in_pieces_no_larger_than_one_rank():
     pieces = list(iter_json(doc, indent=2))
     assert "".join(pieces) == json.dumps(doc, indent=2)
     assert max(map(len, pieces)) < len(json.dumps(tensors["0"], indent=2)) * 1.1 < len("".join(pieces)) / 3
+
+
+@settings(max_examples=100, deadline=None)
+@given(names=st.lists(st.text(max_size=6), max_size=40), which=st.integers(0, len(OPTIONS) - 1),
+       depth=st.integers(0, 2), chunk=st.sampled_from([1, 3, 8192]))
+def test_tensor_digests_come_out_as_the_dict_they_stand_for(names, which, depth, chunk):
+    """A file's digests (a mapping that is not a dict, encoded in chunks) give exactly the text
+    of the equal dict, at any depth, with any options, whatever the chunk size."""
+    import hashlib
+
+    from reshard_job import jsonchunks
+    from reshard_job.formats.digests import TensorDigests
+
+    digests = TensorDigests()
+    for i, name in enumerate(names):
+        digests.add(name, hashlib.sha256(str(i).encode()).digest())
+    digests.complete()
+    plain = dict(digests.items())
+    assert list(plain) == list(dict.fromkeys(names))  # first place, last digest, as a dict keeps them
+    assert all(plain[n] == hashlib.sha256(str(max(i for i, m in enumerate(names) if m == n)).encode()).hexdigest()
+               for n in plain)
+    opts = OPTIONS[which]
+    doc, want_doc = digests, plain
+    for level in range(depth):
+        doc, want_doc = {"tensors": doc, "n": level}, {"tensors": want_doc, "n": level}
+    saved, jsonchunks.CHUNK_ITEMS = jsonchunks.CHUNK_ITEMS, chunk
+    try:
+        assert "".join(iter_json(doc, **opts)) == json.dumps(want_doc, **opts)
+    finally:
+        jsonchunks.CHUNK_ITEMS = saved
+    assert json.dumps(doc, default=jsonchunks.plain, **opts) == json.dumps(want_doc, **opts)
+
+
+def test_tensor_digests_pickle_compare_and_complete_deferred_hashers():
+    import hashlib
+    import pickle
+
+    from reshard_job.formats.digests import TensorDigests
+
+    d = TensorDigests()
+    h = hashlib.sha256(b"partial")
+    d.add("a", hashlib.sha256(b"a").digest())
+    d.add_later("b", h)
+    h.update(b" and the rest")
+    d.complete()
+    want = {"a": hashlib.sha256(b"a").hexdigest(), "b": hashlib.sha256(b"partial and the rest").hexdigest()}
+    assert d == want and dict(d) == want and d["b"] == want["b"] and "c" not in d and len(d) == 2
+    assert pickle.loads(pickle.dumps(d)) == want
+    assert TensorDigests(want) == d

@@ -19,7 +19,9 @@ from ...errors import LayoutError
 from .. import dtypes
 from ...storage.base import write_hashed
 from ..base import TensorDecl, WrittenFile
-from .records import CRC_MAGIC, SLICE_BYTES, default_chunks, map_record, record_header
+from .. import wire
+from ..digests import TensorDigests
+from .records import CRC_MAGIC, SLICE_BYTES, default_chunks, map_record, record_header, tensor_header
 
 
 class RecordSink:
@@ -101,9 +103,28 @@ class RecordSink:
         if self._defer:
             self._w._tensor_done(self.name, self._hash)
             return None
-        digest = self._hash.hexdigest()
+        digest = self._hash.digest()
         self._w._tensor_done(self.name, digest)
-        return digest
+        return digest.hex()
+
+
+_JOIN_BELOW = 64 * 1024  # tensors up to this size go out with their header in one write
+_TENSOR_FIELDS: dict[tuple, bytes] = {}  # (dims, dtype, content length) -> the Value's tensor field head
+
+
+def _tensor_field(dims, dtype: str, n: int) -> bytes | None:
+    """The record bytes between a tensor's name and its content (the TensorProto key and length,
+    dims, dtype, content length), or None unless `n` bytes is exactly what dims and dtype say.
+    Kept per (dims, dtype, length): a model's many small tensors share a few of them."""
+    dt = dtypes.BY_NAME.get(dtype)
+    dims = tuple(int(d) for d in dims)
+    if dt is None or dtype == dtypes.STR_TYPE or prod(dims) * dt.itemsize != n:
+        return None
+    head = tensor_header(dims, dtype, n)
+    field = wire.len_field(2, len(head) + n) + head
+    if len(_TENSOR_FIELDS) < 10_000:
+        _TENSOR_FIELDS[dims, dtype, n] = field
+    return field
 
 
 class CheckpointWriter:
@@ -127,7 +148,7 @@ class CheckpointWriter:
         self.chunk_bytes = chunk_bytes
         self._crc = 0
         self._open_sink: RecordSink | None = None
-        self.tensors: dict = {}  # name -> sha256 hex, or its hasher until commit
+        self.tensors = TensorDigests()  # name -> sha256 (hashers of deferred ones complete at commit)
 
     # --- low level ------------------------------------------------------------------------------
     def _emit(self, data, *, record: bool, tap=None) -> None:
@@ -139,11 +160,16 @@ class CheckpointWriter:
             self._crc = zlib.crc32(data, self._crc)
 
     def _tensor_done(self, name: str, digest) -> None:
-        """`digest`: the hex string, or a hasher still being fed until the file is committed."""
-        self.tensors[name] = digest
+        """`digest`: the 32 bytes, or a hasher still being fed until the file is committed."""
+        if isinstance(digest, bytes):
+            self.tensors.add(name, digest)
+        else:
+            self.tensors.add_later(name, digest)
         self._open_sink = None
 
     # --- tensors --------------------------------------------------------------------------------
+    writes_in_given_order = True  # ``arrange`` is the identity: callers may skip it
+
     def arrange(self, tensors: Sequence[TensorDecl]) -> list[str]:
         """Records go in the order given."""
         return [t.name for t in tensors]
@@ -183,16 +209,26 @@ class CheckpointWriter:
 
     def add_bytes(self, name: str, dtype: str, dims, data, chunk_sizes: list[int] | None = None) -> str:
         mv = memoryview(data).cast("B")
-        if chunk_sizes is None and len(mv) <= self.chunk_bytes and self._open_sink is None and len(mv):
+        n = len(mv)
+        if chunk_sizes is None and 0 < n <= self.chunk_bytes and self._open_sink is None:
             # one record, header and bytes at once: the common case of the many small tensors
-            dt = dtypes.BY_NAME.get(dtype)
-            dims = tuple(int(d) for d in dims)
-            if dt is not None and dtype != dtypes.STR_TYPE and prod(dims) * dt.itemsize == len(mv):
-                self._emit(record_header(name, dims, dtype, len(mv)), record=True)
-                self._emit(mv, record=True)
-                digest = hashlib.sha256(mv).hexdigest()
-                self.tensors[name] = digest
-                return digest
+            try:
+                field = _TENSOR_FIELDS[dims, dtype, n]
+            except (KeyError, TypeError):
+                field = _tensor_field(dims, dtype, n)
+            if field is not None:
+                tag = name.encode("utf-8")
+                enc = wire.encode_varint
+                value = b"".join((b"\x0a", enc(len(tag)), tag, field))  # the Value up to its content
+                head = b"\x0a" + enc(len(value) + n) + value
+                if n <= _JOIN_BELOW:  # one write of header and bytes together
+                    self._emit(head + mv, record=True)
+                else:
+                    self._emit(head, record=True)
+                    self._emit(mv, record=True)
+                digest = hashlib.sha256(mv).digest()
+                self.tensors.add(name, digest)
+                return digest.hex()
         sink = self.begin(name, dtype, dims, chunk_sizes, defer_hash=False)  # its digest is returned
         sink.write(mv)
         return sink.close()
@@ -202,9 +238,9 @@ class CheckpointWriter:
         content = text.encode("utf-32-le")
         self._emit(record_header(name, dims, dtypes.STR_TYPE, len(content)), record=True)
         self._emit(content, record=True)
-        digest = hashlib.sha256(content).hexdigest()
-        self.tensors[name] = digest
-        return digest
+        digest = hashlib.sha256(content).digest()
+        self.tensors.add(name, digest)
+        return digest.hex()
 
     def add_map(self, name: str, records: list[list[tuple[tuple[int, ...], str, bytes]]]) -> None:
         """Map-tensor records (keys, values, status per record). Not covered by the CRC, as in MindSpore."""
@@ -213,7 +249,7 @@ class CheckpointWriter:
             self._emit(map_record(name, parts), record=False)
             for _, _, content in parts:
                 h.update(content)
-        self.tensors[name] = h.hexdigest()
+        self.tensors.add(name, h.digest())
 
     # --- finishing ------------------------------------------------------------------------------
     def commit(self) -> WrittenFile:
@@ -240,8 +276,7 @@ class CheckpointWriter:
         except BaseException:
             self._file.abort()  # never leave the temporary file behind
             raise
-        tensors = {name: d if isinstance(d, str) else d.hexdigest() for name, d in self.tensors.items()}
-        return WrittenFile(self.path, size, digest, tensors), handle
+        return WrittenFile(self.path, size, digest, self.tensors.complete()), handle
 
     def abort(self) -> None:
         self._file.abort()

@@ -1,0 +1,122 @@
+"""The per-tensor digests of a written file: parameter name -> sha256 hex, in file order.
+
+A model of a million small parameters keeps every digest from the moment its tensor is written
+until the manifest is: as a dict of hex strings that is about 150 bytes per tensor, here it is 40
+(the name, shared with the plan, and 32 raw bytes in one buffer). Hex strings are made when asked.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Iterator, Mapping
+
+DIGEST_SIZE = 32  # sha256
+
+
+class TensorDigests(Mapping[str, str]):
+    """A read-only mapping once complete; the writer fills it with ``add`` (a digest known now)
+    and ``add_later`` (a hasher still being fed), then calls ``complete``. A name added twice keeps
+    its first place and its last digest, as a dict would, once complete."""
+
+    __slots__ = ("_names", "_raw", "_later", "_index")
+
+    def __init__(self, items: Mapping[str, str] | Iterable[tuple[str, str]] = ()):
+        self._names: list[str] = []
+        self._raw = bytearray()
+        self._later: dict[int, object] = {}  # position -> hasher, until ``complete``
+        self._index: dict[str, int] | None = None  # name -> position, built when first looked up
+        pairs = items.items() if isinstance(items, Mapping) else items
+        for name, hex_digest in pairs:
+            self.add(name, bytes.fromhex(hex_digest))
+        self.complete()
+
+    # --- filling ------------------------------------------------------------------------------
+    def add(self, name: str, digest: bytes) -> None:
+        if len(digest) != DIGEST_SIZE:
+            raise ValueError(f"parameter {name!r}: a sha256 digest is {DIGEST_SIZE} bytes, got {len(digest)}")
+        self._names.append(name)
+        self._raw += digest
+        self._index = None
+
+    def add_later(self, name: str, hasher) -> None:
+        """A digest to take from `hasher` (anything with ``digest()``) at ``complete``."""
+        self._later[len(self._names)] = hasher
+        self.add(name, bytes(DIGEST_SIZE))
+
+    def complete(self) -> "TensorDigests":
+        """Take the pending hashers' digests; fold names added twice into one entry."""
+        for i, hasher in self._later.items():
+            self._raw[i * DIGEST_SIZE:(i + 1) * DIGEST_SIZE] = hasher.digest()
+        self._later.clear()
+        if len(set(self._names)) != len(self._names):
+            last = {name: i for i, name in enumerate(self._names)}
+            first = dict.fromkeys(self._names)
+            raw = bytearray()
+            for name in first:
+                raw += self._raw[last[name] * DIGEST_SIZE:(last[name] + 1) * DIGEST_SIZE]
+            self._names, self._raw = list(first), raw
+        self._index = None
+        return self
+
+    # --- the mapping --------------------------------------------------------------------------
+    def _hex(self, i: int) -> str:
+        later = self._later.get(i)
+        if later is not None:  # asked before the file was complete: the digest so far
+            return later.hexdigest()
+        return self._raw[i * DIGEST_SIZE:(i + 1) * DIGEST_SIZE].hex()
+
+    def _position(self, name: str) -> int:
+        if self._index is None:
+            self._index = {n: i for i, n in enumerate(self._names)}  # the last place of a name added twice
+        return self._index[name]
+
+    def __getitem__(self, name: str) -> str:
+        return self._hex(self._position(name))
+
+    def __contains__(self, name) -> bool:
+        try:
+            self._position(name)
+        except (KeyError, TypeError):
+            return False
+        return True
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)  # (before ``complete``, a name added twice is listed twice)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def items(self):
+        return _Items(self)
+
+    def values(self):
+        return [self._hex(i) for i in range(len(self._names))]
+
+    def __reduce__(self):
+        self.complete()
+        return _restore, (self._names, bytes(self._raw))
+
+    def __repr__(self) -> str:
+        return f"TensorDigests({len(self)} tensors)"
+
+
+class _Items:
+    """(name, hex) pairs of a complete TensorDigests, made as iterated."""
+
+    __slots__ = ("_d",)
+
+    def __init__(self, digests: TensorDigests):
+        self._d = digests
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    def __iter__(self):
+        hex_of = self._d._hex
+        for i, name in enumerate(self._d._names):
+            yield name, hex_of(i)
+
+
+def _restore(names: list[str], raw: bytes) -> TensorDigests:
+    d = TensorDigests()
+    d._names, d._raw = list(names), bytearray(raw)
+    return d
