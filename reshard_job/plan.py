@@ -588,6 +588,7 @@ class Planner:
         self._block_holders: dict[tuple, dict] = {}
         self._target_keys: dict[tuple, tuple] = {}
         self._global_shapes: dict[tuple, tuple[Layout, tuple, ParamLayout]] = {}
+        self._alike: dict[tuple[int, ...], bool] = {}  # holder set -> whether its files hold identical entries
         self._unlisted = 0  # needed source ranks left out of cut-short copy patterns
         self.params = self._resolve_params()
         for ps in self.params:
@@ -802,7 +803,19 @@ class Planner:
         stage = self.src.stage_of_rank(holders[0])
         return _ParamSource(name, meta, None, stage, self._intern(tuple(meta.shape)), False, holders)
 
+    def _files_alike(self, ranks: tuple[int, ...]) -> bool:
+        """Whether these ranks' files hold the same names with the same dtype, shape and size
+        each (replicas, usually): then no parameter needs comparing rank by rank."""
+        alike = self._alike.get(ranks)
+        if alike is None:
+            first = self.index[ranks[0]]
+            same = getattr(first, "same_entries", None)
+            alike = self._alike[ranks] = same is not None and all(same(self.index[r]) for r in ranks[1:])
+        return alike
+
     def _check_same_everywhere(self, name: str, ranks: Sequence[int], meta: TensorMeta, *, laid_out: bool) -> None:
+        if len(ranks) < 2 or type(ranks) is tuple and self._files_alike(ranks):
+            return
         index = self.index
         metas = [index[r][name] for r in ranks]
         if metas.count(meta) == len(metas):

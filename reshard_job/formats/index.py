@@ -45,6 +45,13 @@ class IndexView(Mapping):
                 _METAS[key] = meta
         return meta
 
+    def same_entries(self, other) -> bool:
+        """Whether `other` holds exactly the names and (dtype, shape, kind, size) this one does:
+        asked of the readers (whole columns compared at once) where both can tell, else False
+        (the caller then compares name by name)."""
+        same = getattr(self._reader, "same_entries", None)
+        return isinstance(other, IndexView) and same is not None and same(other._reader)
+
     def __contains__(self, name) -> bool:
         return name in self._reader.entries
 

@@ -508,6 +508,14 @@ class CheckpointReader(PositionedReader):
             shape = ()  # MindSpore reads dims [0] as a scalar
         return self._dtype[i], shape, kind, self._len[i]
 
+    def same_entries(self, other) -> bool:
+        """Whether `other` is a checkpoint reader holding the same names, in the same order, with
+        the same kind, dtype, shape and size each (what ``describe`` tells), by whole columns."""
+        if not isinstance(other, CheckpointReader) or len(other._names) != len(self._names):
+            return False
+        return ((other._names is self._names or other._names == self._names) and other._kind == self._kind
+                and other._dtype == self._dtype and other._shape == self._shape and other._len == self._len)
+
     def whole_span(self, name: str) -> tuple[str, tuple[int, ...], int, int] | None:
         """(dtype, shape, offset, length) of a tensor stored in one record, straight from the
         index columns (no TensorEntry built: the many-small-parameters path reads through this);
