@@ -68,8 +68,8 @@ def _mapping_pieces(obj: Mapping, depth: int, opts: dict) -> Iterator[str]:
     """A mapping of string keys to plain values (a file's tensor digests, made on the fly) in
     chunks of ``CHUNK_ITEMS``: never the whole of it as a dict or as one string."""
     if opts["sort_keys"]:
-        keys = sorted(obj)
-        items = ((k, obj[k]) for k in keys)
+        by_name = getattr(obj, "sorted_items", None)
+        items = by_name() if by_name is not None else ((k, obj[k]) for k in sorted(obj))
     else:
         items = iter(obj.items())
     indent = opts["indent"]

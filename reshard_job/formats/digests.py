@@ -88,6 +88,12 @@ class TensorDigests(Mapping[str, str]):
     def items(self):
         return _Items(self)
 
+    def sorted_items(self) -> Iterator[tuple[str, str]]:
+        """(name, hex) by name, without building the name index (a manifest's canonical form)."""
+        names = self._names
+        for i in sorted(range(len(names)), key=names.__getitem__):
+            yield names[i], self._hex(i)
+
     def values(self):
         return [self._hex(i) for i in range(len(self._names))]
 

@@ -74,6 +74,23 @@ _DTYPES: dict[bytes, str] = {}  # tensor_type bytes -> interned name
 _SHAPES: dict[tuple, tuple] = {}  # interned shapes
 _KINDS = (KIND_TENSOR, KIND_STR, KIND_MAP)
 _SHARED_NAMES: list = []  # (names, positions) of recently indexed files, shared when equal
+_SHAREABLE = ("_kind", "_dtype", "_shape", "_off", "_len", "_rec", "_rlen")
+_SHARED_COLUMNS: list[dict] = []  # those columns of recently indexed files, shared when equal
+
+
+_SPAN_SHAPES: dict[tuple, tuple | None] = {}  # (dtype, dims, stored bytes) -> shape read as, or None
+_UNSET = object()
+
+
+def _span_shape(dtype: str, dims: tuple, stored: int) -> tuple | None:
+    """The shape a one-record tensor of these dims and stored bytes is read as (dims [0] holding
+    one element is a scalar, as MindSpore reads it); None unless it is plain sliceable data."""
+    dt = dtypes.BY_NAME.get(dtype)
+    if dt is None or dt.storage is None or any(d < 0 for d in dims):
+        return None
+    if dims == (0,) and stored and dt.itemsize == stored:
+        dims = ()
+    return dims if prod(dims) * dt.itemsize == stored else None
 
 
 def _intern_shape(dims: tuple) -> tuple:
@@ -389,13 +406,25 @@ class CheckpointReader(PositionedReader):
         return Record(self._rec[i], self._rlen[i], self._shape[i], self._dtype[i], self._off[i], self._len[i])
 
     def _share_positions(self) -> None:
-        """Files of the ranks of one stage hold the same names in the same order: share one table."""
+        """Files of the ranks of one stage hold the same names in the same order, mostly with the
+        same dtypes, shapes and sizes (and so the same offsets): equal columns are kept once, shared
+        by every reader that has them (none is changed once the file is indexed)."""
         for names, pos in _SHARED_NAMES:
             if len(names) == len(self._names) and names == self._names and len(pos) == len(self._pos):
                 self._names, self._pos = names, pos
-                return
-        _SHARED_NAMES.insert(0, (self._names, self._pos))
-        del _SHARED_NAMES[4:]
+                break
+        else:
+            _SHARED_NAMES.insert(0, (self._names, self._pos))
+            del _SHARED_NAMES[4:]
+        for attr in _SHAREABLE:
+            mine = getattr(self, attr)
+            for columns in _SHARED_COLUMNS:
+                theirs = columns[attr]
+                if theirs is not mine and len(theirs) == len(mine) and theirs == mine:
+                    setattr(self, attr, theirs)
+                    break
+        _SHARED_COLUMNS.insert(0, {attr: getattr(self, attr) for attr in _SHAREABLE})
+        del _SHARED_COLUMNS[4:]
 
     def _parse_large(self, start: int, vstart: int, vend: int, window=None, wstart: int = 0):
         """A record larger than a window: parse its head (from `window` where that holds it, which
@@ -521,13 +550,17 @@ class CheckpointReader(PositionedReader):
         index columns (no TensorEntry built: the many-small-parameters path reads through this);
         None for anything else, which is read, and refused where bad, through its entry."""
         i = self._pos.get(name)
-        if i is None or i in self._multi or _KINDS[self._kind[i]] != KIND_TENSOR:
+        if i is None or self._kind[i] or i in self._multi:  # kind 0: a tensor
             return None
-        dtype, shape, _, stored = self.describe(name)
-        dt = dtypes.BY_NAME.get(dtype)
-        if dt is None or dt.storage is None or any(d < 0 for d in shape) or prod(shape) * dt.itemsize != stored:
+        key = (self._dtype[i], self._shape[i], self._len[i])
+        shape = _SPAN_SHAPES.get(key, _UNSET)
+        if shape is _UNSET:
+            shape = _span_shape(*key)
+            if len(_SPAN_SHAPES) < 100_000:
+                _SPAN_SHAPES[key] = shape
+        if shape is None:
             return None
-        return dtype, shape, self._off[i], stored
+        return key[0], shape, self._off[i], key[2]
 
     def names(self) -> list[str]:
         return list(self._pos)

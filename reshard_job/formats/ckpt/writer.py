@@ -108,7 +108,8 @@ class RecordSink:
         return digest.hex()
 
 
-_JOIN_BELOW = 64 * 1024  # tensors up to this size go out with their header in one write
+_JOIN_BELOW = 64 * 1024  # tensors up to this size are gathered with their header into batches
+_BATCH = 256 * 1024  # bytes of small records handed to the file at once
 _TENSOR_FIELDS: dict[tuple, bytes] = {}  # (dims, dtype, content length) -> the Value's tensor field head
 
 
@@ -148,16 +149,26 @@ class CheckpointWriter:
         self.chunk_bytes = chunk_bytes
         self._crc = 0
         self._open_sink: RecordSink | None = None
+        self._batch = bytearray()  # small records not yet handed to the file (one write per _BATCH bytes)
         self.tensors = TensorDigests()  # name -> sha256 (hashers of deferred ones complete at commit)
 
     # --- low level ------------------------------------------------------------------------------
     def _emit(self, data, *, record: bool, tap=None) -> None:
+        if self._batch:
+            self._flush_batch()
         if tap is None:
             self._file.write(data)
         else:
             write_hashed(self._file, data, tap)
         if record and self.crc:
             self._crc = zlib.crc32(data, self._crc)
+
+    def _flush_batch(self) -> None:
+        batch = self._batch
+        self._file.write(batch)  # copied (staged or written) before it returns
+        if self.crc:
+            self._crc = zlib.crc32(batch, self._crc)
+        batch.clear()
 
     def _tensor_done(self, name: str, digest) -> None:
         """`digest`: the 32 bytes, or a hasher still being fed until the file is committed."""
@@ -192,6 +203,8 @@ class CheckpointWriter:
         """Start a tensor stored in exactly these records (dims, dtype, content length each)."""
         if self._open_sink is not None:
             raise RuntimeError(f"parameter {self._open_sink.name!r} is still being written")
+        if self._batch:  # the sink may write to the file's staging space directly
+            self._flush_batch()
         self._open_sink = RecordSink(self, name, records, defer_hash)
         return self._open_sink
 
@@ -221,8 +234,12 @@ class CheckpointWriter:
                 enc = wire.encode_varint
                 value = b"".join((b"\x0a", enc(len(tag)), tag, field))  # the Value up to its content
                 head = b"\x0a" + enc(len(value) + n) + value
-                if n <= _JOIN_BELOW:  # one write of header and bytes together
-                    self._emit(head + mv, record=True)
+                if n <= _JOIN_BELOW:  # gathered with its neighbours: one write per _BATCH bytes
+                    batch = self._batch
+                    batch += head
+                    batch += mv
+                    if len(batch) >= _BATCH:
+                        self._flush_batch()
                 else:
                     self._emit(head, record=True)
                     self._emit(mv, record=True)
@@ -266,6 +283,8 @@ class CheckpointWriter:
         try:
             if self._open_sink is not None:
                 raise RuntimeError(f"parameter {self._open_sink.name!r} was not finished")
+            if self._batch:
+                self._flush_batch()
             if self.crc:
                 self._emit(CRC_MAGIC + self._crc.to_bytes(10, "big"), record=False)
             if publish_now or not hasattr(self._file, "seal"):
