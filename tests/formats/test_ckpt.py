@@ -685,3 +685,23 @@ def test_record_alike_but_for_a_trailing_field_is_read_as_protobuf_reads_it(tmp_
     with CheckpointReader(write_file(tmp_path / "t.ckpt", data)) as r:
         assert list(r.entries) == ["a", "z", "c"]
         assert all(r.read(n).tobytes() == content for n in r.entries)
+
+
+def test_files_alike_share_index_columns_and_still_read_their_own_bytes(tmp_path):
+    """Ranks of a stage hold the same names, shapes and so offsets: their readers keep those
+    columns once. A file that differs anywhere keeps its own, and every reader reads its own file."""
+    def write(path, rows, fill):
+        with CheckpointWriter(path) as w:
+            for i in range(50):
+                w.add(f"expert.{i}.w", np.full((rows, 3), fill + i, dtype=np.float16))
+        return path
+
+    a = write(tmp_path / "a.ckpt", 2, 0)
+    b = write(tmp_path / "b.ckpt", 2, 100)  # same structure, other bytes
+    c = write(tmp_path / "c.ckpt", 4, 200)  # same names, other shapes and offsets
+    with CheckpointReader(a) as ra, CheckpointReader(b) as rb, CheckpointReader(c) as rc:
+        assert rb._off is ra._off and rb._shape is ra._shape and rb._names is ra._names
+        assert rc._off is not ra._off and rc._shape is not ra._shape and rc._names is ra._names
+        for r, rows, fill in ((ra, 2, 0), (rb, 2, 100), (rc, 4, 200)):
+            for i in (0, 49):
+                assert r.read(f"expert.{i}.w").tolist() == np.full((rows, 3), fill + i, dtype=np.float16).tolist()
