@@ -91,8 +91,14 @@ class TensorDigests(Mapping[str, str]):
     def sorted_items(self) -> Iterator[tuple[str, str]]:
         """(name, hex) by name, without building the name index (a manifest's canonical form)."""
         names = self._names
+        if self._later:
+            for i in sorted(range(len(names)), key=names.__getitem__):
+                yield names[i], self._hex(i)
+            return
+        hexed = self._raw.hex()  # one string for all (64 characters a tensor), sliced below
+        width = 2 * DIGEST_SIZE
         for i in sorted(range(len(names)), key=names.__getitem__):
-            yield names[i], self._hex(i)
+            yield names[i], hexed[i * width:(i + 1) * width]
 
     def values(self):
         return [self._hex(i) for i in range(len(self._names))]
@@ -117,9 +123,17 @@ class _Items:
         return len(self._d)
 
     def __iter__(self):
-        hex_of = self._d._hex
-        for i, name in enumerate(self._d._names):
-            yield name, hex_of(i)
+        d = self._d
+        if d._later:
+            hex_of = d._hex
+            for i, name in enumerate(d._names):
+                yield name, hex_of(i)
+            return
+        names, raw, step = d._names, d._raw, 4096
+        for start in range(0, len(names), step):  # hex made a few thousand digests at a time
+            hexed = raw[start * DIGEST_SIZE:(start + step) * DIGEST_SIZE].hex()
+            yield from zip(names[start:start + step],
+                           (hexed[j:j + 2 * DIGEST_SIZE] for j in range(0, len(hexed), 2 * DIGEST_SIZE)))
 
 
 def _restore(names: list[str], raw: bytes) -> TensorDigests:

@@ -52,6 +52,12 @@ class IndexView(Mapping):
         same = getattr(self._reader, "same_entries", None)
         return isinstance(other, IndexView) and same is not None and same(other._reader)
 
+    def keys(self):
+        """The names, set-like; the reader's own view where it has one (compared in C, not name by
+        name: the planner compares the names of every rank)."""
+        fast = getattr(self._reader, "name_keys", None)
+        return fast() if fast is not None else super().keys()
+
     def __contains__(self, name) -> bool:
         return name in self._reader.entries
 

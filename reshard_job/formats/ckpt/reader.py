@@ -537,6 +537,10 @@ class CheckpointReader(PositionedReader):
             shape = ()  # MindSpore reads dims [0] as a scalar
         return self._dtype[i], shape, kind, self._len[i]
 
+    def name_keys(self):
+        """The names this file holds, as a dict's keys view (set operations run in C)."""
+        return self._pos.keys()
+
     def same_entries(self, other) -> bool:
         """Whether `other` is a checkpoint reader holding the same names, in the same order, with
         the same kind, dtype, shape and size each (what ``describe`` tells), by whole columns."""
