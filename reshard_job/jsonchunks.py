@@ -17,16 +17,33 @@ from typing import Iterator
 CHUNK_ITEMS = 8192  # items of a large mapping encoded per ``json.dumps`` call
 
 
+class LazyList:
+    """A JSON array whose items are made only as it is written (``iter_json``: a few thousand at
+    a time), from `items`, a function returning an iterable of plain values. A plan of a million
+    parameters describes them in tables of that length; as Python lists they would cost far more
+    than their text."""
+
+    __slots__ = ("items",)
+
+    def __init__(self, items):
+        self.items = items
+
+    def __iter__(self):
+        return iter(self.items())
+
+
 def plain(obj):
     """``default=`` for ``json.dumps``: a mapping that is not a dict (a file's tensor digests)
-    is written as the dict it stands for."""
+    is written as the dict it stands for, a ``LazyList`` as the list."""
     if isinstance(obj, Mapping):
         return dict(obj.items())
+    if isinstance(obj, LazyList):
+        return list(obj)
     raise TypeError(f"Object of type {type(obj).__name__} is not JSON serializable")
 
 
 def iter_json(obj, *, indent: int | None = None, sort_keys: bool = False, separators=None,
-              ensure_ascii: bool = True, split_depth: int = 2) -> Iterator[str]:
+              ensure_ascii: bool = True, allow_nan: bool = True, split_depth: int = 2) -> Iterator[str]:
     """Pieces of ``json.dumps(obj, indent=…, sort_keys=…, separators=…, ensure_ascii=…)``.
 
     Dictionaries down to `split_depth` levels are written piece by piece; anything else (and a
@@ -34,13 +51,17 @@ def iter_json(obj, *, indent: int | None = None, sort_keys: bool = False, separa
     """
     if separators is None:
         separators = (",", ": ") if indent is not None else (", ", ": ")
-    opts = dict(indent=indent, sort_keys=sort_keys, separators=separators, ensure_ascii=ensure_ascii)
+    opts = dict(indent=indent, sort_keys=sort_keys, separators=separators, ensure_ascii=ensure_ascii,
+                allow_nan=allow_nan)
     yield from _pieces(obj, 0, split_depth, opts)
 
 
 def _pieces(obj, depth: int, split_depth: int, opts: dict) -> Iterator[str]:
     if isinstance(obj, Mapping) and not isinstance(obj, dict):
         yield from _mapping_pieces(obj, depth, opts)
+        return
+    if isinstance(obj, LazyList):
+        yield from _list_pieces(obj, depth, opts)
         return
     if depth >= split_depth or not isinstance(obj, dict) or not obj or not all(isinstance(k, str) for k in obj):
         text = json.dumps(obj, default=plain, **opts)
@@ -88,3 +109,23 @@ def _mapping_pieces(obj: Mapping, depth: int, opts: dict) -> Iterator[str]:
             # indented, every body begins with its own newline and indent: a comma joins them
             yield ("," if indent is not None else opts["separators"][0]) + body
     yield "{}" if first else close
+
+
+def _list_pieces(obj: LazyList, depth: int, opts: dict) -> Iterator[str]:
+    """A ``LazyList`` in chunks of ``CHUNK_ITEMS`` items, as ``json.dumps`` writes the list."""
+    items = iter(obj)
+    indent = opts["indent"]
+    close = ("\n" + " " * (indent * depth) + "]") if indent is not None else "]"
+    first = True
+    while True:
+        chunk = list(islice(items, CHUNK_ITEMS))
+        if not chunk:
+            break
+        text = next(_pieces(chunk, depth, depth, opts))  # "[" + items + close, indented for `depth`
+        body = text[1:len(text) - len(close)]
+        if first:
+            yield "[" + body
+            first = False
+        else:
+            yield ("," if indent is not None else opts["separators"][0]) + body
+    yield "[]" if first else close

@@ -65,6 +65,7 @@ source have at most 8 different plans) share one tuple of ``ParamPlan``.
 from __future__ import annotations
 
 import itertools
+from array import array
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 from math import gcd, prod
@@ -75,6 +76,7 @@ from .formats import dtypes
 from .formats.boxes import Box, box_size, full_box
 from .formats.index import TensorMeta
 from .formats.strategy import ParamLayout
+from .jsonchunks import LazyList
 from .layout import Layout, common_ndim, is_flattened, unflatten
 from .text import bounded_list, quoted, rank_ranges, shorten
 from .topology import Topology, optimizer_base
@@ -304,9 +306,11 @@ class Plan:
         distinct = {id(s): s for s in self._summaries()}  # shared by ranks with the same plan
         return sorted({r for s in distinct.values() for r in s.source_ranks})
 
-    def to_json(self) -> dict:
+    def to_json(self, *, lazy: bool = False) -> dict:
         """The plan as plain JSON data, in tables so that what parameters and ranks share is
-        written once (a plan of 300,000 parameters on 4 target ranks is about 20 MB, not 300):
+        written once (a plan of 300,000 parameters on 4 target ranks is about 20 MB, not 300).
+        With `lazy`, the long tables (``tensors`` and each rank's ``params``) are
+        ``jsonchunks.LazyList``s, made as they are written by ``iter_json``:
 
         * ``tensors``: ``[name, dtype, kind, action, global_shape]``, one per parameter;
         * ``slices``: ``[target_shape, nbytes, copies]``, each copy ``[source_rank, source_box,
@@ -315,29 +319,37 @@ class Plan:
         * ``ranks[i].params``: flat pairs ``[tensor, slice, tensor, slice, ...]`` of indices into
           those tables, in the order the target file holds the parameters.
         """
-        tensors: list[list] = []
+        order: list[_Tensor] = []  # the tensors table, as the objects it is made from
         tensor_ids: dict[int, int] = {}
         slices: list[list] = []
         slice_ids: dict[tuple, int] = {}
         ranks = []
         for rp in self.ranks:
-            pairs = []
+            pairs = array("I")
             params = rp.params
             entries = (zip(params.tensors, params.slices) if isinstance(params, ParamPlans)
                        else ((p.tensor, (p.target_shape, p.copies, p.nbytes)) for p in params))
             for tensor, (shape, copies, nbytes) in entries:
                 t = tensor_ids.get(id(tensor))
                 if t is None:
-                    t = tensor_ids[id(tensor)] = len(tensors)
-                    tensors.append([tensor.name, tensor.dtype, tensor.kind, tensor.action, list(tensor.global_shape)])
+                    t = tensor_ids[id(tensor)] = len(order)
+                    order.append(tensor)
                 key = (shape, nbytes, id(copies))
                 k = slice_ids.get(key)
                 if k is None:
                     k = slice_ids[key] = len(slices)
                     slices.append([list(shape), nbytes, [c.to_json() for c in copies]])
-                pairs += (t, k)
+                pairs.append(t)
+                pairs.append(k)
             ranks.append({"target_rank": rp.target_rank, "source_ranks": rp.source_ranks, "bytes_read": rp.bytes_read,
-                          "bytes_written": rp.bytes_written, "largest_slice": rp.largest_slice, "params": pairs})
+                          "bytes_written": rp.bytes_written, "largest_slice": rp.largest_slice,
+                          "params": LazyList(pairs.__iter__) if lazy else pairs.tolist()})
+        del tensor_ids, slice_ids
+
+        def tensor_rows():
+            return ([t.name, t.dtype, t.kind, t.action, list(t.global_shape)] for t in order)
+
+        tensors = LazyList(tensor_rows) if lazy else list(tensor_rows())
         return {
             "version": PLAN_VERSION,
             "format": "ranks[].params: flat [tensor, slice, ...] index pairs into 'tensors' ([name, dtype, kind, "

@@ -86,7 +86,7 @@ def run_job(spec: JobSpec, emit: Callable[[str], None] = print) -> JobResult:
 def _convert(spec: JobSpec, prepared: Prepared, recorder) -> JobResult:
     # built by the lineage thread when it records it, and dropped then: for a model of many
     # parameters the document is tens of MB that the conversion has no use for
-    recorder.record_plan(lambda: _plan_json(prepared))
+    recorder.record_plan(lambda: _plan_json(prepared, lazy=True))  # written in pieces by the lineage store
     if prepared.missing:
         raise MissingRankError(prepared.missing, prepared.source.checkpoints)
     cluster_layout(spec, prepared.target.devices)  # target.cluster against devices read from target.strategy
@@ -125,8 +125,8 @@ def _open_output(spec: JobSpec, prepared: Prepared) -> OutputDir:
     return out
 
 
-def _plan_json(prepared: Prepared) -> dict:
-    doc = prepared.plan.to_json()
+def _plan_json(prepared: Prepared, *, lazy: bool = False) -> dict:
+    doc = prepared.plan.to_json(lazy=lazy)
     doc["checks"] = list(prepared.checks)
     # rank -> its file, or the list of files read together as that rank (a MindFormers rank)
     doc["source_files"] = {str(r): p for r, p in sorted(prepared.source_paths.items())}

@@ -18,6 +18,7 @@ locked"/"busy", PostgreSQL's deadlock and serialization failures.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import time
@@ -79,10 +80,18 @@ def sqlite_file(url: URL) -> str | None:
     return database
 
 
+def json_text(value) -> str:
+    """How the engine serializes JSON columns: text already made (``store.JSONText``, a plan
+    written in pieces) as it is, anything else with ``json.dumps``."""
+    if isinstance(value, str) and hasattr(value, "value"):
+        return str(value)
+    return json.dumps(value)
+
+
 def create_lineage_engine(url: str | URL) -> Engine:
     """An engine for `url` with the per-backend settings described in the module docstring."""
     parsed = normalize_url(url)
-    kwargs: dict = {"future": True}
+    kwargs: dict = {"future": True, "json_serializer": json_text}
     if parsed.get_backend_name() == "sqlite":
         kwargs["connect_args"] = {"timeout": SQLITE_BUSY_TIMEOUT_S}
     elif parsed.get_backend_name() == "postgresql":

@@ -32,8 +32,9 @@ from typing import Any, Callable, Iterator, TypeVar
 
 from sqlalchemy import Table, select, update
 from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session, defer, sessionmaker
 
+from ..jsonchunks import iter_json
 from . import queries
 from .database import create_lineage_engine, default_url, normalize_url, retry_transient, writer
 from .digests import HASH_ALGO
@@ -120,22 +121,24 @@ class LineageStore:
 
     def record_plan(self, run_id: str, plan: dict) -> None:
         """Record the plan a run executes and its rank map (before or while it converts)."""
-        plan = _as_json(plan, "plan")
         rank_rows = _rank_map(plan)
+        text = _plan_text(plan)
 
         def record(session: Session) -> None:
             run = self._reportable_run(session, run_id, "record the plan of")
-            self._store_plan(session, run, plan, rank_rows)
+            self._store_plan(session, run, text, rank_rows)
 
         self._write(record)
 
     @staticmethod
-    def _store_plan(session: Session, run: Run, plan: dict, rank_rows: list[dict]) -> None:
-        existing_plan = session.get(RunPlan, run.id)
+    def _store_plan(session: Session, run: Run, plan: "JSONText", rank_rows: list[dict]) -> None:
+        existing_plan = session.scalar(select(RunPlan).where(RunPlan.run_id == run.id)
+                                       .options(defer(RunPlan.plan)))  # its old text is not needed
         if existing_plan is None:
             session.add(RunPlan(run_id=run.id, plan=plan))
         else:
             existing_plan.plan = plan
+        plan = plan.value
         for row in session.scalars(select(RunRank).where(RunRank.run_id == run.id)):
             session.delete(row)
         session.flush()
@@ -146,8 +149,8 @@ class LineageStore:
     def complete_run(self, run_id: str, *, outputs: list[FileRecord], plan: dict | None = None) -> None:
         """Record a run's outputs (and its plan and rank map, unless recorded already with
         ``record_plan``) and mark it completed — all at once."""
-        plan = None if plan is None else _as_json(plan, "plan")
         rank_rows = None if plan is None else _rank_map(plan)
+        plan = None if plan is None else _plan_text(plan)
 
         def complete(session: Session) -> None:
             run = self._reportable_run(session, run_id, "complete")
@@ -338,6 +341,27 @@ def _as_json(value: Any, what: str) -> Any:
     except (TypeError, ValueError) as exc:
         raise LineageError(f"the run's {what} is not plain JSON data: {exc}") from None
     return value
+
+
+class JSONText(str):
+    """A value already serialized as JSON text (``value``: the value it is the text of): the
+    lineage engine stores it as it is instead of serializing it again (``database.json_text``)."""
+
+    value: Any
+
+    def __new__(cls, text: str, value: Any) -> "JSONText":
+        self = super().__new__(cls, text)
+        self.value = value
+        return self
+
+
+def _plan_text(plan: Any) -> JSONText:
+    """A plan as JSON text, made in pieces (a plan's tables may be written as they are iterated,
+    see ``jsonchunks.LazyList``), checked to be plain JSON data on the way."""
+    try:
+        return JSONText("".join(iter_json(plan, allow_nan=False)), plan)
+    except (TypeError, ValueError) as exc:
+        raise LineageError(f"the run's plan is not plain JSON data: {exc}") from None
 
 
 def _config_as_json(config: Any) -> Any:

@@ -89,3 +89,28 @@ def test_tensor_digests_pickle_compare_and_complete_deferred_hashers():
     assert d == want and dict(d) == want and d["b"] == want["b"] and "c" not in d and len(d) == 2
     assert pickle.loads(pickle.dumps(d)) == want
     assert TensorDigests(want) == d
+
+
+@settings(max_examples=100, deadline=None)
+@given(items=st.lists(VALUES, max_size=30), which=st.integers(0, len(OPTIONS) - 1), depth=st.integers(0, 2),
+       chunk=st.sampled_from([1, 4, 8192]))
+def test_lazy_lists_come_out_as_the_list_they_stand_for(items, which, depth, chunk):
+    """A list made as it is written gives exactly the text of the list, nested at any depth (also
+    as a list item), with any options and chunk size."""
+    from reshard_job import jsonchunks
+    from reshard_job.jsonchunks import LazyList
+
+    opts = OPTIONS[which]
+    doc, want = LazyList(lambda: iter(items)), items
+    for level in range(depth):
+        doc, want = {"x": [level, doc], "n": level}, {"x": [level, want], "n": level}
+    try:
+        expected = json.dumps(want, **opts)
+    except TypeError:  # keys json cannot sort
+        return
+    saved, jsonchunks.CHUNK_ITEMS = jsonchunks.CHUNK_ITEMS, chunk
+    try:
+        assert "".join(iter_json(doc, split_depth=9, **opts)) == expected
+    finally:
+        jsonchunks.CHUNK_ITEMS = saved
+    assert json.dumps(doc, default=jsonchunks.plain, **opts) == expected

@@ -24,3 +24,24 @@ def test_plan_round_trips_through_json():
     assert doc["tensors"][tensor][0] == plan.ranks[0].params[0].name
     first = copies[0]
     assert isinstance(first[0], int) and len(first[1]) == 2 * len(target_shape)
+
+
+def test_a_plan_written_in_pieces_is_the_plan_and_is_what_the_lineage_keeps(tmp_path):
+    """The lineage store writes the plan from ``to_json(lazy=True)`` (its long tables made as they
+    are written): the text must be exactly that of the eager document, and reading the run's plan
+    back from the database must give that document."""
+    from reshard_job.jsonchunks import iter_json
+    from reshard_job.lineage import LineageStore
+    from reshard_job.lineage.queries import run_details
+
+    plan, sources = build_plan(S3 / "src_checkpoints", S3 / "src_strategy_dir", S3 / "dst_strategy.ckpt")
+    sources.close()
+    eager = plan.to_json()
+    assert "".join(iter_json(plan.to_json(lazy=True))) == json.dumps(eager)
+    with LineageStore(f"sqlite:///{tmp_path / 'lineage.db'}") as store:
+        store.ensure_schema()
+        run_id = store.start_run(config={"x": 1}, overrides=[], tool_version="t", output_dir=str(tmp_path / "out"),
+                                 source_devices=None, target_devices=None)
+        store.record_plan(run_id, plan.to_json(lazy=True))
+        with store.read_session() as session:
+            assert run_details(session, run_id).plan == json.loads(json.dumps(eager))
