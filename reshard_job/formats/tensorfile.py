@@ -53,7 +53,8 @@ class Scratch:
         return self.get(prod(shape) * dtype.itemsize).view(dtype).reshape(shape)
 
 
-NEAR_WINDOW = 1 << 20  # bytes read at once by ``read_near``
+NEAR_WINDOW = 1 << 20  # the most bytes ``read_near`` reads at once
+NEAR_MIN = 16 << 10  # ... and the fewest (where reads do not follow each other)
 
 _SPANS = Scratch()
 _BLOCKS = Scratch()
@@ -119,6 +120,7 @@ class PositionedReader:
         self.identity = self._file.identity
         self._near: memoryview | None = None  # the window of ``read_near``
         self._near_start = self._near_len = 0
+        self._near_want = NEAR_MIN  # bytes the next refill reads
 
     # --- file handle -------------------------------------------------------------------------
     def _open(self, path: str) -> "RandomAccess":
@@ -210,7 +212,12 @@ class PositionedReader:
             return view
         if self._near is None:
             self._near = memoryview(bytearray(NEAR_WINDOW))
-        n = max(nbytes, min(NEAR_WINDOW, self.size - offset))
+        # Read ahead as far as reads keep coming in order: a window that grows while each miss
+        # lands just past the last one, and starts small again elsewhere (a bias before a large
+        # weight would otherwise pull a megabyte of the weight through the window).
+        gap = offset - (self._near_start + self._near_len)
+        self._near_want = min(2 * self._near_want, NEAR_WINDOW) if 0 <= gap < NEAR_MIN else NEAR_MIN
+        n = max(nbytes, min(self._near_want, self.size - offset))
         self._near_len = 0  # the window is being refilled: nothing in it is valid until it is
         self.pread_into(offset, self._near[:n])
         self._near_start, self._near_len = offset, n

@@ -705,3 +705,35 @@ def test_files_alike_share_index_columns_and_still_read_their_own_bytes(tmp_path
         for r, rows, fill in ((ra, 2, 0), (rb, 2, 100), (rc, 4, 200)):
             for i in (0, 49):
                 assert r.read(f"expert.{i}.w").tolist() == np.full((rows, 3), fill + i, dtype=np.float16).tolist()
+
+
+@pytest.fixture(scope="module")
+def random_ckpt(tmp_path_factory):
+    rng = np.random.default_rng(7)
+    path = tmp_path_factory.mktemp("near") / "r.ckpt"
+    with CheckpointWriter(path) as w:
+        w.add("big", rng.integers(0, 255, size=(3 << 20) // 2, dtype=np.uint16).view(np.float16))
+        for i in range(300):
+            w.add(f"small.{i}", rng.integers(0, 255, size=3, dtype=np.uint16).view(np.float16))
+    return str(path), Path(path).read_bytes()
+
+
+@FAST
+@given(reads=st.lists(st.tuples(st.integers(0, 3 << 20), st.integers(0, 70_000)), min_size=1, max_size=30),
+       in_order=st.booleans())
+def test_read_near_gives_the_files_bytes_in_any_order(random_ckpt, reads, in_order):
+    """``read_near`` serves small reads from a read-ahead window: whatever the order and sizes,
+    every view holds exactly the file's bytes there, and a read past the end is a format error."""
+    path, data = random_ckpt
+    if in_order:
+        reads = sorted(reads)
+    with CheckpointReader(path) as r:
+        for offset, n in reads:
+            if offset + n > len(data):
+                with pytest.raises(CheckpointFormatError):
+                    r.read_near(offset, n)
+                continue
+            assert bytes(r.read_near(offset, n)) == data[offset:offset + n]
+        for name in ("small.0", "small.1", "small.299"):  # the many-small-tensors path: in file order
+            _, _, offset, n = r.whole_span(name)
+            assert bytes(r.read_near(offset, n)) == r.read(name).tobytes()
