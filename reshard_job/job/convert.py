@@ -239,7 +239,7 @@ def _run_ranks(spec: JobSpec, prepared: Prepared, out: OutputDir, digests: Sourc
     todo = {r: p for r, p in paths.items() if r not in kept}
     options = WriteOptions(spec.target.format, spec.run.max_memory, spec.target.crc)
     tasks = rank_tasks(prepared, todo, options, digests.identities, spec.storage)
-    executor, how = choice.executor_for(len(tasks))
+    executor, how = choice.executor_for(len(tasks), sum(t.plan.bytes_written for t in tasks))
     total = sum(t.plan.bytes_written for t in tasks)
     what = "converting" if prepared.export is None else "exporting"
     bar = Progress(total, len(tasks), enabled=spec.run.progress, desc=what)

@@ -38,14 +38,15 @@ class ExecutorChoice:
     workers: int | None = None  # job.workers (local)
     prepared: Prepared | None = None
 
-    def executor_for(self, n_tasks: int) -> tuple[Executor, str]:
-        """The executor for `n_tasks` rank tasks, and how it runs them (for the log)."""
+    def executor_for(self, n_tasks: int, bytes_to_write: int | None = None) -> tuple[Executor, str]:
+        """The executor for `n_tasks` rank tasks writing `bytes_to_write` in all, and how it runs
+        them (for the log)."""
         if self.given is not None:
             return self.given, f"with {type(self.given).__name__}"
         if self.ray is not None:
             where = ", each on its target node" if self.files.per_node else ""
             return self.ray, f"on the Ray cluster at {self.ray.address}{where}"
-        workers = min(self.workers or default_workers(n_tasks), max(1, n_tasks))
+        workers = min(self.workers or default_workers(n_tasks, bytes_to_write), max(1, n_tasks))
         return LocalExecutor(workers, self.prepared.readers if self.prepared else None), f"with {workers} worker(s)"
 
     def node_summary(self) -> list[dict] | None:

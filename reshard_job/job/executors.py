@@ -13,6 +13,7 @@ process group; the job, not each worker, reacts to it) and die with the job, eve
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import signal
@@ -38,8 +39,17 @@ class Executor(Protocol):
         that fails for good stops the rest and is raised as a ReshardError naming the rank."""
 
 
-def default_workers(n_tasks: int) -> int:
-    return max(1, min(os.cpu_count() or 1, n_tasks))
+WORKER_BYTES = 256 * 1024 ** 2  # a worker process pays for itself with at least this much to write
+
+
+def default_workers(n_tasks: int, bytes_to_write: int | None = None) -> int:
+    """One process per CPU, no more than there are target ranks, and no more than one per
+    ``WORKER_BYTES`` to write: a small conversion (many small parameters included, where the work
+    is per parameter and each worker would hold its own copy of what it touches) runs in one."""
+    workers = max(1, min(os.cpu_count() or 1, n_tasks))
+    if bytes_to_write is not None:
+        workers = min(workers, max(1, -(-bytes_to_write // WORKER_BYTES)))
+    return workers
 
 
 class LocalExecutor:
@@ -158,6 +168,7 @@ def _publish(batch: list, on_done: OnDone) -> None:
 # ------------------------------------------------------------------------------- worker side
 _counter = None  # shared byte counter (multiprocessing.Value)
 _shared_sources: SourceFiles | None = None  # the parent's readers, inherited by fork
+_shared_tasks: list[RankTask] | None = None  # the tasks, inherited by fork instead of pickled to each worker
 
 
 def _init_worker(counter, parent_pid: int) -> None:
@@ -194,6 +205,11 @@ def _report(n: int) -> None:
         _counter.value += n
 
 
+def _run_shared_task(i: int):
+    """``_run_in_worker`` of the parent's task `i` (a plan of a million parameters is not pickled)."""
+    return _run_in_worker(_shared_tasks[i])
+
+
 def _run_in_worker(task: RankTask):
     """(RankResult, SealedFile or None): the parent publishes the file, in a batch with others."""
     sources = _shared_sources
@@ -204,12 +220,18 @@ def _run_in_worker(task: RankTask):
 
 # ------------------------------------------------------------------------------- parent side
 def _run_pool(tasks, workers: int, sources, on_bytes: OnBytes, on_done: OnDone) -> None:
-    global _shared_sources
+    global _shared_sources, _shared_tasks
     forking = "fork" in mp.get_all_start_methods()
     ctx = mp.get_context("fork") if forking else mp.get_context()
     _shared_sources = sources if forking else None
+    _shared_tasks = list(tasks) if forking else None
     counter = ctx.Value("q", 0)
     seen = 0
+    if forking:
+        # The workers share this process's objects (indexes, plan) copy-on-write; a garbage
+        # collection in a worker would touch every one of them and copy their pages. Frozen, the
+        # collector leaves them alone (the job's many-parameter indexes are hundreds of MB).
+        gc.freeze()
     pool = ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_init_worker,
                                initargs=(counter, os.getpid()))
     pending = set()
@@ -218,8 +240,8 @@ def _run_pool(tasks, workers: int, sources, on_bytes: OnBytes, on_done: OnDone) 
     try:
         try:
             # largest ranks first, so one big rank does not finish alone at the end
-            for t in sorted(tasks, key=lambda t: -t.plan.bytes_written):
-                pending.add(pool.submit(_run_in_worker, t))
+            for i in sorted(range(len(tasks)), key=lambda i: -tasks[i].plan.bytes_written):
+                pending.add(pool.submit(_run_shared_task, i) if forking else pool.submit(_run_in_worker, tasks[i]))
             while pending:
                 done, pending = wait(pending, timeout=POLL_S, return_when=FIRST_COMPLETED)
                 seen = _forward(counter, seen, on_bytes)
@@ -235,7 +257,9 @@ def _run_pool(tasks, workers: int, sources, on_bytes: OnBytes, on_done: OnDone) 
             _stop(pool, pending)
             raise
         finally:
-            _shared_sources = None
+            _shared_sources = _shared_tasks = None
+            if forking:
+                gc.unfreeze()
         _publish(batch, on_done)
     finally:
         _land_what_is_finished(batch, on_done)  # an error or interruption: the finished files land

@@ -103,3 +103,18 @@ def test_the_recorded_config_never_holds_a_password(tmp_path):
     text = repr(spec.config)
     assert "s3cret" not in text and "SK" not in text and "AK" not in text and "alice:***@db" in text
     assert spec.storage.options == {"secret": "SK", "key": "AK"} and "SK" not in repr(spec.storage)
+
+
+def test_default_workers_follow_cpus_ranks_and_bytes(monkeypatch):
+    """job.workers=null: one process per CPU, no more than target ranks, and one per 256 MiB to
+    write at most (a conversion of many small parameters stays in one process)."""
+    from reshard_job.job import executors
+
+    monkeypatch.setattr(executors.os, "cpu_count", lambda: 16)
+    mib = 1024 ** 2
+    assert executors.default_workers(8) == 8
+    assert executors.default_workers(32) == 16
+    assert executors.default_workers(8, 18 * mib) == 1
+    assert executors.default_workers(8, 300 * mib) == 2
+    assert executors.default_workers(8, 2070 * mib) == 8
+    assert executors.default_workers(4, 0) == 1
