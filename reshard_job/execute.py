@@ -20,8 +20,8 @@ import numpy as np
 from .errors import FormatError, PlanError
 from .formats import dtypes
 from .formats.base import TensorDecl, TensorReader, WrittenFile
-from .formats.digests import TensorDigests
 from .formats.boxes import Box, box_shape, intersect, split_rows
+from .formats.digests import TensorDigests
 from .formats.multifile import MultiFileReader
 from .formats.index import reader_index
 from .formats.registry import open_reader, open_writer
