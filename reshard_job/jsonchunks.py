@@ -93,39 +93,30 @@ def _mapping_pieces(obj: Mapping, depth: int, opts: dict) -> Iterator[str]:
         items = by_name() if by_name is not None else ((k, obj[k]) for k in sorted(obj))
     else:
         items = iter(obj.items())
-    indent = opts["indent"]
-    close = ("\n" + " " * (indent * depth) + "}") if indent is not None else "}"
-    first = True
-    while True:
-        chunk = dict(islice(items, CHUNK_ITEMS))
-        if not chunk:
-            break
-        text = next(_pieces(chunk, depth, depth, opts))  # "{" + items + close, indented for `depth`
-        body = text[1:len(text) - len(close)]
-        if first:
-            yield "{" + body
-            first = False
-        else:
-            # indented, every body begins with its own newline and indent: a comma joins them
-            yield ("," if indent is not None else opts["separators"][0]) + body
-    yield "{}" if first else close
+    yield from _chunked(dict, items, "{}", depth, opts)
 
 
 def _list_pieces(obj: LazyList, depth: int, opts: dict) -> Iterator[str]:
     """A ``LazyList`` in chunks of ``CHUNK_ITEMS`` items, as ``json.dumps`` writes the list."""
-    items = iter(obj)
+    yield from _chunked(list, iter(obj), "[]", depth, opts)
+
+
+def _chunked(container, items: Iterator, brackets: str, depth: int, opts: dict) -> Iterator[str]:
+    """One JSON object or array (`container`: dict or list) from `items`, a chunk of
+    ``CHUNK_ITEMS`` at a time, each chunk encoded by ``json.dumps`` and its brackets cut off."""
     indent = opts["indent"]
-    close = ("\n" + " " * (indent * depth) + "]") if indent is not None else "]"
+    close = ("\n" + " " * (indent * depth) + brackets[1]) if indent is not None else brackets[1]
     first = True
     while True:
-        chunk = list(islice(items, CHUNK_ITEMS))
+        chunk = container(islice(items, CHUNK_ITEMS))
         if not chunk:
             break
-        text = next(_pieces(chunk, depth, depth, opts))  # "[" + items + close, indented for `depth`
+        text = next(_pieces(chunk, depth, depth, opts))  # opening bracket + items + close, indented for `depth`
         body = text[1:len(text) - len(close)]
         if first:
-            yield "[" + body
+            yield brackets[0] + body
             first = False
         else:
+            # indented, every body begins with its own newline and indent: a comma joins them
             yield ("," if indent is not None else opts["separators"][0]) + body
-    yield "[]" if first else close
+    yield brackets if first else close

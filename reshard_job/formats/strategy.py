@@ -267,8 +267,9 @@ def parse_protobuf_strategy(data: bytes, path: str | None = None) -> StrategyFil
 
 def _layout_bytes(data: bytes) -> list | None:
     """The encoded ``parallel_layouts`` of every layout item, in order: an item whose layouts field
-    is absent or repeated (protobuf merges repeated copies) gets None and is read through protobuf. None when the walk meets anything unexpected (protobuf has parsed the
-    file already, so that only means: read every item the slow way)."""
+    is absent or repeated (protobuf merges repeated copies) gets None and is read through protobuf.
+    None when the walk meets anything unexpected (protobuf has parsed the file already, so that
+    only means: read every item the slow way)."""
     out: list = []
     view = memoryview(data)
     pos, end = 0, len(data)
