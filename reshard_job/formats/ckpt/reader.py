@@ -201,7 +201,7 @@ class CheckpointReader(PositionedReader):
             raise self._error("empty file (0 bytes), expected MindSpore checkpoint records")
         self._walk()
         self._validate()
-        self._share_positions()
+        self._share_columns()
 
     def _validate(self) -> None:
         """Every tensor's dtype known and its data the size its dims say, checked at open (cheaply,
@@ -405,7 +405,7 @@ class CheckpointReader(PositionedReader):
     def _first_record(self, i: int) -> Record:
         return Record(self._rec[i], self._rlen[i], self._shape[i], self._dtype[i], self._off[i], self._len[i])
 
-    def _share_positions(self) -> None:
+    def _share_columns(self) -> None:
         """Files of the ranks of one stage hold the same names in the same order, mostly with the
         same dtypes, shapes and sizes (and so the same offsets): equal columns are kept once, shared
         by every reader that has them (none is changed once the file is indexed)."""

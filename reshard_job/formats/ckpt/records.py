@@ -95,14 +95,25 @@ def tensor_header(dims: Iterable[int], dtype: str, content_len: int) -> bytes:
     return b"".join([b"\x08" + enc(int(d)) for d in dims] + [t, b"\x1a", enc(content_len)])
 
 
+_TENSOR_FIELDS: dict[tuple, bytes] = {}  # (dims, dtype, content length) -> the Value's tensor field head
+
+
 def record_header(name: str, dims: Iterable[int], dtype: str, content_len: int) -> bytes:
-    """Everything of a one-tensor record that precedes its tensor_content bytes."""
+    """Everything of a one-tensor record that precedes its tensor_content bytes.
+
+    The part after the name (TensorProto key and length, dims, dtype, content length) is kept per
+    (dims, dtype, length): a model's many small tensors share a few of them."""
+    try:
+        field = _TENSOR_FIELDS[dims, dtype, content_len]
+    except (KeyError, TypeError):  # new, or dims given as a list
+        dims = tuple(int(d) for d in dims)
+        tensor_head = tensor_header(dims, dtype, content_len)
+        field = wire.len_field(2, len(tensor_head) + content_len) + tensor_head
+        if len(_TENSOR_FIELDS) < 10_000:
+            _TENSOR_FIELDS[dims, dtype, content_len] = field
     tag = name.encode("utf-8")
-    tensor_head = tensor_header(dims, dtype, content_len)
-    tensor_len = len(tensor_head) + content_len
-    value = wire.len_field(1, len(tag)) + tag + wire.len_field(2, tensor_len) + tensor_head
-    value_len = len(value) + content_len
-    return wire.len_field(1, value_len) + value
+    value = wire.len_field(1, len(tag)) + tag + field
+    return wire.len_field(1, len(value) + content_len) + value
 
 
 def map_record(name: str, parts: list[tuple[tuple[int, ...], str, bytes]]) -> bytes:

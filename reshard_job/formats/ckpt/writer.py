@@ -19,9 +19,8 @@ from ...errors import LayoutError
 from .. import dtypes
 from ...storage.base import write_hashed
 from ..base import TensorDecl, WrittenFile
-from .. import wire
 from ..digests import TensorDigests
-from .records import CRC_MAGIC, SLICE_BYTES, default_chunks, map_record, record_header, tensor_header
+from .records import CRC_MAGIC, SLICE_BYTES, default_chunks, map_record, record_header
 
 
 class RecordSink:
@@ -110,22 +109,24 @@ class RecordSink:
 
 _JOIN_BELOW = 64 * 1024  # tensors up to this size are gathered with their header into batches
 _BATCH = 256 * 1024  # bytes of small records handed to the file at once
-_TENSOR_FIELDS: dict[tuple, bytes] = {}  # (dims, dtype, content length) -> the Value's tensor field head
+_PLAIN: set[tuple] = set()  # (dims, dtype, content length) found to be a plain one-record tensor
 
 
-def _tensor_field(dims, dtype: str, n: int) -> bytes | None:
-    """The record bytes between a tensor's name and its content (the TensorProto key and length,
-    dims, dtype, content length), or None unless `n` bytes is exactly what dims and dtype say.
-    Kept per (dims, dtype, length): a model's many small tensors share a few of them."""
+def _plain_tensor(dims, dtype: str, n: int) -> bool:
+    """Whether `n` bytes are exactly what dims and dtype say (a str entry is not a tensor);
+    remembered per (dims, dtype, length): a model's many small tensors share a few of them."""
+    try:
+        if (dims, dtype, n) in _PLAIN:
+            return True
+    except TypeError:  # dims given as a list
+        pass
     dt = dtypes.BY_NAME.get(dtype)
     dims = tuple(int(d) for d in dims)
     if dt is None or dtype == dtypes.STR_TYPE or prod(dims) * dt.itemsize != n:
-        return None
-    head = tensor_header(dims, dtype, n)
-    field = wire.len_field(2, len(head) + n) + head
-    if len(_TENSOR_FIELDS) < 10_000:
-        _TENSOR_FIELDS[dims, dtype, n] = field
-    return field
+        return False
+    if len(_PLAIN) < 10_000:
+        _PLAIN.add((dims, dtype, n))
+    return True
 
 
 class CheckpointWriter:
@@ -225,15 +226,8 @@ class CheckpointWriter:
         n = len(mv)
         if chunk_sizes is None and 0 < n <= self.chunk_bytes and self._open_sink is None:
             # one record, header and bytes at once: the common case of the many small tensors
-            try:
-                field = _TENSOR_FIELDS[dims, dtype, n]
-            except (KeyError, TypeError):
-                field = _tensor_field(dims, dtype, n)
-            if field is not None:
-                tag = name.encode("utf-8")
-                enc = wire.encode_varint
-                value = b"".join((b"\x0a", enc(len(tag)), tag, field))  # the Value up to its content
-                head = b"\x0a" + enc(len(value) + n) + value
+            if _plain_tensor(dims, dtype, n):
+                head = record_header(name, dims, dtype, n)
                 if n <= _JOIN_BELOW:  # gathered with its neighbours: one write per _BATCH bytes
                     batch = self._batch
                     batch += head
