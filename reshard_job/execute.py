@@ -33,6 +33,7 @@ from .tasks import FORMAT_CKPT, FORMAT_SAFETENSORS, RankResult, RankTask, files_
 
 DEFAULT_MAX_MEMORY = 32 * 1024 * 1024
 COPY_BLOCK = 4 * 1024 * 1024
+OPEN_THREADS = 8  # remote source files indexed at once (SourceFiles.open_all)
 
 Progress = Callable[[int], None]
 
@@ -101,7 +102,30 @@ class SourceFiles:
             self._check_identity(rank, self.current_identity(rank))
 
     def index(self) -> dict[int, dict[str, TensorMeta]]:
+        self.open_all()
         return {rank: reader_index(self.reader(rank)) for rank in sorted(self.paths)}
+
+    def open_all(self) -> None:
+        """Open (index) every rank's files, several at once where they are remote objects.
+
+        Indexing an object walks its record headers with ranged reads one after the other: most of
+        the time is round trips, which objects of several ranks can overlap. Local files are walked
+        one after the other (the walk is Python work; threads would only take turns at it). The
+        first failure in rank order is raised, as opening one after the other would raise it."""
+        todo = [r for r in sorted(self.paths) if r not in self._readers]
+        first = files_of(self.paths[todo[0]])[0] if todo else None
+        if len(todo) < 2 or storage_for(first, self.storage).scheme == "file":
+            return
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=min(OPEN_THREADS, len(todo)), thread_name_prefix="index") as pool:
+            futures = [(r, pool.submit(self.reader, r)) for r in todo]
+            failure = None
+            for _, future in futures:
+                error = future.exception()
+                failure = failure or error
+        if failure is not None:
+            raise failure
 
     def close(self) -> None:
         for r in self._readers.values():

@@ -90,7 +90,8 @@ class ObjectReader:
         self._expected: list[tuple[int, int]] = []  # announced reads, sorted and merged (expect)
         self._expected_starts: list[int] = []
         self._budget = 0
-        self._batch: list[tuple[int, bytearray]] = []  # fetched expected ranges, by offset
+        self._batch: list[tuple[int, memoryview]] = []  # fetched expected ranges, by offset
+        self._batch_buffer = bytearray()  # what the batch's views are of (reused, see _fetch_batch)
         self._batch_starts: list[int] = []
 
     # -- RandomAccess --------------------------------------------------------------------------
@@ -105,7 +106,7 @@ class ObjectReader:
         with self._lock:
             w_off, window = self._window_offset, self._window
             if w_off <= offset and offset + n <= w_off + len(window):
-                view[:n] = window[offset - w_off:offset - w_off + n]
+                view[:n] = memoryview(window)[offset - w_off:offset - w_off + n]
                 return n
             if self._from_batch(offset, view[:n]):
                 return n
@@ -117,10 +118,14 @@ class ObjectReader:
             sequential = bool(window) and w_off <= offset <= w_off + len(window) + SEQUENTIAL_GAP
             self._readahead = min(2 * self._readahead, MAX_READAHEAD) if sequential else MIN_READAHEAD
             length = min(max(n, self._readahead), self.size - offset)
-            buf = bytearray(length)
+            # The window's buffer is reused while its size stays (a header walk refills it hundreds
+            # of times): a fresh one per fill costs zeroing and page faults of megabytes each time.
+            # It holds nothing valid while it is being refilled, in case the fetch fails.
+            buf = window if isinstance(window, bytearray) and len(window) == length else bytearray(length)
+            self._window = b""
             self._fetch([(offset, length)], [memoryview(buf)])
-            self._window_offset, self._window = offset, bytes(buf)
-            view[:n] = self._window[:n]
+            self._window_offset, self._window = offset, buf
+            view[:n] = memoryview(buf)[:n]
             return n
 
     def read_ranges(self, ranges: list[tuple[int, int]]) -> list[bytes]:
@@ -157,7 +162,7 @@ class ObjectReader:
         start, data = self._batch[i]
         if offset + len(view) > start + len(data):
             return False
-        view[:] = memoryview(data)[offset - start:offset - start + len(view)]
+        view[:] = data[offset - start:offset - start + len(view)]
         return True
 
     def _fetch_batch(self, offset: int, n: int) -> bool:
@@ -176,8 +181,16 @@ class ObjectReader:
         if wanted[0][1] < n:
             return False
         self._batch = []  # the previous batch goes before the next one is fetched
-        buffers = [bytearray(length) for _, length in wanted]
-        self._fetch(wanted, [memoryview(b) for b in buffers])
+        # One buffer for the batch, kept for the next one while it is large enough: a rank task
+        # fetches batch after batch, and fresh megabytes each time cost zeroing and page faults.
+        total = sum(length for _, length in wanted)
+        if len(self._batch_buffer) < total:
+            self._batch_buffer = bytearray(total)
+        whole, buffers, at = memoryview(self._batch_buffer), [], 0
+        for _, length in wanted:
+            buffers.append(whole[at:at + length])
+            at += length
+        self._fetch(wanted, buffers)
         self._batch = [(start, b) for (start, _), b in zip(wanted, buffers)]
         self._batch_starts = [start for start, _ in wanted]
         return True
@@ -185,7 +198,7 @@ class ObjectReader:
     def close(self) -> None:
         self._closed = True
         self._window = b""
-        self._batch, self._expected = [], []
+        self._batch, self._expected, self._batch_buffer = [], [], bytearray()
 
     def __enter__(self):
         return self

@@ -500,3 +500,43 @@ def test_announced_reads_are_fetched_in_few_requests_and_only_where_announced(s3
         view = memoryview(bytearray(100))  # a read nobody announced still works, by itself
         assert f.pread_into(10 * 1024 * 1024, view) == 100 and bytes(view) == data[10 * 1024 * 1024:][:100]
         assert f.requests == requests + 1
+
+
+def test_remote_sources_are_indexed_together_and_the_first_bad_rank_is_named(s3_store, s3_prefix, s3_storage_options,
+                                                                             monkeypatch):
+    from reshard_job.errors import FormatError
+    from reshard_job.execute import SourceFiles
+    from reshard_job.formats.ckpt.reader import CheckpointReader
+
+    golden = GOLDEN_CKPT.parents[1]
+    urls, local = {}, {}
+    for rank in range(8):
+        path = golden / f"rank_{rank}" / f"checkpoint_{rank}.ckpt"
+        urls[rank] = f"{s3_prefix}/ok/rank_{rank}/checkpoint_{rank}.ckpt"
+        local[rank] = str(path)
+        s3_store.write_bytes(urls[rank], path.read_bytes())
+    threads = set()
+    real_init = CheckpointReader.__init__
+
+    def noting_thread(self, *args, **kwargs):
+        import threading
+
+        threads.add(threading.current_thread().name)
+        real_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(CheckpointReader, "__init__", noting_thread)
+    with SourceFiles(urls, verify_crc=False, storage=s3_storage_options) as remote:
+        index = remote.index()
+        assert len(threads) > 1 and all(name.startswith("index") for name in threads), threads
+        with SourceFiles(local, verify_crc=False) as files:
+            assert index == files.index()
+            assert "MainThread" in threads  # local files: walked in order, by the caller
+
+    bad = dict(urls)
+    for rank in (5, 2):  # two broken files: the lower rank is the one named, as a walk in order would
+        bad[rank] = f"{s3_prefix}/bad/rank_{rank}/checkpoint_{rank}.ckpt"
+        s3_store.write_bytes(bad[rank], b"\x0b" + Path(local[rank]).read_bytes()[1:])
+    with SourceFiles(bad, verify_crc=False, storage=s3_storage_options) as remote:
+        with pytest.raises(FormatError) as err:
+            remote.index()
+    one_line(err.value, bad[2], "wrong magic")

@@ -15,6 +15,7 @@ bytes, locally or from an object store alike.
 from __future__ import annotations
 
 import sys
+import threading
 import zlib
 from array import array
 from collections.abc import Mapping
@@ -76,6 +77,7 @@ _KINDS = (KIND_TENSOR, KIND_STR, KIND_MAP)
 _SHARED_NAMES: list = []  # (names, positions) of recently indexed files, shared when equal
 _SHAREABLE = ("_kind", "_dtype", "_shape", "_off", "_len", "_rec", "_rlen")
 _SHARED_COLUMNS: list[dict] = []  # those columns of recently indexed files, shared when equal
+_SHARING = threading.Lock()  # remote files are indexed in threads (SourceFiles.open_all)
 
 
 _SPAN_SHAPES: dict[tuple, tuple | None] = {}  # (dtype, dims, stored bytes) -> shape read as, or None
@@ -409,6 +411,10 @@ class CheckpointReader(PositionedReader):
         """Files of the ranks of one stage hold the same names in the same order, mostly with the
         same dtypes, shapes and sizes (and so the same offsets): equal columns are kept once, shared
         by every reader that has them (none is changed once the file is indexed)."""
+        with _SHARING:
+            self._share_columns_locked()
+
+    def _share_columns_locked(self) -> None:
         for names, pos in _SHARED_NAMES:
             if len(names) == len(self._names) and names == self._names and len(pos) == len(self._pos):
                 self._names, self._pos = names, pos
