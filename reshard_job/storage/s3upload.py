@@ -9,7 +9,8 @@ also costs storage until then, which is why a rerun cleans up first).
 
 Memory is bounded: one part being filled plus at most ``max_in_flight`` parts being sent on the
 store's event loop while the caller fills the next (a part's buffer is handed over, not
-copied). Parts start at 8 MiB and double every 1000 parts, so the 10,000-part limit of S3 still
+copied, and filled again once its part is sent: fresh megabytes for every part would cost
+zeroing and page faults). Parts start at 8 MiB and double every 1000 parts, so the 10,000-part limit of S3 still
 allows objects of about 8 TiB while memory stays near 3 parts. A file smaller than one part is sent by one plain PUT at commit, which is atomic too.
 The sha256 is computed from the bytes as the caller hands them over; no byte is read back.
 """
@@ -44,9 +45,11 @@ class MultipartUpload:
         self._base_part_size = part_size
         self._max_in_flight = max(1, max_in_flight)
         self._hash = hashlib.sha256()
-        self._buffer = bytearray()
+        self._buffer = bytearray()  # the part being filled: its first _fill bytes
+        self._fill = 0
+        self._spare: list[bytearray] = []  # buffers of parts sent, to be filled again
         self._parts: list[dict] = []
-        self._in_flight: list[tuple[int, concurrent.futures.Future]] = []
+        self._in_flight: list[tuple[int, concurrent.futures.Future, bytearray | None]] = []
         self._done = False
 
     # -- AtomicWriter --------------------------------------------------------------------------
@@ -66,10 +69,14 @@ class MultipartUpload:
         self._hash.update(view)
         self.size += len(view)
         while len(view):
-            room = self._part_size() - len(self._buffer)
-            self._buffer += view[:room]
-            view = view[room:]
-            if len(self._buffer) >= self._part_size():
+            size = self._part_size()
+            if len(self._buffer) != size:  # the first part, or parts grew (only ever when empty)
+                self._buffer = self._new_buffer(size)
+            take = min(size - self._fill, len(view))
+            self._buffer[self._fill:self._fill + take] = view[:take]
+            self._fill += take
+            view = view[take:]
+            if self._fill == size:
                 self._send_part()
 
     def commit(self) -> tuple[int, str]:
@@ -77,11 +84,12 @@ class MultipartUpload:
             raise RuntimeError(f"{self.path}: already committed or aborted")
         try:
             if self.upload_id is None:
-                body, self._buffer = bytes(self._buffer), bytearray()
+                body = bytes(memoryview(self._buffer)[:self._fill])
+                self._buffer, self._fill = bytearray(), 0
                 self._store.call("put_object", self.path, "writing it", Bucket=self._bucket, Key=self._key,
                                  Body=body)
             else:
-                if self._buffer or not self._parts and not self._in_flight:
+                if self._fill or not self._parts and not self._in_flight:
                     self._send_part()
                 self._wait(0)
                 self._parts.sort(key=lambda p: p["PartNumber"])
@@ -99,10 +107,10 @@ class MultipartUpload:
         if self._done:
             return
         self._done = True
-        self._buffer = bytearray()
-        for _, future in self._in_flight:
+        self._buffer, self._fill, self._spare = bytearray(), 0, []
+        for _, future, _ in self._in_flight:
             future.cancel()
-        for _, future in self._in_flight:
+        for _, future, _ in self._in_flight:
             try:
                 future.result()
             except BaseException:  # noqa: BLE001 - the upload is being thrown away
@@ -138,9 +146,14 @@ class MultipartUpload:
                 self.upload_id = created["UploadId"]
             self._wait(self._max_in_flight - 1)
             number = len(self._parts) + len(self._in_flight) + 1
-            body, self._buffer = self._buffer, bytearray()  # handed over: the next part gets a new buffer
+            if self._fill == len(self._buffer):  # handed over; filled again once it is sent
+                body, reuse = self._buffer, self._buffer
+            else:  # the last part, shorter: a copy of its bytes, and the buffer stays
+                body, reuse = self._buffer[:self._fill], None
+            self._buffer = bytearray() if reuse is not None else self._buffer
+            self._fill = 0
             future = self._store.submit(self._upload_part, number, body)
-            self._in_flight.append((number, future))
+            self._in_flight.append((number, future, reuse))
         except BaseException:
             self.abort()
             raise
@@ -158,5 +171,15 @@ class MultipartUpload:
     def _wait(self, keep: int) -> None:
         """Wait until at most `keep` parts are still being sent."""
         while len(self._in_flight) > keep:
-            _, future = self._in_flight.pop(0)
+            _, future, buffer = self._in_flight.pop(0)
             self._parts.append(future.result())
+            if buffer is not None and len(self._spare) < self._max_in_flight:
+                self._spare.append(buffer)
+
+    def _new_buffer(self, size: int) -> bytearray:
+        """A buffer for the next part: a sent part's, while parts keep their size."""
+        while self._spare:
+            buffer = self._spare.pop()
+            if len(buffer) == size:
+                return buffer
+        return bytearray(size)

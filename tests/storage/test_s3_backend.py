@@ -225,6 +225,32 @@ def test_part_sizes_grow_so_huge_objects_fit_in_10000_parts(s3_store, s3_prefix)
     w.abort()
 
 
+def test_part_buffers_are_filled_again_and_the_object_is_exact(s3_store, s3_prefix, monkeypatch):
+    """Parts of two sizes (doubling after four), writes that straddle parts, a short last part:
+    the buffers of sent parts are filled again, and the object is the bytes written, in order."""
+    from reshard_job.storage import s3upload
+
+    monkeypatch.setattr(s3upload, "PARTS_PER_DOUBLING", 4)
+    data = os.urandom(23 * 1024 * 1024 + 12345)  # four parts of 5 MiB and a short last one (of 10)
+    url = f"{s3_prefix}/parts.ckpt"
+    w = s3_store.create(url, large=True)
+    allocated = []
+    real_new = w._new_buffer
+    monkeypatch.setattr(w, "_new_buffer", lambda size: allocated.append(buf := real_new(size)) or buf)
+    pos, step = 0, 777_777
+    while pos < len(data):
+        w.write(data[pos:pos + step])
+        pos += step
+        assert len(w._spare) <= w._max_in_flight
+    assert w.commit() == (len(data), hashlib.sha256(data).hexdigest())
+    assert len(w._parts) == 5
+    # one part filled while two are sent: the fourth is filled in the first one's buffer (sent by
+    # then); the last part needs a buffer of 10 MiB
+    assert len(allocated) == 5 and allocated[3] is allocated[0]
+    assert len({id(b) for b in allocated}) == 4 and len(allocated[4]) == 10 * 1024 * 1024
+    assert s3_store.read_bytes(url, len(data)) == data
+
+
 def test_failed_upload_is_aborted_and_reported_in_one_line(s3_server, s3_prefix):
     reader = S3Storage(endpoint_url=s3_server.endpoint, options=s3_server.options("reader"),
                        part_size=5 * 1024 * 1024)
