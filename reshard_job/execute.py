@@ -119,13 +119,10 @@ class SourceFiles:
         from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(max_workers=min(OPEN_THREADS, len(todo)), thread_name_prefix="index") as pool:
-            futures = [(r, pool.submit(self.reader, r)) for r in todo]
-            failure = None
-            for _, future in futures:
-                error = future.exception()
-                failure = failure or error
-        if failure is not None:
-            raise failure
+            futures = [pool.submit(self.reader, r) for r in todo]
+        failures = [f.exception() for f in futures if f.exception() is not None]
+        if failures:
+            raise failures[0]
 
     def close(self) -> None:
         for r in self._readers.values():
