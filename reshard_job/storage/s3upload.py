@@ -10,8 +10,8 @@ also costs storage until then, which is why a rerun cleans up first).
 Memory is bounded: one part being filled plus at most ``max_in_flight`` parts being sent on the
 store's event loop while the caller fills the next (a part's buffer is handed over, not
 copied, and filled again once its part is sent: fresh megabytes for every part would cost
-zeroing and page faults). Parts start at 8 MiB and double every 1000 parts, so the 10,000-part limit of S3 still
-allows objects of about 8 TiB while memory stays near 3 parts. A file smaller than one part is sent by one plain PUT at commit, which is atomic too.
+zeroing and page faults). Parts start at 8 MiB and double every 1000 parts, so the 10,000-part
+limit of S3 still allows objects of about 8 TiB while memory stays near 3 parts. A file smaller than one part is sent by one plain PUT at commit, which is atomic too.
 The sha256 is computed from the bytes as the caller hands them over; no byte is read back.
 """
 
@@ -147,10 +147,10 @@ class MultipartUpload:
             self._wait(self._max_in_flight - 1)
             number = len(self._parts) + len(self._in_flight) + 1
             if self._fill == len(self._buffer):  # handed over; filled again once it is sent
-                body, reuse = self._buffer, self._buffer
+                body = reuse = self._buffer
+                self._buffer = bytearray()
             else:  # the last part, shorter: a copy of its bytes, and the buffer stays
                 body, reuse = self._buffer[:self._fill], None
-            self._buffer = bytearray() if reuse is not None else self._buffer
             self._fill = 0
             future = self._store.submit(self._upload_part, number, body)
             self._in_flight.append((number, future, reuse))
