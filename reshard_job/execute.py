@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import socket
 import time
-from typing import Callable
+from typing import Callable, Collection
 
 import numpy as np
 
@@ -24,8 +24,10 @@ from .formats.boxes import Box, box_shape, intersect, split_rows
 from .formats.digests import TensorDigests
 from .formats.multifile import MultiFileReader
 from .formats.index import reader_index
-from .formats.registry import open_reader, open_writer
+from .formats.ckpt.records import CRC_TRAILER_LEN
+from .formats.registry import CKPT as KIND_CKPT, kind_of, open_reader, open_writer
 from .formats.tensorfile import KIND_MAP, KIND_STR, KIND_TENSOR, Scratch
+from .hashing import DigestingReader, StreamedDigest
 from .plan import ACTION_COPY, ParamPlan, ParamPlans, RankPlan, TensorMeta
 from .read_ahead import announce
 from .storage import SourceChangedError, StorageOptions, storage_for
@@ -50,11 +52,18 @@ class SourceFiles:
     """
 
     def __init__(self, paths: dict[int, str | tuple[str, ...]], *, verify_crc: bool = True,
-                 identities: dict[int, tuple] | None = None, storage: StorageOptions | None = None):
+                 identities: dict[int, tuple] | None = None, storage: StorageOptions | None = None,
+                 digest_ranks: Collection[int] = (), digest_progress=None):
         self.paths = {r: p if isinstance(p, str) else tuple(p) for r, p in paths.items()}
         self.verify_crc = verify_crc
         self.identities = dict(identities or {})
         self.storage = storage
+        # Remote ranks hashed as they are indexed (one read of the object instead of two, see
+        # ``hashing.DigestingReader``): their digests, by path, for the job's hash pass.
+        # `digest_progress` (``add_bytes(n)``, ``step_done()``) hears of the bytes and files.
+        self.digest_ranks = frozenset(digest_ranks)
+        self.digest_progress = digest_progress
+        self.digests: dict[str, StreamedDigest] = {}
         self._readers: dict[int, TensorReader] = {}
 
     def reader(self, rank: int) -> TensorReader:
@@ -71,11 +80,32 @@ class SourceFiles:
                 for raw in raws:
                     raw.close()
                 raise
-            if isinstance(entry, str):
+            if isinstance(entry, str) and rank in self.digest_ranks and storage_for(entry, self.storage).scheme != "file":
+                r = self._open_digesting(rank, raws[0])
+            elif isinstance(entry, str):
                 r = open_reader(raws[0], verify_crc=self.verify_crc)
             else:
                 r = MultiFileReader(raws, verify_crc=self.verify_crc)
             self._readers[rank] = r
+        return r
+
+    def _open_digesting(self, rank: int, raw) -> TensorReader:
+        """Index a remote rank and hash it in the same front-to-back read of the object."""
+        path = self.paths[rank]
+        ckpt = (kind_of(path) or KIND_CKPT) == KIND_CKPT and raw.size >= CRC_TRAILER_LEN
+        stream = DigestingReader(raw, crc_end=raw.size - CRC_TRAILER_LEN if ckpt else None,
+                                 progress=self.digest_progress.add_bytes if self.digest_progress else None)
+        r = open_reader(stream, verify_crc=self.verify_crc)  # closes `stream` if it fails
+        try:
+            digest = stream.finish()
+            if not same_identity(self.current_identity(rank), digest.digest.identity):
+                raise SourceChangedError(f"{path}: changed while it was being hashed; rerun once it is stable")
+        except BaseException:
+            r.close()
+            raise
+        self.digests[path] = digest
+        if self.digest_progress is not None:
+            self.digest_progress.step_done()
         return r
 
     def _open(self, path: str):

@@ -23,8 +23,9 @@ import os
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
+from .formats.ckpt.records import CRC_TRAILER_LEN
 from .storage import SourceChangedError, StorageOptions, storage_for
 
 BLOCK = 4 * 1024 * 1024
@@ -120,11 +121,16 @@ class _SegmentCrcs:
 
 
 def digest_files(requests: Iterable[HashRequest], *, threads: int = 2, progress: Callable[[int], None] | None = None,
-                 cache: "HashCache | None" = None,
-                 storage_options: StorageOptions | None = None) -> list[FileDigest]:
-    """Digest several files concurrently; results in request order. `cache` answers unchanged files."""
+                 cache: "HashCache | None" = None, storage_options: StorageOptions | None = None,
+                 known: "Mapping[str, StreamedDigest] | None" = None) -> list[FileDigest]:
+    """Digest several files concurrently; results in request order. `known` (digests taken while
+    indexing, see ``DigestingReader``) and then `cache` answer unchanged files."""
     reqs = list(requests)
-    out: list[FileDigest | None] = [cache.get(r) if cache is not None else None for r in reqs]
+    known = known or {}
+    out: list[FileDigest | None] = [usable_digest(known.get(r.path), r) for r in reqs]
+    fresh = [i for i, d in enumerate(out) if d is not None]  # cached for later jobs like computed ones
+    if cache is not None:
+        out = [d if d is not None else cache.get(r) for d, r in zip(out, reqs)]
     todo = [i for i, d in enumerate(out) if d is None]
 
     def one(i: int) -> FileDigest:
@@ -140,7 +146,7 @@ def digest_files(requests: Iterable[HashRequest], *, threads: int = 2, progress:
             for i, f in futures.items():
                 out[i] = f.result()
     if cache is not None:
-        for i in todo:
+        for i in fresh + todo:
             cache.put(out[i], reqs[i])
     return out  # type: ignore[return-value]
 
@@ -224,6 +230,11 @@ class HashCache:
             return None
         return FileDigest(request.path, int(e["size"]), e["sha256"], crcs, tuple(identity))
 
+    def knows(self, path: str) -> bool:
+        """Whether a digest of `path` as it is now is cached (for any CRC ranges)."""
+        e = self._new.get(self._shard(path), {}).get(path) or self._entries(self._shard(path)).get(path)
+        return isinstance(e, dict) and isinstance(e.get("sha256"), str) and e.get("identity") == self._identity(path)
+
     def put(self, digest: FileDigest, request: HashRequest) -> None:
         if not digest.identity:
             return
@@ -248,3 +259,174 @@ class HashCache:
                 pass  # a cache that cannot be written only costs time
             self._shards[shard] = merged
         self._new = {}
+
+
+STREAM_BLOCK = 8 * 1024 * 1024  # one ranged GET per block; several objects stream at once
+MAX_NOTED = 50_000  # content ranges whose CRC a streamed file keeps (beyond: the hash pass reads it again)
+
+
+@dataclass(frozen=True)
+class StreamedDigest:
+    """What one front-to-back read of a file gave (``DigestingReader.finish``)."""
+
+    digest: FileDigest  # sha256, size, identity; crcs None
+    trailer_crc: int | None  # CRC32 of the bytes before a `.ckpt` CRC trailer
+    content_crcs: dict[tuple[int, int], int]  # (offset, length) of a tensor's bytes -> CRC32
+    all_noted: bool  # False when some content ranges came too late or were too many to keep
+
+
+class DigestingReader:
+    """A remote source opened for its index and its digest in one front-to-back read.
+
+    Indexing a ``.ckpt`` in a bucket walks its record headers with ranged reads; where records are
+    small (layer norms, biases and their optimizer states) the walk reads through most of the
+    object, and the hash pass then reads all of it again. Wrapped in this reader, the walk is served
+    from blocks fetched in file order, each hashed (sha256, and the CRC32 a `.ckpt` trailer
+    records, over the bytes before the trailer) as it arrives; ``finish`` fetches what the walk did
+    not reach. A read behind the blocks goes to the object itself and hashes nothing.
+
+    The hash pass also takes the CRC32 of tensors that several ranks must hold identically. The
+    format reader tells where tensor bytes lie as it finds them (``note_content``); a block's
+    bytes go into those CRCs when it leaves memory, which is two blocks later: the walk reads at
+    most a window (smaller than a block) ahead of what it has parsed, so every range in a block is
+    known by then. Memory: two blocks. After ``finish`` every read goes to the object
+    (``__getattr__`` hands it everything else: announced reads, request counters).
+    """
+
+    index_window = None  # blocks are in memory: walk them like a local file (no read-through sizing)
+
+    def __init__(self, raw, *, crc_end: int | None = None, block: int = STREAM_BLOCK,
+                 progress: Callable[[int], None] | None = None):
+        self._raw = raw
+        self.path, self.size, self.identity = raw.path, raw.size, raw.identity
+        self._sha = hashlib.sha256()
+        self._crc, self._crc_end = 0, crc_end
+        self._block = max(1, min(block, self.size))
+        self._blocks: list[tuple[int, bytearray, int]] = []  # (start, buffer, length): previous, current
+        self._end = 0  # bytes fetched so far
+        self._retired = 0  # bytes before this have left memory
+        self._pending: list[tuple[int, int]] = []  # content ranges not yet complete
+        self._partial: dict[tuple[int, int], int] = {}
+        self._content_crcs: dict[tuple[int, int], int] = {}
+        self._all_noted = True
+        self._progress = progress
+        self._spare: bytearray | None = None  # the buffer of the last block retired, filled next
+        self._finished = False
+
+    def __getattr__(self, name):
+        if name.startswith("_"):  # never the wrapper's own state (not set yet while unpickling)
+            raise AttributeError(name)
+        return getattr(self._raw, name)
+
+    def note_content(self, offset: int, length: int) -> None:
+        """Bytes [offset, offset + length) hold a tensor: take their CRC32 on the way."""
+        if self._finished or not self._all_noted:
+            return
+        if offset < self._retired or len(self._content_crcs) + len(self._pending) >= MAX_NOTED:
+            self._all_noted = False
+        elif length <= 0:
+            self._content_crcs[(offset, length)] = 0
+        else:
+            self._pending.append((offset, length))
+
+    def pread_into(self, offset: int, view) -> int:
+        view = memoryview(view)
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
+        n = max(0, min(len(view), self.size - offset))
+        got = 0
+        while got < n:
+            pos = offset + got
+            for start, buffer, length in self._blocks:
+                if start <= pos < start + length:
+                    take = min(n - got, start + length - pos)
+                    view[got:got + take] = memoryview(buffer)[pos - start:pos - start + take]
+                    got += take
+                    break
+            else:
+                if pos >= self._end and not self._finished:
+                    self._next_block()
+                else:  # behind the blocks, or after the stream: the object itself
+                    return got + self._raw.pread_into(pos, view[got:n])
+        return n
+
+    def read_ranges(self, ranges):
+        return self._raw.read_ranges(ranges)
+
+    def _next_block(self) -> None:
+        start = self._end
+        length = min(self._block, self.size - start)
+        if len(self._blocks) == 2:
+            self._retire(*self._blocks.pop(0))
+        buffer = self._spare if self._spare is not None else bytearray(self._block)
+        self._spare = None
+        block = memoryview(buffer)[:length]
+        read = getattr(self._raw, "read_into", None) or self._raw.pread_into
+        if read(start, block) != length:
+            raise SourceChangedError(f"{self.path}: ended before its {self.size} bytes; rerun once it is stable")
+        self._sha.update(block)
+        if self._crc_end is not None and start < self._crc_end:
+            self._crc = zlib.crc32(block[:self._crc_end - start], self._crc)
+        self._blocks.append((start, buffer, length))
+        self._end = start + length
+        if self._progress is not None:
+            self._progress(length)
+
+    def _retire(self, start: int, buffer: bytearray, length: int) -> None:
+        """A block leaves memory: its bytes go into the CRCs of the content ranges it meets."""
+        end = start + length
+        block = memoryview(buffer)[:length]
+        still = []
+        for key in self._pending:
+            offset, n = key
+            if offset >= end:
+                still.append(key)
+                continue
+            lo, hi = max(offset, start), min(offset + n, end)
+            crc = zlib.crc32(block[lo - start:hi - start], self._partial.pop(key, 0))
+            if offset + n <= end:
+                self._content_crcs[key] = crc
+            else:
+                self._partial[key] = crc
+                still.append(key)
+        self._pending = still
+        self._retired = end
+        self._spare = buffer
+
+    def finish(self) -> StreamedDigest:
+        """Read what the walk left; the file's digests."""
+        while self._end < self.size:
+            self._next_block()
+        for blk in self._blocks:
+            self._retire(*blk)
+        self._finished = True
+        self._blocks, self._spare = [], None
+        digest = FileDigest(self.path, self.size, self._sha.hexdigest(), None, tuple(self.identity))
+        return StreamedDigest(digest, self._crc if self._crc_end is not None else None, self._content_crcs,
+                              self._all_noted and not self._pending)
+
+    def close(self) -> None:
+        self._blocks, self._spare = [], None
+        self._raw.close()
+
+
+def usable_digest(streamed: StreamedDigest | None, request: HashRequest) -> FileDigest | None:
+    """The digest of `request`'s file from `streamed` (taken while indexing), if it answers the
+    request: same identity, and every CRC asked for is one it took."""
+    if streamed is None:
+        return None
+    d = streamed.digest
+    if request.identity and tuple(request.identity) != tuple(d.identity):
+        return None
+    if request.segments is None:
+        return d
+    crcs = []
+    for segment in request.segments:
+        segment = tuple(segment)
+        if streamed.trailer_crc is not None and segment == (0, d.size - CRC_TRAILER_LEN):
+            crcs.append(streamed.trailer_crc)
+        elif segment in streamed.content_crcs:
+            crcs.append(streamed.content_crcs[segment])
+        else:
+            return None
+    return FileDigest(d.path, d.size, d.sha256, tuple(crcs), d.identity)

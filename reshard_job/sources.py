@@ -53,6 +53,7 @@ class RankFiles:
     ignored: dict[int, list[str]] = field(default_factory=dict)  # rank -> other candidate files not chosen
     # rank -> FileInfo.identity when listed (for a tuple of files, the tuple of their identities)
     identities: dict[int, tuple] = field(default_factory=dict)
+    sizes: dict[int, int] = field(default_factory=dict)  # rank -> bytes when listed (single-file ranks)
 
 
 def step_of(name: str) -> tuple[int, int] | None:
@@ -105,6 +106,7 @@ def discover(src_dir, select: str = SELECT_LATEST_STEP, storage_options: Storage
     storage = storage_for(src_dir, storage_options)
     files: dict[int, str] = {}
     identities: dict[int, tuple] = {}
+    sizes: dict[int, int] = {}
     ignored: dict[int, list[str]] = {}
     kinds: set[str] = set()
     empty: list[int] = []
@@ -125,6 +127,7 @@ def discover(src_dir, select: str = SELECT_LATEST_STEP, storage_options: Storage
         kinds.add(kind_of(chosen))
         files[rank] = listed[chosen].path
         identities[rank] = listed[chosen].identity
+        sizes[rank] = listed[chosen].size
         others = sorted(set(pool) - {chosen})
         if others:
             ignored[rank] = others
@@ -136,7 +139,7 @@ def discover(src_dir, select: str = SELECT_LATEST_STEP, storage_options: Storage
     if empty:
         raise ConfigError(f"{src_dir}: no checkpoint file{rule} in rank director{'ies' if len(empty) > 1 else 'y'} "
                           + ", ".join(f"rank_{r}" for r in empty))
-    found = RankFiles(src_dir, files, kinds.pop(), ignored, identities)
+    found = RankFiles(src_dir, files, kinds.pop(), ignored, identities, sizes)
     if select == SELECT_LATEST_STEP:
         _check_same_step(found, storage)
     return found

@@ -19,7 +19,7 @@ from ..formats.ckpt import CRC_TRAILER_LEN, CheckpointReader
 from ..formats.crc32 import chain_crc, crc32_combine
 from ..formats.multifile import MultiFileReader
 from ..formats.safetensors import SafetensorsReader
-from ..hashing import FileDigest, HashCache, HashRequest, default_cache_path, digest_files
+from ..hashing import FileDigest, HashCache, HashRequest, default_cache_path, digest_files, usable_digest
 from ..storage import StorageOptions
 from ..plan import identical_mismatch
 from .prepare import IDENTICAL_CHECKED, Prepared, identical_to_check
@@ -40,10 +40,13 @@ def hash_sources(prepared: Prepared, *, use_cache: bool = True, progress: bool |
     compare = _to_compare(prepared)
     requests, tensors = zip(*[_request(reader, compare.get(r, ())) for r, reader in parts]) if parts else ((), ())
     cache = HashCache(default_cache_path(), storage) if use_cache else None
-    todo = sum(reader.size for (_, reader), q in zip(parts, requests) if cache is None or cache.get(q) is None)
+    known = prepared.readers.digests  # remote sources hashed while they were indexed
+    todo = sum(reader.size for (_, reader), q in zip(parts, requests)
+               if usable_digest(known.get(q.path), q) is None and (cache is None or cache.get(q) is None))
     bar = Progress(todo, len(parts), enabled=progress, desc="hashing sources")
     try:
-        digests = digest_files(requests, threads=2, progress=bar.add_bytes, cache=cache, storage_options=storage)
+        digests = digest_files(requests, threads=2, progress=bar.add_bytes, cache=cache, storage_options=storage,
+                               known=known)
         for (_, reader), d in zip(parts, digests):
             _check_crcs(reader, d)
             bar.step_done()

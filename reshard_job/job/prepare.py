@@ -30,12 +30,14 @@ from ..execute import SourceFiles
 from ..export import INDEX_FILE, ExportLayout, check_against_index, plan_export, read_index
 from ..mindformers import MindFormersSource
 from ..formats.tensorfile import KIND_TENSOR
-from ..plan import Plan, Planner, TensorMeta, identical_mismatch
+from ..hashing import HashCache, default_cache_path
+from ..plan import Plan, Planner, TensorMeta, identical_mismatch, source_ranks_for
 from ..sources import (LoadedStrategy, RankFiles, discover, discover_export, discover_mindformers, is_export_source,
                        is_mindformers_source, load_strategy)
 from ..storage import StorageOptions, storage_for
 from ..tasks import FORMAT_SAFETENSORS_INDEX, files_of
 from ..text import shorten
+from .progress import Progress
 from .spec import SourceSpec, TargetSpec
 from .target import Target, settle_target
 
@@ -76,9 +78,25 @@ class Prepared:
         self.close()
 
 
+@dataclass(frozen=True)
+class HashWhileIndexing:
+    """A conversion hashes every source it reads: remote ones are then hashed as they are indexed
+    (one read of each object instead of two, ``hashing.DigestingReader``), unless the digest
+    cache already knows them. Which ranks the plan reads is foreseen from the strategies."""
+
+    use_cache: bool = True
+    progress: bool | None = None
+
+
+PREDICT_LIMIT = 2_000_000  # target ranks x laid-out parameters worth working through to foresee reads
+
+
 def prepare(source: SourceSpec, target: TargetSpec, *, ranks: tuple[int, ...] | None = None,
-            storage: StorageOptions | None = None, demo_root: str | None = None) -> Prepared:
-    """Sources found and indexed, target settled, inputs cross-checked, the plan made."""
+            storage: StorageOptions | None = None, demo_root: str | None = None,
+            hashing: HashWhileIndexing | None = None) -> Prepared:
+    """Sources found and indexed, target settled, inputs cross-checked, the plan made.
+
+    With `hashing`, remote sources the plan will read are hashed while they are indexed."""
     source = _with_demo(source, demo_root)
     if is_mindformers_source(source.checkpoints):
         return prepare_mindformers(source, target, ranks=ranks, storage=storage)
@@ -86,17 +104,18 @@ def prepare(source: SourceSpec, target: TargetSpec, *, ranks: tuple[int, ...] | 
         raise ConfigError(f"source.iteration={source.iteration} picks an iteration of a MindFormers checkpoint folder, "
                           f"but {source.checkpoints} holds no MindFormers save (set source.iteration=null)")
     if is_export_source(source.checkpoints):
-        return _prepare_export_folder(source, target, ranks=ranks, storage=storage)
+        return _prepare_export_folder(source, target, ranks=ranks, storage=storage, hashing=hashing)
     found = discover(source.checkpoints, source.select, storage)
-    return prepare_files(found, source, target, ranks=ranks, storage=storage)
+    return prepare_files(found, source, target, ranks=ranks, storage=storage, hashing=hashing)
 
 
-def _prepare_export_folder(source: SourceSpec, target: TargetSpec, *, ranks, storage) -> Prepared:
+def _prepare_export_folder(source: SourceSpec, target: TargetSpec, *, ranks, storage, hashing) -> Prepared:
     """An export for inference (shards + index) read back as one unsharded rank."""
     if source.strategy is not None:
         raise ConfigError(f"{source.checkpoints} holds {INDEX_FILE}: an export of the full model, which has no "
                           f"source strategy; set source.strategy=null (got {source.strategy})")
-    prepared = prepare_files(discover_export(source.checkpoints), source, target, ranks=ranks, storage=storage)
+    prepared = prepare_files(discover_export(source.checkpoints), source, target, ranks=ranks, storage=storage,
+                             hashing=hashing)
     try:
         folder = prepared.found.root
         check_against_index(prepared.readers.reader(0), read_index(folder), os.path.join(folder, INDEX_FILE))
@@ -108,18 +127,72 @@ def _prepare_export_folder(source: SourceSpec, target: TargetSpec, *, ranks, sto
 
 
 def prepare_files(found: RankFiles, source: SourceSpec, target: TargetSpec, *, ranks: tuple[int, ...] | None = None,
-                  storage: StorageOptions | None = None) -> Prepared:
+                  storage: StorageOptions | None = None, hashing: HashWhileIndexing | None = None) -> Prepared:
     """Like ``prepare``, for source files already chosen (rank -> file)."""
     strategy = load_strategy(source.strategy, storage)
     paths = _usable_ranks(found, strategy, source)
-    readers = SourceFiles(paths, verify_crc=False, identities=found.identities, storage=storage)
+    remote = _remote_ranks(paths, storage) if hashing is not None else set()
+    # the target strategy, read now to foresee the reads (and not read again for the plan)
+    settled = settle_target(target, strategy, {}, storage) if remote and target.strategy is not None else None
+    digest = _ranks_to_hash_now(remote, paths, strategy, source, target, settled, ranks, storage, hashing)
+    bar = Progress(sum(found.sizes.get(r, 0) for r in digest), len(digest),
+                   enabled=hashing.progress if hashing else False, desc="indexing and hashing sources", unit="files")
+    readers = SourceFiles(paths, verify_crc=False, identities=found.identities, storage=storage,
+                          digest_ranks=digest, digest_progress=bar if digest else None)
     try:
-        index = readers.index()
+        try:
+            index = readers.index()
+        finally:
+            bar.close()
         checks = _cross_check(found, strategy, source, index, storage)
-        return _settle_and_plan(source, found, strategy, readers, index, target, ranks, storage, checks)
+        return _settle_and_plan(source, found, strategy, readers, index, target, ranks, storage, checks,
+                                settled=settled)
     except BaseException:
         readers.close()
         raise
+
+
+def _remote_ranks(paths: dict, storage: StorageOptions | None) -> set[int]:
+    """Single-file ranks in an object store (a multi-file rank is hashed by the hash pass)."""
+    return {r for r, p in paths.items() if isinstance(p, str) and storage_for(p, storage).scheme != "file"}
+
+
+def _ranks_to_hash_now(remote: set[int], paths: dict, strategy: LoadedStrategy, source: SourceSpec,
+                       target: TargetSpec, settled: Target | None, ranks, storage: StorageOptions | None,
+                       hashing: HashWhileIndexing | None) -> set[int]:
+    """The remote ranks to hash while indexing: those the plan will likely read and the digest
+    cache does not know. Local files are left to the hash pass (reading them again costs the
+    page cache, not the network)."""
+    if hashing is None or not remote:
+        return set()
+    read = ranks_likely_read(strategy, source, target, settled, ranks)
+    if read is not None:
+        remote = remote & read
+    if hashing.use_cache and remote:
+        cache = HashCache(default_cache_path(), storage)
+        remote = {r for r in remote if not cache.knows(paths[r])}
+    return remote
+
+
+def ranks_likely_read(strategy: LoadedStrategy, source: SourceSpec, target: TargetSpec, settled: Target | None,
+                      ranks) -> set[int] | None:
+    """The source ranks the plan will read, foreseen from the strategies alone (``source_ranks_for``;
+    `settled` is the target read from ``target.strategy``); None when only the index can tell (a
+    declarative target layout, no source strategy) or working it out would take long. A wrong
+    guess costs a read, never a wrong output."""
+    if source.strategy is None or target.layout is not None or (target.strategy is not None and settled is None):
+        return None
+    dst = settled.topology if settled is not None else None
+    targets = list(ranks) if ranks is not None else list(range(dst.devices if dst is not None else 1))
+    if len(targets) * max(1, len(strategy.topology.layouts)) > PREDICT_LIMIT:
+        return None
+    read: set[int] = set()
+    try:
+        for t in targets:
+            read.update(source_ranks_for(strategy.topology, dst, t, unmapped=target.unmapped))
+    except ReshardError:
+        return None  # the planner names what is wrong
+    return read
 
 
 def prepare_mindformers(source: SourceSpec, target: TargetSpec, *, ranks: tuple[int, ...] | None = None,
@@ -202,8 +275,8 @@ def _log_mindformers(save: MindFormersSource) -> None:
 
 
 def _settle_and_plan(source: SourceSpec, found: RankFiles, strategy: LoadedStrategy, readers: SourceFiles, index,
-                     target: TargetSpec, ranks, storage, checks: list[str]) -> Prepared:
-    tgt = settle_target(target, strategy, index, storage)
+                     target: TargetSpec, ranks, storage, checks: list[str], *, settled: Target | None = None) -> Prepared:
+    tgt = settled if settled is not None else settle_target(target, strategy, index, storage)
     plan, missing = _plan(strategy, tgt, target, index, ranks)
     checks += list(plan.checks)
     export = _export_layout(target, plan)

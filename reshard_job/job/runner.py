@@ -30,7 +30,7 @@ from .executor_choice import cluster_layout
 from .integrity import hash_sources
 from .memory import fix_mmap_threshold
 from .outputs import OutputDir
-from .prepare import Prepared, check_identical, prepare
+from .prepare import HashWhileIndexing, Prepared, check_identical, prepare
 from .record import LineageRecorder, NoRecorder
 from .report import plan_report
 from .signals import interruptible
@@ -67,8 +67,10 @@ def run_job(spec: JobSpec, emit: Callable[[str], None] = print) -> JobResult:
     with interruptible():
         recorder = LineageRecorder(spec) if spec.lineage.enabled and not plan_mode else NoRecorder()
         try:
+            # a conversion hashes what it reads: remote sources then while they are indexed
+            hashing = None if plan_mode else HashWhileIndexing(spec.run.hash_cache, spec.run.progress)
             prepared = prepare(spec.source, spec.target, ranks=spec.run.ranks, storage=spec.storage,
-                               demo_root=os.path.join(spec.context.launch_dir, "runs", "demo"))
+                               demo_root=os.path.join(spec.context.launch_dir, "runs", "demo"), hashing=hashing)
             try:
                 if plan_mode:
                     return _plan_only(spec, prepared, emit)

@@ -128,6 +128,15 @@ class ObjectReader:
             view[:n] = memoryview(buf)[:n]
             return n
 
+    def read_into(self, offset: int, view: memoryview) -> int:
+        """Fill `view` from `offset` with requests of its own: bytes read once, front to back
+        (``hashing.DigestingReader``), keep no read-ahead window alive after the read."""
+        self._check_open()
+        ((offset, n),) = clip_ranges([(offset, len(view))], self.size)
+        if n:
+            self._fetch([(offset, n)], [memoryview(view)[:n]])
+        return n
+
     def read_ranges(self, ranges: list[tuple[int, int]]) -> list[bytes]:
         self._check_open()
         clipped = clip_ranges(list(ranges), self.size)

@@ -566,3 +566,32 @@ def test_remote_sources_are_indexed_together_and_the_first_bad_rank_is_named(s3_
         with pytest.raises(FormatError) as err:
             remote.index()
     one_line(err.value, bad[2], "wrong magic")
+
+
+def test_remote_sources_are_hashed_in_the_read_that_indexes_them(s3_store, s3_prefix, s3_storage_options):
+    from reshard_job.execute import SourceFiles
+    from reshard_job.formats.ckpt import CRC_TRAILER_LEN
+    from reshard_job.hashing import DigestingReader, HashRequest, digest_file, usable_digest
+
+    golden = GOLDEN_CKPT.parents[1]
+    urls = {}
+    for rank in range(8):
+        urls[rank] = f"{s3_prefix}/hashed/rank_{rank}/checkpoint_{rank}.ckpt"
+        s3_store.write_bytes(urls[rank], (golden / f"rank_{rank}" / f"checkpoint_{rank}.ckpt").read_bytes())
+    with SourceFiles(urls, verify_crc=False, storage=s3_storage_options, digest_ranks={1, 2, 6}) as remote:
+        index = remote.index()
+        assert sorted(remote.digests) == sorted(urls[r] for r in (1, 2, 6))
+        for rank in (1, 2, 6):
+            reader = remote.reader(rank)
+            data = (golden / f"rank_{rank}" / f"checkpoint_{rank}.ckpt").read_bytes()
+            assert reader._file.bytes_fetched == len(data)  # the walk and the hash: one read of the object
+            pieces = tuple(p for e in reader.entries.values() for p in e.pieces)
+            segments = ((0, len(data) - CRC_TRAILER_LEN), *pieces) if reader.has_crc else pieces
+            request = HashRequest(urls[rank], segments, tuple(reader.identity))
+            want = digest_file(urls[rank], segments=segments, storage_options=s3_storage_options)
+            assert usable_digest(remote.digests[urls[rank]], request) == want
+            assert want.sha256 == hashlib.sha256(data).hexdigest()
+        assert not isinstance(remote.reader(0)._file, DigestingReader)  # not asked for: the walk alone
+        with SourceFiles({r: str(golden / f"rank_{r}" / f"checkpoint_{r}.ckpt") for r in urls}, verify_crc=False,
+                         digest_ranks=set(urls)) as files:
+            assert index == files.index() and not files.digests  # local files: left to the hash pass

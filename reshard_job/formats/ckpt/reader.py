@@ -181,6 +181,9 @@ class CheckpointReader(PositionedReader):
         self._multi: dict[int, tuple] = {}  # group -> its Records (several chunks) or map parts
         self._pos: dict[str, int] = {}
         self._head = HEAD
+        # a file read front to back for its digests too wants to know where tensor bytes lie
+        # (``hashing.DigestingReader.note_content``)
+        self._note = getattr(self._file, "note_content", None)
         try:
             self._index()
         except BaseException:
@@ -256,6 +259,7 @@ class CheckpointReader(PositionedReader):
         names, kinds, dtype_col, shape_col = self._names, self._kind, self._dtype, self._shape
         off_col, len_col, rec_col, rlen_col, pos_table = self._off, self._len, self._rec, self._rlen, self._pos
         intern = sys.intern
+        note = self._note
         while pos < size:
             rel = pos - wstart
             if tail_len and rel + 3 < len(window) and window[rel] == 0x0A:
@@ -286,6 +290,8 @@ class CheckpointReader(PositionedReader):
                             shape_col.append(tail_shape)
                             off_col.append(wstart + q + tail_len)
                             len_col.append(tail_clen)
+                            if note is not None:
+                                note(wstart + q + tail_len, tail_clen)
                             rec_col.append(pos)
                             rlen_col.append(vend - pos)
                             typical = (3 * typical + vend - pos) >> 2
@@ -358,6 +364,8 @@ class CheckpointReader(PositionedReader):
         self._shape.append(_SHAPES.setdefault(dims, dims) if len(_SHAPES) < 100_000 else dims)
         self._off.append(wstart + coff)
         self._len.append(clen)
+        if self._note is not None:
+            self._note(wstart + coff, clen)
         self._rec.append(pos)
         self._rlen.append(vend - pos)
         pos_table = self._pos
@@ -368,6 +376,9 @@ class CheckpointReader(PositionedReader):
 
     def _record(self, tag: str, kind: str, rec: Record | None, parts: list | None) -> None:
         """Add a record: to the current group when it continues the same tag, else as a new group."""
+        if self._note is not None:
+            for r in (parts or ()) if kind == KIND_MAP else (rec,) if rec is not None else ():
+                self._note(r.content_offset, r.content_len)
         last = len(self._names) - 1
         if last >= 0 and self._names[last] == tag:
             if (kind == KIND_MAP) != (_KINDS[self._kind[last]] == KIND_MAP):
