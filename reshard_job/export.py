@@ -50,9 +50,11 @@ from .formats.ckpt import WrittenFile
 from .formats.multifile import MultiFileSources
 from .topology import OPTIMIZER_PREFIXES
 from .plan import ParamPlan, RankPlan
+from .storage import StorageError, StorageOptions, absolute, storage_for
 from .storage.atomic import write_bytes_atomic
 
 INDEX_FILE = "model.safetensors.index.json"
+MAX_INDEX_BYTES = 1024**3  # an index larger than this is not one
 SHARD_FILE = re.compile(r"^model-(\d{5})-of-(\d{5})\.safetensors$")
 INCLUDE_WEIGHTS = "weights"
 INCLUDE_ALL = "all"
@@ -237,15 +239,16 @@ def export_safetensors(rank_plan: RankPlan, sources, out_dir: str | os.PathLike,
     return write_export(layout, sources, out_dir, max_memory=max_memory, progress=progress)
 
 
-def read_index(out_dir: str | os.PathLike) -> dict[str, str]:
+def read_index(out_dir: str | os.PathLike, storage: StorageOptions | None = None) -> dict[str, str]:
     """The weight map of an export folder's index (tensor -> shard file), checked for shape."""
-    path = os.path.join(os.fspath(out_dir), INDEX_FILE)
+    out_dir = absolute(out_dir)
+    where = storage_for(out_dir, storage)
+    path = where.join(out_dir, INDEX_FILE)
     try:
-        with open(path, "rb") as f:
-            doc = json.loads(f.read().decode("utf-8"))
+        doc = json.loads(where.read_bytes(path, MAX_INDEX_BYTES).decode("utf-8"))
     except FileNotFoundError:
         raise FormatError(path, "index not found (not a safetensors export folder, or an incomplete one)") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+    except (OSError, StorageError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise FormatError(path, f"cannot be read as JSON ({e})") from None
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
@@ -269,15 +272,16 @@ def check_against_index(reader, weight_map: dict[str, str], index_path: str) -> 
         raise FormatError(index_path, f"lists tensor {absent[0]!r} in {weight_map[absent[0]]}, which lacks it")
 
 
-def export_files(out_dir: str | os.PathLike) -> tuple[str, ...]:
+def export_files(out_dir: str | os.PathLike, storage: StorageOptions | None = None) -> tuple[str, ...]:
     """The shard files an export folder's index names (absolute, sorted); FormatError if one is absent."""
-    out_dir = os.path.abspath(os.fspath(out_dir))
-    files = tuple(os.path.join(out_dir, f) for f in sorted(set(read_index(out_dir).values())))
-    for f in files:
-        if not os.path.isfile(f):
-            raise FormatError(os.path.join(out_dir, INDEX_FILE), f"names {os.path.basename(f)}, which is not in "
-                                                                  "the folder")
-    return files
+    out_dir = absolute(out_dir)
+    where = storage_for(out_dir, storage)
+    present = {e.name for e in where.listdir(out_dir) if e.is_file}
+    names = sorted(set(read_index(out_dir, storage).values()))
+    for name in names:
+        if name not in present:
+            raise FormatError(where.join(out_dir, INDEX_FILE), f"names {name}, which is not in the folder")
+    return tuple(where.join(out_dir, name) for name in names)
 
 
 def open_export(out_dir: str | os.PathLike, *, verify_crc: bool = True) -> MultiFileSources:

@@ -51,10 +51,12 @@ from .topology import Topology
 from .formats.boxes import Box
 from .formats.multifile import MultiFileReader, MultiFileSources
 from .formats.safetensors import SafetensorsReader
+from .storage import StorageError, StorageOptions, absolute, storage_for
 from .formats.strategy import FORMAT_PROTOBUF, MERGED_KEY, AxisEntry, ParamLayout, StrategyFile
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 METADATA_FILE = "metadata.json"
+MAX_METADATA_BYTES = 4 * 1024**3  # a metadata.json larger than this is not one
 COMMON_FILE = "common.json"
 ITERATION_DIR = re.compile(r"^iteration_(\d{8})$")
 # <prefix>-model-0000003-0000008.safetensors; without a prefix the name starts at model-/opt-
@@ -416,72 +418,79 @@ def synthesize_strategy(params: dict[str, ParamMetadata], path: str) -> Strategy
 # ========================================================================================= I/O
 
 
-def is_mindformers_checkpoint(path: str | os.PathLike) -> bool:
-    """Whether `path` looks like a MindFormers save: its root, or one iteration folder of it."""
-    path = os.fspath(path)
+def is_mindformers_checkpoint(path: str | os.PathLike, storage: StorageOptions | None = None) -> bool:
+    """Whether `path` (a folder, or a prefix in a bucket) looks like a MindFormers save: its root,
+    or one iteration folder of it."""
+    path = absolute(path)
     try:
-        if not os.path.isdir(path):
-            return False
-        if os.path.isfile(os.path.join(path, TRACKER_FILE)) or os.path.isfile(os.path.join(path, METADATA_FILE)):
-            return True
-        with os.scandir(path) as it:
-            for entry in it:
-                if ITERATION_DIR.match(entry.name) and entry.is_dir():
-                    return True
-                if SHARD_FILE.match(entry.name) and entry.is_file():
-                    return True
-    except OSError:
+        listing = storage_for(path, storage).listdir(path)
+    except (OSError, StorageError):
         return False
+    for entry in listing:
+        if entry.name in (TRACKER_FILE, METADATA_FILE) and entry.is_file:
+            return True
+        if ITERATION_DIR.match(entry.name) and entry.is_dir:
+            return True
+        if SHARD_FILE.match(entry.name) and entry.is_file:
+            return True
     return False
 
 
-def available_iterations(root: str) -> list[int]:
+def available_iterations(root: str, storage: StorageOptions | None = None) -> list[int]:
     try:
-        names = os.listdir(root)
-    except OSError:
+        listing = storage_for(root, storage).listdir(root)
+    except (OSError, StorageError):
         return []
-    return sorted(int(m.group(1)) for n in names if (m := ITERATION_DIR.match(n))
-                  and os.path.isdir(os.path.join(root, n)))
+    return sorted(int(m.group(1)) for e in listing if (m := ITERATION_DIR.match(e.name)) and e.is_dir)
 
 
-def resolve_iteration(root: str | os.PathLike, iteration: int | None = None) -> tuple[str, int | None]:
+def _is_dir(path: str, storage: StorageOptions | None) -> bool:
+    info = storage_for(path, storage).info(path)
+    return info is not None and info.is_dir
+
+
+def resolve_iteration(root: str | os.PathLike, iteration: int | None = None,
+                      storage: StorageOptions | None = None) -> tuple[str, int | None]:
     """The iteration folder to read and its number (None when `root` is taken as the folder itself).
 
     The tracker file's iteration by default; `iteration` picks another. Without a tracker, a
     folder holding metadata.json or shard files is itself the iteration folder (spec §1).
     """
-    root = os.path.abspath(os.fspath(root))
-    if not os.path.isdir(root):
+    root = absolute(root)
+    where = storage_for(root, storage)
+    if not _is_dir(root, storage):
         raise MindFormersFormatError(root, "not a directory (expected a MindFormers checkpoint folder)")
-    tracker = os.path.join(root, TRACKER_FILE)
+    tracker = where.join(root, TRACKER_FILE)
     if iteration is not None:
         if not _is_int(iteration) or iteration < 0:
             raise MindFormersFormatError(root, f"iteration must be a non-negative integer, got {_brief(iteration)}")
-        folder = os.path.join(root, iteration_folder_name(iteration))
-        if not os.path.isdir(folder):
-            found = available_iterations(root)
+        folder = where.join(root, iteration_folder_name(iteration))
+        if not _is_dir(folder, storage):
+            found = available_iterations(root, storage)
             raise MindFormersFormatError(
                 root, f"iteration {iteration} does not exist (no {iteration_folder_name(iteration)}/; "
                       f"available: {found or 'none'})")
         return folder, iteration
-    if os.path.isfile(tracker):
+    info = where.info(tracker)
+    if info is not None and info.is_file:
         try:
-            with open(tracker, "rb") as f:
-                text = f.read(64)
-        except OSError as e:
-            raise MindFormersFormatError(tracker, f"cannot read ({e.strerror})") from None
+            with where.open_read(tracker) as f:
+                head = bytearray(min(64, f.size))
+                text = bytes(head[:f.pread_into(0, memoryview(head))])
+        except (OSError, StorageError) as e:
+            raise MindFormersFormatError(tracker, f"cannot read ({getattr(e, 'strerror', None) or e})") from None
         value = text.decode("ascii", "replace").strip()
         if not value.isdigit() or not value.isascii():
             raise MindFormersFormatError(tracker, f"expected a decimal iteration number, got {_brief(value)}")
         number = int(value)
-        folder = os.path.join(root, iteration_folder_name(number))
-        if not os.path.isdir(folder):
-            found = available_iterations(root)
+        folder = where.join(root, iteration_folder_name(number))
+        if not _is_dir(folder, storage):
+            found = available_iterations(root, storage)
             raise MindFormersFormatError(
                 tracker, f"names iteration {number}, but {iteration_folder_name(number)}/ is missing "
                          f"(available: {found or 'none'}; choose one with source.iteration)")
         return folder, number
-    found = available_iterations(root)
+    found = available_iterations(root, storage)
     if found:
         raise MindFormersFormatError(
             root, f"no {TRACKER_FILE} to say which iteration to read; choose one of {found} with source.iteration")
@@ -500,10 +509,11 @@ class MindFormersSource:
     rank_files: dict[int, tuple[str, ...]]  # storage rank -> its files (absolute paths)
     file_tensors: dict[str, dict[str, TensorMeta]]  # file -> what its header lists
     unreferenced: tuple[str, ...] = ()  # .safetensors files in the folder that storage_data never names
+    storage: StorageOptions | None = None  # how the folder is reached (a bucket's endpoint and options)
 
     @property
     def metadata_path(self) -> str:
-        return os.path.join(self.folder, METADATA_FILE)
+        return storage_for(self.folder, self.storage).join(self.folder, METADATA_FILE)
 
     @property
     def topology(self) -> Topology:
@@ -561,36 +571,39 @@ class MindFormersSource:
 
     def read_common(self) -> dict | None:
         """common.json (epoch, step, global_step, ...), or None when the folder has none."""
-        path = os.path.join(self.folder, COMMON_FILE)
-        if not os.path.isfile(path):
+        where = storage_for(self.folder, self.storage)
+        path = where.join(self.folder, COMMON_FILE)
+        info = where.info(path)
+        if info is None or not info.is_file:
             return None
         try:
-            with open(path, "rb") as f:
-                doc = json.loads(f.read().decode("utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+            doc = json.loads(where.read_bytes(path, MAX_METADATA_BYTES).decode("utf-8"))
+        except (OSError, StorageError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
             raise MindFormersFormatError(path, f"cannot be read as JSON ({e})") from None
         if not isinstance(doc, dict):
             raise MindFormersFormatError(path, "expected a JSON object")
         return doc
 
 
-def load_mindformers(path: str | os.PathLike, iteration: int | None = None) -> MindFormersSource:
-    """Read one iteration of a MindFormers save: metadata, layouts, and every file's header, all checked."""
-    root = os.path.abspath(os.fspath(path))
-    folder, number = resolve_iteration(root, iteration)
-    metadata_path = os.path.join(folder, METADATA_FILE)
+def load_mindformers(path: str | os.PathLike, iteration: int | None = None,
+                     storage: StorageOptions | None = None) -> MindFormersSource:
+    """Read one iteration of a MindFormers save (a folder, or a prefix in a bucket): metadata,
+    layouts, and every file's header, all checked."""
+    root = absolute(path)
+    folder, number = resolve_iteration(root, iteration, storage)
+    where = storage_for(folder, storage)
+    metadata_path = where.join(folder, METADATA_FILE)
     try:
-        listing = sorted(os.listdir(folder))
-    except OSError as e:
-        raise MindFormersFormatError(folder, f"cannot list the folder ({e.strerror})") from None
-    present = {n for n in listing if n.endswith(SAFETENSORS_SUFFIX)}
-    if not os.path.exists(metadata_path):
-        return _single_rank_save(root, folder, number, sorted(present))
+        listing = where.listdir(folder)
+    except (OSError, StorageError) as e:
+        raise MindFormersFormatError(folder, f"cannot list the folder ({getattr(e, 'strerror', None) or e})") from None
+    present = {e.name for e in listing if e.name.endswith(SAFETENSORS_SUFFIX) and e.is_file}
+    if not any(e.name == METADATA_FILE and e.is_file for e in listing):
+        return _single_rank_save(root, folder, number, sorted(present), storage)
     try:
-        with open(metadata_path, "rb") as f:
-            data = f.read()
-    except OSError as e:
-        raise MindFormersFormatError(metadata_path, f"cannot read ({e.strerror})") from None
+        data = where.read_bytes(metadata_path, MAX_METADATA_BYTES)
+    except (OSError, StorageError) as e:
+        raise MindFormersFormatError(metadata_path, f"cannot read ({getattr(e, 'strerror', None) or e})") from None
     if not data.strip():
         raise MindFormersFormatError(metadata_path, "is empty (expected MindFormers' metadata JSON)")
     params = parse_metadata(data, metadata_path)
@@ -602,49 +615,51 @@ def load_mindformers(path: str | os.PathLike, iteration: int | None = None) -> M
             for loc in locs:
                 if loc.file_name not in present:
                     raise MindFormersFormatError(
-                        os.path.join(folder, loc.file_name),
+                        where.join(folder, loc.file_name),
                         f"file not found; metadata.json places shard {k} of parameter {_short(p.name)!r} "
                         f"(rank {loc.storage_rank}) there")
                 rank_names.setdefault(loc.storage_rank, set()).add(loc.file_name)
     named = sorted(set().union(*rank_names.values()))
-    file_tensors = {os.path.join(folder, n): _header(os.path.join(folder, n)) for n in named}
-    _check_files_against_metadata(params, folder, file_tensors)
-    rank_files = {r: tuple(os.path.join(folder, n) for n in sorted(names)) for r, names in sorted(rank_names.items())}
+    file_tensors = {where.join(folder, n): _header(where.join(folder, n), storage) for n in named}
+    _check_files_against_metadata(params, folder, file_tensors, where)
+    rank_files = {r: tuple(where.join(folder, n) for n in sorted(names)) for r, names in sorted(rank_names.items())}
     _check_no_name_twice_per_rank(rank_files, file_tensors)
     return MindFormersSource(root, folder, number, params, strategy, rank_files, file_tensors,
-                             tuple(os.path.join(folder, n) for n in sorted(present - set(named))))
+                             tuple(where.join(folder, n) for n in sorted(present - set(named))), storage)
 
 
-def _single_rank_save(root: str, folder: str, number: int | None, files: list[str]) -> MindFormersSource:
+def _single_rank_save(root: str, folder: str, number: int | None, files: list[str],
+                      storage: StorageOptions | None = None) -> MindFormersSource:
     """No metadata.json: a single-rank job wrote full tensors (spec §1), unless the names say otherwise."""
+    where = storage_for(folder, storage)
     if not files:
         raise MindFormersFormatError(
-            os.path.join(folder, METADATA_FILE), "not found, and the folder holds no .safetensors files "
+            where.join(folder, METADATA_FILE), "not found, and the folder holds no .safetensors files "
                                                  "(not a MindFormers checkpoint iteration)")
     totals = {int(m.group("total")) for n in files if (m := SHARD_FILE.match(n))}
     if any(t > 1 for t in totals):
         raise MindFormersFormatError(
-            os.path.join(folder, METADATA_FILE),
+            where.join(folder, METADATA_FILE),
             f"not found, but the file names say {max(totals)} ranks wrote this save; without it the "
             f"shards cannot be placed (copy metadata.json back from the save)")
-    paths = tuple(os.path.join(folder, n) for n in files)
-    file_tensors = {p: _header(p) for p in paths}
+    paths = tuple(where.join(folder, n) for n in files)
+    file_tensors = {p: _header(p, storage) for p in paths}
     _check_no_name_twice_per_rank({0: paths}, file_tensors)
-    return MindFormersSource(root, folder, number, {}, None, {0: paths}, file_tensors, ())
+    return MindFormersSource(root, folder, number, {}, None, {0: paths}, file_tensors, (), storage)
 
 
-def _header(path: str) -> dict[str, TensorMeta]:
-    with SafetensorsReader(path, verify_crc=False) as reader:
+def _header(path: str, storage: StorageOptions | None = None) -> dict[str, TensorMeta]:
+    with SafetensorsReader(storage_for(path, storage).open_read(path), verify_crc=False) as reader:
         return {name: TensorMeta(e.dtype, tuple(e.shape), "tensor", e.nbytes) for name, e in reader.entries.items()}
 
 
 def _check_files_against_metadata(params: dict[str, ParamMetadata], folder: str,
-                                  file_tensors: dict[str, dict[str, TensorMeta]]) -> None:
+                                  file_tensors: dict[str, dict[str, TensorMeta]], where) -> None:
     expected: dict[str, set[str]] = {}
     for p in params.values():
         for k, locs in p.locations.items():
             for loc in locs:
-                path = os.path.join(folder, loc.file_name)
+                path = where.join(folder, loc.file_name)
                 expected.setdefault(path, set()).add(p.name)
                 meta = file_tensors[path].get(p.name)
                 if meta is None:

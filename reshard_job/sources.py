@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 from .errors import ConfigError, PlanError
 from .formats.registry import CHECKPOINT_SUFFIXES, kind_of
-from .storage import StorageOptions, absolute, is_url, storage_for
+from .storage import StorageError, StorageOptions, absolute, is_url, storage_for
 from .text import shorten
 
 if TYPE_CHECKING:
@@ -162,27 +162,30 @@ def _check_same_step(found: RankFiles, storage) -> None:
     )
 
 
-def is_mindformers_source(src_dir: str | None) -> bool:
-    """Whether `src_dir` is a MindFormers 2.x save (its root or one iteration folder), not rank folders."""
-    if src_dir is None or is_url(src_dir):
+def is_mindformers_source(src_dir: str | None, storage_options: StorageOptions | None = None) -> bool:
+    """Whether `src_dir` (a folder, or a prefix in a bucket) is a MindFormers 2.x save (its root or
+    one iteration folder), not rank folders."""
+    if src_dir is None:
         return False
     from .mindformers import is_mindformers_checkpoint
 
-    if not is_mindformers_checkpoint(src_dir):
+    src_dir = absolute(src_dir)
+    if not is_mindformers_checkpoint(src_dir, storage_options):
         return False
     try:  # a folder of rank_<r>/ directories is MindSpore's layout, whatever else it holds
-        return not any(RANK_DIR.match(n) and os.path.isdir(os.path.join(src_dir, n)) for n in os.listdir(src_dir))
-    except OSError:
+        return not any(RANK_DIR.match(e.name) and e.is_dir for e in storage_for(src_dir, storage_options).listdir(src_dir))
+    except (OSError, StorageError):
         return False
 
 
-def discover_mindformers(src_dir: str, iteration: int | None = None) -> tuple[RankFiles, "MindFormersSource"]:
+def discover_mindformers(src_dir: str, iteration: int | None = None,
+                         storage_options: StorageOptions | None = None) -> tuple[RankFiles, "MindFormersSource"]:
     """One iteration of a MindFormers save: every storage rank's files (model file, opt file), with
     their identities, and the parsed save (layouts from metadata.json, every file's header checked)."""
     from .mindformers import load_mindformers
 
-    source = load_mindformers(absolute(src_dir), iteration)
-    storage = storage_for(source.folder)
+    source = load_mindformers(absolute(src_dir), iteration, storage_options)
+    storage = storage_for(source.folder, storage_options)
     files: dict[int, str | tuple[str, ...]] = {}
     identities: dict[int, tuple] = {}
     for rank, paths in sorted(source.rank_files.items()):
@@ -192,21 +195,31 @@ def discover_mindformers(src_dir: str, iteration: int | None = None) -> tuple[Ra
     return RankFiles(source.root, files, "safetensors", {}, identities), source
 
 
-def is_export_source(src_dir: str | None) -> bool:
-    """Whether `src_dir` is a folder of safetensors shards with ``model.safetensors.index.json``."""
+def is_export_source(src_dir: str | None, storage_options: StorageOptions | None = None) -> bool:
+    """Whether `src_dir` (a folder, or a prefix in a bucket) holds safetensors shards with
+    ``model.safetensors.index.json``."""
     from .export import INDEX_FILE
 
-    return src_dir is not None and not is_url(src_dir) and os.path.isfile(os.path.join(src_dir, INDEX_FILE))
+    if src_dir is None:
+        return False
+    src_dir = absolute(src_dir)
+    where = storage_for(src_dir, storage_options)
+    try:
+        info = where.info(where.join(src_dir, INDEX_FILE))
+    except (OSError, StorageError):
+        return False
+    return info is not None and info.is_file
 
 
-def discover_export(src_dir: str) -> RankFiles:
+def discover_export(src_dir: str, storage_options: StorageOptions | None = None) -> RankFiles:
     """An export folder as one unsharded source rank: rank 0 is every shard its index names."""
     from .export import export_files
 
-    files = export_files(absolute(src_dir))
-    storage = storage_for(files[0])
+    src_dir = absolute(src_dir)
+    files = export_files(src_dir, storage_options)
+    storage = storage_for(src_dir, storage_options)
     identities = tuple(tuple(i.identity) if (i := storage.info(f)) is not None else () for f in files)
-    return RankFiles(os.path.dirname(files[0]), {0: files}, "safetensors", {}, {0: identities})
+    return RankFiles(storage.parent(files[0]), {0: files}, "safetensors", {}, {0: identities})
 
 
 @dataclass(frozen=True)

@@ -98,12 +98,12 @@ def prepare(source: SourceSpec, target: TargetSpec, *, ranks: tuple[int, ...] | 
 
     With `hashing`, remote sources the plan will read are hashed while they are indexed."""
     source = _with_demo(source, demo_root)
-    if is_mindformers_source(source.checkpoints):
+    if is_mindformers_source(source.checkpoints, storage):
         return prepare_mindformers(source, target, ranks=ranks, storage=storage)
     if source.iteration is not None:
         raise ConfigError(f"source.iteration={source.iteration} picks an iteration of a MindFormers checkpoint folder, "
                           f"but {source.checkpoints} holds no MindFormers save (set source.iteration=null)")
-    if is_export_source(source.checkpoints):
+    if is_export_source(source.checkpoints, storage):
         return _prepare_export_folder(source, target, ranks=ranks, storage=storage, hashing=hashing)
     found = discover(source.checkpoints, source.select, storage)
     return prepare_files(found, source, target, ranks=ranks, storage=storage, hashing=hashing)
@@ -114,11 +114,12 @@ def _prepare_export_folder(source: SourceSpec, target: TargetSpec, *, ranks, sto
     if source.strategy is not None:
         raise ConfigError(f"{source.checkpoints} holds {INDEX_FILE}: an export of the full model, which has no "
                           f"source strategy; set source.strategy=null (got {source.strategy})")
-    prepared = prepare_files(discover_export(source.checkpoints), source, target, ranks=ranks, storage=storage,
+    prepared = prepare_files(discover_export(source.checkpoints, storage), source, target, ranks=ranks, storage=storage,
                              hashing=hashing)
     try:
         folder = prepared.found.root
-        check_against_index(prepared.readers.reader(0), read_index(folder), os.path.join(folder, INDEX_FILE))
+        check_against_index(prepared.readers.reader(0), read_index(folder, storage),
+                            storage_for(folder, storage).join(folder, INDEX_FILE))
     except BaseException:
         prepared.close()
         raise
@@ -210,7 +211,7 @@ def prepare_mindformers(source: SourceSpec, target: TargetSpec, *, ranks: tuple[
         raise ConfigError(f"{source.checkpoints} is a MindFormers checkpoint folder, whose layouts come from its "
                           f"metadata.json; set source.strategy=null (got {source.strategy})")
     if found is None or save is None:
-        found, save = discover_mindformers(source.checkpoints, source.iteration)
+        found, save = discover_mindformers(source.checkpoints, source.iteration, storage)
     _log_mindformers(save)
     strategy = LoadedStrategy(save.topology, save.strategy, (save.metadata_path,) if save.params else ())
     index = mindformers_index(save, found)

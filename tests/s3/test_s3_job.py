@@ -157,3 +157,41 @@ def test_output_guards_compare_urls_as_places(bucket):
     beside.check_not_source([src], [f"{src}/rank_0/checkpoint_0.ckpt"])
     with pytest.raises(OutputError, match="would replace the source file"):
         beside.check_planned([bucket.url("ckpt_4cards", "strategy.ckpt")], [bucket.url("ckpt_4cards/strategy.ckpt/")])
+
+
+M1A = GOLDEN / "M1a_mf_llama_dp2mp2os_bf16_to_mp4"
+M1B = GOLDEN / "M1b_mf_llama_pp2dp2mp2os2_to_mp4"
+
+
+def local_outputs(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and p.suffix in (".ckpt", ".safetensors", ".json") and ".reshard_job" not in p.parts
+            and p.name != "manifest.json"}
+
+
+def test_mindformers_save_and_an_export_in_the_bucket_convert_as_on_disk(bucket, runner, tmp_path):
+    """The formats MindFormers users have, where their checkpoints live: a MindFormers save (tracker
+    file, iteration folder, metadata.json, per-rank model and opt files) read from a prefix, and an
+    export for inference (shards + index) written to the bucket and read back from it."""
+    src = bucket.put_tree(M1A / "src_mindformers", bucket.url("mf"))
+    target = [f"target.strategy={M1A / 'dst_strategy.ckpt'}", "target=strategy"]
+    completed(runner.job("source=checkpoints", f"source.checkpoints={M1A / 'src_mindformers'}", *target,
+                         "output.dir=from_disk"))
+    out = completed(runner.job("source=checkpoints", f"source.checkpoints={src}", *target, "output.dir=from_bucket"))
+    want = local_outputs(tmp_path / "from_disk")
+    assert len(want) == 5 and local_outputs(Path(out)) == want  # 4 ranks + strategy
+    manifest = json.loads((Path(out) / "manifest.json").read_text())
+    assert all(f["path"].startswith(f"{src}/iteration_00000020/") for f in manifest["source"]["files"])
+
+    exported = bucket.url("exp")
+    common = ["source=checkpoints", "target=hf_export", "target.max_shard_size=12KB", "target.include=all"]
+    completed(runner.job(*common, f"source.checkpoints={M1B / 'src_mindformers'}", "output.dir=exp_disk"))
+    completed(runner.job(*common, f"source.checkpoints={bucket.put_tree(M1B / 'src_mindformers', bucket.url('mfb'))}",
+                         f"output.dir={exported}"))
+    disk = {k: v for k, v in local_outputs(tmp_path / "exp_disk").items()}
+    assert len(disk) > 2 and {k: bucket.get(f"{exported}/{k}") for k in disk} == disk
+    back = [f"target.strategy={M1B / 'src_strategy_merged.ckpt'}", "target=strategy", "lineage.enabled=false"]
+    completed(runner.job("source=checkpoints", f"source.checkpoints={tmp_path / 'exp_disk'}", *back,
+                         "output.dir=back_disk"))
+    out = completed(runner.job("source=checkpoints", f"source.checkpoints={exported}", *back, "output.dir=back_bucket"))
+    assert local_outputs(Path(out)) == local_outputs(tmp_path / "back_disk") != {}
