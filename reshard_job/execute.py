@@ -27,7 +27,7 @@ from .formats.index import reader_index
 from .formats.ckpt.records import CRC_TRAILER_LEN
 from .formats.registry import CKPT as KIND_CKPT, kind_of, open_reader, open_writer
 from .formats.tensorfile import KIND_MAP, KIND_STR, KIND_TENSOR, Scratch
-from .hashing import DigestingReader, StreamedDigest
+from .hashing import DigestingReader, StreamedDigest, stream_block
 from .plan import ACTION_COPY, ParamPlan, ParamPlans, RankPlan, TensorMeta
 from .read_ahead import announce
 from .storage import SourceChangedError, StorageOptions, storage_for
@@ -93,7 +93,8 @@ class SourceFiles:
         """Index a remote rank and hash it in the same front-to-back read of the object."""
         path = self.paths[rank]
         ckpt = (kind_of(path) or KIND_CKPT) == KIND_CKPT and raw.size >= CRC_TRAILER_LEN
-        stream = DigestingReader(raw, crc_end=raw.size - CRC_TRAILER_LEN if ckpt else None,
+        streams = min(OPEN_THREADS, len(self.digest_ranks))  # objects read at once (open_all)
+        stream = DigestingReader(raw, crc_end=raw.size - CRC_TRAILER_LEN if ckpt else None, block=stream_block(streams),
                                  progress=self.digest_progress.add_bytes if self.digest_progress else None)
         r = open_reader(stream, verify_crc=self.verify_crc)  # closes `stream` if it fails
         try:

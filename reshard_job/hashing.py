@@ -261,7 +261,15 @@ class HashCache:
         self._new = {}
 
 
-STREAM_BLOCK = 8 * 1024 * 1024  # one ranged GET per block; several objects stream at once
+STREAM_BLOCK = 8 * 1024 * 1024  # one ranged GET per block when several objects stream at once
+STREAM_BUDGET = 64 * 1024 * 1024  # bytes in flight over all the objects streamed at once
+
+
+def stream_block(streams: int) -> int:
+    """Block size for `streams` objects read front to back at once: the bytes in flight stay about
+    ``STREAM_BUDGET`` (a lone object gets blocks of several requests in flight, as the hash pass
+    had), never below one request's worth."""
+    return max(STREAM_BLOCK, min(REMOTE_BLOCK, STREAM_BUDGET // max(1, streams)))
 MAX_NOTED = 50_000  # content ranges whose CRC a streamed file keeps (beyond: the hash pass reads it again)
 
 

@@ -159,3 +159,11 @@ def test_the_ranks_foreseen_from_the_strategies_are_those_the_plan_reads(scenari
         settled = settle_target(target, prepared.strategy, {}) if dst else None
         foreseen = ranks_likely_read(prepared.strategy, source, target, settled, ranks)
         assert foreseen == set(prepared.plan.source_ranks), (foreseen, prepared.plan.source_ranks)
+
+
+def test_a_lone_object_streams_in_blocks_of_several_requests_and_many_share_the_budget():
+    from reshard_job.hashing import REMOTE_BLOCK, STREAM_BLOCK, STREAM_BUDGET, stream_block
+
+    assert stream_block(1) == REMOTE_BLOCK  # as the hash pass read one object: several GETs in flight
+    assert stream_block(8) * 8 <= STREAM_BUDGET and stream_block(8) >= STREAM_BLOCK
+    assert stream_block(1000) == STREAM_BLOCK  # never below one request
