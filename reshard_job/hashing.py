@@ -95,17 +95,30 @@ class _SegmentCrcs:
 
     Ranges may overlap (a `.ckpt` CRC trailer covers every tensor, which may also be checked on its
     own). They are taken up in order of their start as the chunks reach them and dropped once
-    passed, so a file of a hundred thousand tensors costs no more per chunk than one of ten."""
+    passed, so a file of a hundred thousand tensors costs no more per chunk than one of ten. More
+    ranges may be added while chunks come (``add``), in order of their start and ahead of them."""
 
     def __init__(self, segments: Segments):
-        self.segments = list(segments)
+        self.segments = [tuple(s) for s in segments]
         self.order = sorted(range(len(self.segments)), key=lambda i: self.segments[i][0])
         self.crcs = [0] * len(self.segments)
         self._next = 0
         self._active: list[int] = []
+        self._passed = 0  # bytes of the file fed so far
+
+    def add(self, offset: int, length: int) -> bool:
+        """One more range; False (and not added) if it starts before a range already added or
+        before the bytes fed so far, whose CRC it could no longer take."""
+        if offset < self._passed or (self.order and offset < self.segments[self.order[-1]][0]):
+            return False
+        self.order.append(len(self.segments))
+        self.segments.append((offset, length))
+        self.crcs.append(0)
+        return True
 
     def update(self, pos: int, chunk: memoryview) -> None:
         end = pos + len(chunk)
+        self._passed = end
         while self._next < len(self.order) and self.segments[self.order[self._next]][0] < end:
             self._active.append(self.order[self._next])
             self._next += 1
@@ -312,10 +325,7 @@ class DigestingReader:
         self._block = max(1, min(block, self.size))
         self._blocks: list[tuple[int, bytearray, int]] = []  # (start, buffer, length): previous, current
         self._end = 0  # bytes fetched so far
-        self._retired = 0  # bytes before this have left memory
-        self._pending: list[tuple[int, int]] = []  # content ranges not yet complete
-        self._partial: dict[tuple[int, int], int] = {}
-        self._content_crcs: dict[tuple[int, int], int] = {}
+        self._content = _SegmentCrcs(())  # tensor bytes noted by the format reader, fed as blocks retire
         self._all_noted = True
         self._progress = progress
         self._spare: bytearray | None = None  # the buffer of the last block retired, filled next
@@ -330,12 +340,8 @@ class DigestingReader:
         """Bytes [offset, offset + length) hold a tensor: take their CRC32 on the way."""
         if self._finished or not self._all_noted:
             return
-        if offset < self._retired or len(self._content_crcs) + len(self._pending) >= MAX_NOTED:
+        if len(self._content.segments) >= MAX_NOTED or not self._content.add(offset, length):
             self._all_noted = False
-        elif length <= 0:
-            self._content_crcs[(offset, length)] = 0
-        else:
-            self._pending.append((offset, length))
 
     def pread_into(self, offset: int, view) -> int:
         view = memoryview(view)
@@ -382,23 +388,7 @@ class DigestingReader:
 
     def _retire(self, start: int, buffer: bytearray, length: int) -> None:
         """A block leaves memory: its bytes go into the CRCs of the content ranges it meets."""
-        end = start + length
-        block = memoryview(buffer)[:length]
-        still = []
-        for key in self._pending:
-            offset, n = key
-            if offset >= end:
-                still.append(key)
-                continue
-            lo, hi = max(offset, start), min(offset + n, end)
-            crc = zlib.crc32(block[lo - start:hi - start], self._partial.pop(key, 0))
-            if offset + n <= end:
-                self._content_crcs[key] = crc
-            else:
-                self._partial[key] = crc
-                still.append(key)
-        self._pending = still
-        self._retired = end
+        self._content.update(start, memoryview(buffer)[:length])
         self._spare = buffer
 
     def finish(self) -> StreamedDigest:
@@ -410,8 +400,8 @@ class DigestingReader:
         self._finished = True
         self._blocks, self._spare = [], None
         digest = FileDigest(self.path, self.size, self._sha.hexdigest(), None, tuple(self.identity))
-        return StreamedDigest(digest, self._crc if self._crc_end is not None else None, self._content_crcs,
-                              self._all_noted and not self._pending)
+        content = dict(zip(self._content.segments, self._content.crcs)) if self._all_noted else {}
+        return StreamedDigest(digest, self._crc if self._crc_end is not None else None, content, self._all_noted)
 
     def close(self) -> None:
         self._blocks, self._spare = [], None

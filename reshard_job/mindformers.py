@@ -423,9 +423,13 @@ def is_mindformers_checkpoint(path: str | os.PathLike, storage: StorageOptions |
     or one iteration folder of it."""
     path = absolute(path)
     try:
-        listing = storage_for(path, storage).listdir(path)
+        return looks_like_mindformers(storage_for(path, storage).listdir(path))
     except (OSError, StorageError):
         return False
+
+
+def looks_like_mindformers(listing) -> bool:
+    """Whether a folder's entries (``FileInfo``) are those of a MindFormers save or iteration folder."""
     for entry in listing:
         if entry.name in (TRACKER_FILE, METADATA_FILE) and entry.is_file:
             return True
@@ -442,6 +446,11 @@ def available_iterations(root: str, storage: StorageOptions | None = None) -> li
     except (OSError, StorageError):
         return []
     return sorted(int(m.group(1)) for e in listing if (m := ITERATION_DIR.match(e.name)) and e.is_dir)
+
+
+def _why(e: Exception) -> str:
+    """What went wrong reading: the OS's words for a local file, the storage's line otherwise."""
+    return getattr(e, "strerror", None) or str(e)
 
 
 def _is_dir(path: str, storage: StorageOptions | None) -> bool:
@@ -478,7 +487,7 @@ def resolve_iteration(root: str | os.PathLike, iteration: int | None = None,
                 head = bytearray(min(64, f.size))
                 text = bytes(head[:f.pread_into(0, memoryview(head))])
         except (OSError, StorageError) as e:
-            raise MindFormersFormatError(tracker, f"cannot read ({getattr(e, 'strerror', None) or e})") from None
+            raise MindFormersFormatError(tracker, f"cannot read ({_why(e)})") from None
         value = text.decode("ascii", "replace").strip()
         if not value.isdigit() or not value.isascii():
             raise MindFormersFormatError(tracker, f"expected a decimal iteration number, got {_brief(value)}")
@@ -596,14 +605,14 @@ def load_mindformers(path: str | os.PathLike, iteration: int | None = None,
     try:
         listing = where.listdir(folder)
     except (OSError, StorageError) as e:
-        raise MindFormersFormatError(folder, f"cannot list the folder ({getattr(e, 'strerror', None) or e})") from None
+        raise MindFormersFormatError(folder, f"cannot list the folder ({_why(e)})") from None
     present = {e.name for e in listing if e.name.endswith(SAFETENSORS_SUFFIX) and e.is_file}
     if not any(e.name == METADATA_FILE and e.is_file for e in listing):
         return _single_rank_save(root, folder, number, sorted(present), storage)
     try:
         data = where.read_bytes(metadata_path, MAX_METADATA_BYTES)
     except (OSError, StorageError) as e:
-        raise MindFormersFormatError(metadata_path, f"cannot read ({getattr(e, 'strerror', None) or e})") from None
+        raise MindFormersFormatError(metadata_path, f"cannot read ({_why(e)})") from None
     if not data.strip():
         raise MindFormersFormatError(metadata_path, "is empty (expected MindFormers' metadata JSON)")
     params = parse_metadata(data, metadata_path)

@@ -167,15 +167,15 @@ def is_mindformers_source(src_dir: str | None, storage_options: StorageOptions |
     one iteration folder), not rank folders."""
     if src_dir is None:
         return False
-    from .mindformers import is_mindformers_checkpoint
+    from .mindformers import looks_like_mindformers
 
     src_dir = absolute(src_dir)
-    if not is_mindformers_checkpoint(src_dir, storage_options):
-        return False
-    try:  # a folder of rank_<r>/ directories is MindSpore's layout, whatever else it holds
-        return not any(RANK_DIR.match(e.name) and e.is_dir for e in storage_for(src_dir, storage_options).listdir(src_dir))
+    try:
+        listing = storage_for(src_dir, storage_options).listdir(src_dir)
     except (OSError, StorageError):
         return False
+    # a folder of rank_<r>/ directories is MindSpore's layout, whatever else it holds
+    return looks_like_mindformers(listing) and not any(RANK_DIR.match(e.name) and e.is_dir for e in listing)
 
 
 def discover_mindformers(src_dir: str, iteration: int | None = None,
