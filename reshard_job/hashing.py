@@ -283,6 +283,8 @@ def stream_block(streams: int) -> int:
     ``STREAM_BUDGET`` (a lone object gets blocks of several requests in flight, as the hash pass
     had), never below one request's worth."""
     return max(STREAM_BLOCK, min(REMOTE_BLOCK, STREAM_BUDGET // max(1, streams)))
+
+
 MAX_NOTED = 50_000  # content ranges whose CRC a streamed file keeps (beyond: the hash pass reads it again)
 
 

@@ -88,7 +88,9 @@ class HashWhileIndexing:
     progress: bool | None = None
 
 
-PREDICT_LIMIT = 2_000_000  # target ranks x laid-out parameters worth working through to foresee reads
+# target ranks x laid-out parameters worth working through to foresee reads (about 10 us each);
+# beyond, every remote rank is hashed while indexed (a replica the plan skips is then read whole)
+PREDICT_LIMIT = 100_000
 
 
 def prepare(source: SourceSpec, target: TargetSpec, *, ranks: tuple[int, ...] | None = None,
