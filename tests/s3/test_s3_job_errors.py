@@ -128,3 +128,55 @@ def test_throttling_that_does_not_stop_fails_in_one_line(golden, s3_server, tmp_
     assert "manifest.json" not in keys and not [k for k in keys if k.startswith("rank_")]
     assert bucket.uploads(out) == []
     failed_run(tmp_path, error)
+
+
+S2 = GOLDEN / "S2_block_mp4dp2opt_to_mp4"
+
+
+def flipped(data: bytes, offset: int) -> bytes:
+    return data[:offset] + bytes([data[offset] ^ 0x40]) + data[offset + 1:]
+
+
+def test_corrupt_source_bytes_in_the_bucket_are_refused_in_one_line(s3_store, s3_shared_bucket, s3_server, tmp_path):
+    """Sources in a bucket are hashed in the read that indexes them; the checks that read makes
+    (a `.ckpt` CRC trailer, replicas that must hold the same bytes) still refuse bad bytes."""
+    import numpy as np
+
+    from reshard_job.formats.ckpt import CheckpointReader, CheckpointWriter
+    from reshard_job.job.prepare import prepare
+    from reshard_job.job.spec import SourceSpec, TargetSpec
+
+    bucket = Bucket(s3_store, s3_shared_bucket, "corrupt")
+    runner = runner_as(tmp_path, s3_server)
+
+    # a CRC trailer that no longer matches: the file is named
+    src = bucket.put_tree(S1, bucket.url("crc"))
+    with CheckpointReader(S1 / "src_checkpoints" / "rank_1" / "checkpoint_1.ckpt") as r, \
+            CheckpointWriter(tmp_path / "with_crc.ckpt", crc=True) as w:
+        for name in r.names():
+            w.add(name, np.asarray(r.read(name)), r.entries[name].dtype)
+        weight = r.entries[next(n for n in r.names() if r.entries[n].nbytes > 64)].pieces[0][0]
+    rank_1 = f"{src}/src_checkpoints/rank_1/checkpoint_1.ckpt"
+    good = (tmp_path / "with_crc.ckpt").read_bytes()
+    with CheckpointReader(tmp_path / "with_crc.ckpt") as r:
+        assert r.has_crc
+    bucket.put(rank_1, flipped(good, weight + 3))
+    error = the_error(runner.job(*args(src, bucket.url("crc-out"))))
+    assert error.startswith(f"{rank_1}: CRC32 mismatch"), error
+    assert bucket.keys(bucket.url("crc-out")) == []
+    bucket.put(rank_1, good)  # the same file unharmed: converts
+    completed(runner.job(*args(src, bucket.url("crc-out"))))
+
+    # replicas that differ: the parameter and the ranks are named
+    with prepare(SourceSpec(str(S2 / "src_checkpoints"), str(S2 / "src_strategy.ckpt")),
+                 TargetSpec(strategy=str(S2 / "dst_strategy.ckpt"))) as prepared:
+        name, groups = next(iter(prepared.plan.identical.items()))
+        rank = sorted(groups[0])[-1]
+        piece = prepared.readers.reader(rank).entries[name].pieces[0]
+    src = bucket.put_tree(S2, bucket.url("replicas"))
+    path = S2 / "src_checkpoints" / f"rank_{rank}" / f"checkpoint_{rank}.ckpt"
+    bucket.put(f"{src}/src_checkpoints/rank_{rank}/checkpoint_{rank}.ckpt",
+               flipped(path.read_bytes(), piece[0] + piece[1] - 1))
+    error = the_error(runner.job(*args(src, bucket.url("replicas-out"))))
+    assert error.startswith(f"parameter '{name}' differs between source ranks"), error
+    assert bucket.keys(bucket.url("replicas-out")) == []
