@@ -285,6 +285,7 @@ def stream_block(streams: int) -> int:
     return max(STREAM_BLOCK, min(REMOTE_BLOCK, STREAM_BUDGET // max(1, streams)))
 
 
+SMALL_KEPT = 64 * 1024  # a noted tensor up to this size is handed to the object to keep (ObjectReader.keep)
 MAX_NOTED = 50_000  # content ranges whose CRC a streamed file keeps (beyond: the hash pass reads it again)
 
 
@@ -340,10 +341,16 @@ class DigestingReader:
 
     def note_content(self, offset: int, length: int) -> None:
         """Bytes [offset, offset + length) hold a tensor: take their CRC32 on the way."""
-        if self._finished or not self._all_noted:
+        if self._finished:
             return
-        if len(self._content.segments) >= MAX_NOTED or not self._content.add(offset, length):
+        if self._all_noted and (len(self._content.segments) >= MAX_NOTED or not self._content.add(offset, length)):
             self._all_noted = False
+        keep = getattr(self._raw, "keep", None)  # the object keeps small tensors' bytes for the rank tasks
+        if keep is not None and 0 < length <= SMALL_KEPT:
+            for start, buffer, n in self._blocks:
+                if start <= offset and offset + length <= start + n:
+                    keep(offset, memoryview(buffer)[offset - start:offset - start + length])
+                    break
 
     def pread_into(self, offset: int, view) -> int:
         view = memoryview(view)

@@ -50,6 +50,8 @@ MAX_REQUEST = 8 * 1024 * 1024
 STREAM_CHUNK = 1024 * 1024
 STREAM_ATTEMPTS = 3  # a body cut off mid-stream is fetched again this many times in all
 INDEX_WINDOW = MAX_GAP  # a header walk reads through records smaller than this (RandomAccess.index_window)
+SMALL_CONTENT = 64 * 1024  # tensors up to this size whose bytes the index walk fetched are kept (note_content)
+KEPT_LIMIT = 4 * 1024 * 1024  # bytes of small tensors kept per object
 
 
 def _stream_errors() -> tuple[type[BaseException], ...]:
@@ -93,6 +95,9 @@ class ObjectReader:
         self._batch: list[tuple[int, memoryview]] = []  # fetched expected ranges, by offset
         self._batch_buffer = bytearray()  # what the batch's views are of (reused, see _fetch_batch)
         self._batch_starts: list[int] = []
+        self._kept: list[bytes] = []  # small tensors' bytes fetched by the index walk (keep)
+        self._kept_starts: list[int] = []
+        self._kept_bytes = 0
 
     # -- RandomAccess --------------------------------------------------------------------------
     def pread_into(self, offset: int, view: memoryview) -> int:
@@ -108,7 +113,7 @@ class ObjectReader:
             if w_off <= offset and offset + n <= w_off + len(window):
                 view[:n] = memoryview(window)[offset - w_off:offset - w_off + n]
                 return n
-            if self._from_batch(offset, view[:n]):
+            if self._from_kept(offset, view[:n]) or self._from_batch(offset, view[:n]):
                 return n
             if n >= MAX_READAHEAD:
                 self._fetch([(offset, n)], [view[:n]])
@@ -152,7 +157,8 @@ class ObjectReader:
         """Reads about to come (``read_ahead.announce``): a later read inside them that misses
         fetches them from that point on, up to `budget` bytes, as coalesced parallel requests."""
         merged: list[tuple[int, int]] = []
-        for offset, length in sorted(r for r in clip_ranges(list(ranges), self.size) if r[1] > 0):
+        wanted = (r for r in clip_ranges(list(ranges), self.size) if r[1] > 0 and not self._is_kept(*r))
+        for offset, length in sorted(wanted):
             if merged and offset <= merged[-1][0] + merged[-1][1]:
                 last_offset, last_length = merged[-1]
                 merged[-1] = (last_offset, max(last_length, offset + length - last_offset))
@@ -163,6 +169,45 @@ class ObjectReader:
             self._budget = max(MIN_READAHEAD, budget)
             self._batch, self._batch_starts = [], []
             self._window = b""  # the header walk's last window: reads come from batches now
+
+    # -- small tensors met while indexing -------------------------------------------------------
+    # The layer norms and biases that optimizer parallelism spreads over every rank are wanted by
+    # every target rank, a few hundred bytes each between large records: fetching them again for
+    # each target costs either a request each or, merged, the large records between them. Their
+    # bytes passed through the index walk once; up to KEPT_LIMIT of them stay (forked workers
+    # inherit them) and reads of them, announced or not, are answered from memory.
+    def note_content(self, offset: int, length: int) -> None:
+        """A format reader walking the object found a tensor's bytes here (``DigestingReader`` and
+        the ``.ckpt`` and safetensors readers call this): a small one in the window is kept."""
+        if 0 < length <= SMALL_CONTENT:
+            w_off, window = self._window_offset, self._window
+            if w_off <= offset and offset + length <= w_off + len(window):
+                self.keep(offset, memoryview(window)[offset - w_off:offset - w_off + length])
+
+    def keep(self, offset: int, data) -> None:
+        """Keep `data`, the object's bytes at `offset` (in increasing offsets; others are ignored)."""
+        if self._kept_bytes + len(data) > KEPT_LIMIT or (
+                self._kept_starts and offset < self._kept_starts[-1] + len(self._kept[-1])):
+            return
+        self._kept.append(bytes(data))
+        self._kept_starts.append(offset)
+        self._kept_bytes += len(data)
+
+    def _kept_at(self, offset: int, n: int) -> int:
+        """Index of the kept bytes holding [offset, offset + n), or -1."""
+        i = bisect.bisect_right(self._kept_starts, offset) - 1
+        return i if i >= 0 and offset + n <= self._kept_starts[i] + len(self._kept[i]) else -1
+
+    def _is_kept(self, offset: int, n: int) -> bool:
+        return bool(self._kept) and self._kept_at(offset, n) >= 0
+
+    def _from_kept(self, offset: int, view: memoryview) -> bool:
+        i = self._kept_at(offset, len(view)) if self._kept else -1
+        if i < 0:
+            return False
+        start = self._kept_starts[i]
+        view[:] = memoryview(self._kept[i])[offset - start:offset - start + len(view)]
+        return True
 
     def _from_batch(self, offset: int, view: memoryview) -> bool:
         i = bisect.bisect_right(self._batch_starts, offset) - 1

@@ -595,3 +595,39 @@ def test_remote_sources_are_hashed_in_the_read_that_indexes_them(s3_store, s3_pr
         with SourceFiles({r: str(golden / f"rank_{r}" / f"checkpoint_{r}.ckpt") for r in urls}, verify_crc=False,
                          digest_ranks=set(urls)) as files:
             assert index == files.index() and not files.digests  # local files: left to the hash pass
+
+
+@pytest.mark.parametrize("digest", [False, True], ids=["walk", "hashed"])
+def test_small_tensors_met_while_indexing_are_read_again_without_a_request(s3_store, s3_prefix, s3_storage_options,
+                                                                            digest, tmp_path):
+    import numpy as np
+
+    from reshard_job.execute import SourceFiles
+    from reshard_job.formats.ckpt import CheckpointWriter
+    from reshard_job.storage.s3file import SMALL_CONTENT
+
+    rng = np.random.default_rng(5)
+    local = tmp_path / "m.ckpt"
+    with CheckpointWriter(local) as w:  # small norms between weights larger than a walk's window
+        for layer in range(4):
+            w.add(f"l{layer}.norm", rng.standard_normal(126).astype(np.float16))
+            w.add(f"l{layer}.w", rng.standard_normal((1100, 1000)).astype(np.float32))
+    data = local.read_bytes()
+    url = f"{s3_prefix}/kept_{digest}/rank_0/checkpoint_0.ckpt"
+    s3_store.write_bytes(url, data)
+    with SourceFiles({0: url}, verify_crc=False, storage=s3_storage_options,
+                     digest_ranks={0} if digest else ()) as files:
+        reader = files.reader(0)
+        small = [n for n in reader.names() if reader.entries[n].nbytes <= SMALL_CONTENT]
+        large = [n for n in reader.names() if reader.entries[n].nbytes > SMALL_CONTENT]
+        assert len(small) == 4 and len(large) == 4
+        raw = reader._file
+        before = raw.requests
+        reader.expect_reads([reader.entries[n].pieces[0] for n in small], 1 << 20)  # announced: all kept
+        for name in small:
+            offset, length = reader.entries[name].pieces[0]
+            assert reader.read(name).tobytes() == data[offset:offset + length]
+        assert raw.requests == before  # answered from memory
+        offset, length = reader.entries[large[1]].pieces[0]
+        assert reader.read(large[1]).tobytes() == data[offset:offset + length]
+        assert raw.requests > before  # a large tensor is fetched, not kept
