@@ -195,3 +195,22 @@ def test_mindformers_save_and_an_export_in_the_bucket_convert_as_on_disk(bucket,
                          "output.dir=back_disk"))
     out = completed(runner.job("source=checkpoints", f"source.checkpoints={exported}", *back, "output.dir=back_bucket"))
     assert local_outputs(Path(out)) == local_outputs(tmp_path / "back_disk") != {}
+
+
+def test_safetensors_rank_folders_in_the_bucket_convert_as_on_disk(bucket, runner, tmp_path):
+    """Per-rank safetensors files (what a ``target.format=safetensors`` job writes) as sources in a
+    bucket: indexed and hashed in one read each, converted to the same bytes as from disk."""
+    s1 = [f"source.strategy={S1 / 'src_strategy.ckpt'}"]
+    to_st = ["target=strategy", f"target.strategy={S1 / 'src_strategy.ckpt'}", "target.format=safetensors"]
+    completed(runner.job(f"source.checkpoints={S1 / 'src_checkpoints'}", *s1, *to_st, "output.dir=st"))
+    src = bucket.url("st")
+    for path in sorted((tmp_path / "st").glob("rank_*/*.safetensors")):
+        bucket.put(f"{src}/{path.parent.name}/{path.name}", path.read_bytes())
+    back = [*s1, "target=strategy", f"target.strategy={S1 / 'dst_strategy.ckpt'}", "lineage.enabled=false"]
+    completed(runner.job(f"source.checkpoints={tmp_path / 'st'}", *back, "output.dir=from_disk"))
+    out = completed(runner.job(f"source.checkpoints={src}", *back, "output.dir=from_bucket"))
+    want = local_outputs(tmp_path / "from_disk")
+    assert len(want) == 5 and local_outputs(Path(out)) == want
+    manifest = json.loads((Path(out) / "manifest.json").read_text())
+    for f in manifest["source"]["files"]:  # the digests taken while indexing are those of the bytes
+        assert f["sha256"] == sha256(bucket.get(f["path"]))
