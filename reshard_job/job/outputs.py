@@ -136,13 +136,20 @@ class OutputDir:
             self.storage.makedirs(self.path)
             self._lock = self.storage.lock(self.path, f"pid {os.getpid()} on {socket.gethostname()}")
         except LockedError as e:
-            raise OutputError(f"output.dir {self.path} is being written by another job ({e.holder}); "
-                              "wait for it to finish or choose another output.dir") from None
+            raise locked_error(self.path, e.holder) from None
 
     def unlock(self) -> None:
         if self._lock is not None:
             lock, self._lock = self._lock, None
             lock.release()
+
+    def refuse_if_locked(self) -> None:
+        """Refuse now if another job holds the lock: before a conversion reads its sources, which
+        in a bucket it also hashes, a whole read of every source. Writes nothing; ``lock`` still
+        decides."""
+        holder = self.storage.held_by(self.path)
+        if holder:
+            raise locked_error(self.path, holder)
 
     # ------------------------------------------------------------------------------ state
     def _is_dir(self) -> bool:
@@ -292,3 +299,8 @@ class OutputDir:
         if self.local:
             return os.path.relpath(path, self.path)
         return path[len(self.path.rstrip("/")) + 1:] if path.startswith(self.path.rstrip("/") + "/") else path
+
+
+def locked_error(path: str, holder: str) -> OutputError:
+    return OutputError(f"output.dir {path} is being written by another job ({holder}); "
+                       "wait for it to finish or choose another output.dir")

@@ -67,6 +67,8 @@ def run_job(spec: JobSpec, emit: Callable[[str], None] = print) -> JobResult:
     with interruptible():
         recorder = LineageRecorder(spec) if spec.lineage.enabled and not plan_mode else NoRecorder()
         try:
+            if not plan_mode:  # another job writing output.dir: refused before any source is read
+                OutputDir(spec.output.dir, storage_for(spec.output.dir, spec.storage)).refuse_if_locked()
             # a conversion hashes what it reads: remote sources then while they are indexed
             hashing = None if plan_mode else HashWhileIndexing(spec.run.hash_cache, spec.run.progress)
             prepared = prepare(spec.source, spec.target, ranks=spec.run.ranks, storage=spec.storage,

@@ -210,3 +210,8 @@ class Storage(Protocol):
     def lock(self, folder: str, holder: str) -> OutputLock:
         """Take the one-writer lock of an output folder; StorageError naming the current holder
         when another job has it. `holder` (host and pid) is stored for that message."""
+
+    def held_by(self, folder: str) -> str | None:
+        """Who holds the output folder's lock now (as ``LockedError`` names them), without taking it
+        or writing anything; None when nobody does or it cannot be told. A hint only: a job asks
+        before its long reads, and still takes the lock before it writes."""

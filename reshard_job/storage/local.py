@@ -251,6 +251,26 @@ class LocalStorage:
                         pass
         return removed
 
+    def held_by(self, folder: str) -> str | None:
+        try:
+            fd = os.open(os.path.join(folder, STATE_DIR, LOCK_FILE),
+                         os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0))
+        except OSError:
+            return None  # no lock file: never locked
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                if e.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                    return os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "unknown process"
+                return None
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return None
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+
     def lock(self, folder: str, holder: str) -> FcntlLock:
         state = os.path.join(folder, STATE_DIR)
         self.makedirs(state)

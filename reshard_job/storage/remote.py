@@ -414,6 +414,15 @@ class S3Storage:
             self._conditional_by_bucket[bucket] = supports_conditional_put(self, bucket, folder_key, folder_url)
         return self._conditional_by_bucket[bucket]
 
+    def held_by(self, folder: str) -> str | None:
+        from .s3lock import holder_of
+
+        _, bucket, key = split_url(folder)
+        try:
+            return holder_of(self, self._url(bucket, key), bucket, key)
+        except Exception:  # noqa: BLE001 - a hint: the lock itself reports what is wrong
+            return None
+
     def lock(self, folder: str, holder: str, *, lease_seconds: float | None = None):
         from .s3lock import acquire
 

@@ -234,6 +234,12 @@ def supports_conditional_put(store: "S3Calls", bucket: str, folder_key: str, fol
             pass
 
 
+def holder_of(store: "S3Calls", folder_url: str, bucket: str, folder_key: str) -> str | None:
+    """Who holds the lock of the output prefix `folder_key` now (None: nobody, or a stale lease)."""
+    current = _read(store, bucket, f"{folder_key}/{LOCK_NAME}" if folder_key else LOCK_NAME, folder_url)
+    return None if current is None or current.is_stale() else current.describe()
+
+
 def acquire(store: "S3Calls", folder_url: str, bucket: str, folder_key: str, holder: str, *,
             lease_seconds: float = DEFAULT_LEASE_SECONDS, settle_seconds: float = DEFAULT_SETTLE_SECONDS,
             conditional: bool | None = None) -> ObjectLock:

@@ -149,6 +149,27 @@ def test_outputs_of_another_conversion_are_refused_unless_overwrite(tmp_path, s1
 # ================================================================================== lock
 
 
+def test_a_locked_output_is_refused_before_any_source_is_read(tmp_path, app):
+    """A conversion reads (and, in a bucket, hashes) every source before it writes; another job
+    holding output.dir's lock is reported first, not after that read."""
+    from reshard_job.storage.local import LocalStorage
+
+    ckpts, src, dst = copy_s1(tmp_path / "bad")
+    rank_3 = ckpts / "rank_3" / "checkpoint_3.ckpt"
+    rank_3.write_bytes(b"\x0b" + rank_3.read_bytes()[1:])  # what reading the sources would trip over
+    out = tmp_path / "out"
+    out.mkdir()
+    held = LocalStorage().lock(str(out), "pid 4242 on elsewhere")
+    try:
+        error = the_error(app(tmp_path, *s1_args(ckpts, src, dst, out)))
+        assert error == (f"output.dir {out} is being written by another job (pid 4242 on elsewhere); wait for it to "
+                         "finish or choose another output.dir")
+    finally:
+        held.release()
+    error = the_error(app(tmp_path, *s1_args(ckpts, src, dst, out)))  # free: the sources are read
+    assert error.startswith(f"{rank_3}: wrong magic"), error
+
+
 def test_second_writer_is_refused_while_the_first_runs(tmp_path, big_source, app):
     out = tmp_path / "out"
     # 16 KiB pieces make the first job hold the lock for seconds, whatever the machine (same conversion)

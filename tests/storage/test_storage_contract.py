@@ -320,6 +320,20 @@ def test_lock_is_exclusive_and_released(backend):
     second.release()  # idempotent
 
 
+def test_held_by_names_the_holder_without_taking_or_writing_anything(backend):
+    s = backend.storage
+    assert s.held_by(backend.path("never_written")) is None  # nothing there: nobody
+    assert s.info(backend.path("never_written")) is None  # and asking wrote nothing
+    s.makedirs(backend.root)
+    assert s.held_by(backend.root) is None
+    held = s.lock(backend.root, "pid 1 on host-a")
+    assert s.held_by(backend.root) == "pid 1 on host-a"
+    assert s.held_by(backend.root) == "pid 1 on host-a"  # asking does not take it
+    held.release()
+    assert s.held_by(backend.root) is None
+    s.lock(backend.root, "pid 2 on host-b").release()  # nor keeps anyone from taking it
+
+
 # ---------------------------------------------------------------------------------- through storage_for
 
 
