@@ -285,7 +285,6 @@ def stream_block(streams: int) -> int:
     return max(STREAM_BLOCK, min(REMOTE_BLOCK, STREAM_BUDGET // max(1, streams)))
 
 
-SMALL_KEPT = 64 * 1024  # a noted tensor up to this size is handed to the object to keep (ObjectReader.keep)
 MAX_NOTED = 50_000  # content ranges whose CRC a streamed file keeps (beyond: the hash pass reads it again)
 
 
@@ -346,7 +345,7 @@ class DigestingReader:
         if self._all_noted and (len(self._content.segments) >= MAX_NOTED or not self._content.add(offset, length)):
             self._all_noted = False
         keep = getattr(self._raw, "keep", None)  # the object keeps small tensors' bytes for the rank tasks
-        if keep is not None and 0 < length <= SMALL_KEPT:
+        if keep is not None and length > 0:
             for start, buffer, n in self._blocks:
                 if start <= offset and offset + length <= start + n:
                     keep(offset, memoryview(buffer)[offset - start:offset - start + length])

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 from .errors import ConfigError, PlanError
 from .formats.registry import CHECKPOINT_SUFFIXES, kind_of
-from .storage import StorageError, StorageOptions, absolute, is_url, storage_for
+from .storage import StorageError, StorageOptions, absolute, storage_for
 from .text import shorten
 
 if TYPE_CHECKING:

@@ -179,14 +179,14 @@ class ObjectReader:
     def note_content(self, offset: int, length: int) -> None:
         """A format reader walking the object found a tensor's bytes here (``DigestingReader`` and
         the ``.ckpt`` and safetensors readers call this): a small one in the window is kept."""
-        if 0 < length <= SMALL_CONTENT:
-            w_off, window = self._window_offset, self._window
-            if w_off <= offset and offset + length <= w_off + len(window):
-                self.keep(offset, memoryview(window)[offset - w_off:offset - w_off + length])
+        w_off, window = self._window_offset, self._window
+        if 0 < length <= SMALL_CONTENT and w_off <= offset and offset + length <= w_off + len(window):
+            self.keep(offset, memoryview(window)[offset - w_off:offset - w_off + length])
 
     def keep(self, offset: int, data) -> None:
-        """Keep `data`, the object's bytes at `offset` (in increasing offsets; others are ignored)."""
-        if self._kept_bytes + len(data) > KEPT_LIMIT or (
+        """Keep `data`, the object's bytes at `offset`, if it is a small tensor's (up to
+        SMALL_CONTENT) and within KEPT_LIMIT; in increasing offsets, others are ignored."""
+        if not 0 < len(data) <= SMALL_CONTENT or self._kept_bytes + len(data) > KEPT_LIMIT or (
                 self._kept_starts and offset < self._kept_starts[-1] + len(self._kept[-1])):
             return
         self._kept.append(bytes(data))
@@ -199,10 +199,10 @@ class ObjectReader:
         return i if i >= 0 and offset + n <= self._kept_starts[i] + len(self._kept[i]) else -1
 
     def _is_kept(self, offset: int, n: int) -> bool:
-        return bool(self._kept) and self._kept_at(offset, n) >= 0
+        return self._kept_at(offset, n) >= 0
 
     def _from_kept(self, offset: int, view: memoryview) -> bool:
-        i = self._kept_at(offset, len(view)) if self._kept else -1
+        i = self._kept_at(offset, len(view))
         if i < 0:
             return False
         start = self._kept_starts[i]

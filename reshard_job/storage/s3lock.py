@@ -234,9 +234,13 @@ def supports_conditional_put(store: "S3Calls", bucket: str, folder_key: str, fol
             pass
 
 
+def _lock_key(folder_key: str) -> str:
+    return f"{folder_key}/{LOCK_NAME}" if folder_key else LOCK_NAME
+
+
 def holder_of(store: "S3Calls", folder_url: str, bucket: str, folder_key: str) -> str | None:
     """Who holds the lock of the output prefix `folder_key` now (None: nobody, or a stale lease)."""
-    current = _read(store, bucket, f"{folder_key}/{LOCK_NAME}" if folder_key else LOCK_NAME, folder_url)
+    current = _read(store, bucket, _lock_key(folder_key), folder_url)
     return None if current is None or current.is_stale() else current.describe()
 
 
@@ -244,7 +248,7 @@ def acquire(store: "S3Calls", folder_url: str, bucket: str, folder_key: str, hol
             lease_seconds: float = DEFAULT_LEASE_SECONDS, settle_seconds: float = DEFAULT_SETTLE_SECONDS,
             conditional: bool | None = None) -> ObjectLock:
     """Take the lock of the output prefix `folder_key`, or raise ``LockedError`` naming the holder."""
-    key = f"{folder_key}/{LOCK_NAME}" if folder_key else LOCK_NAME
+    key = _lock_key(folder_key)
     if conditional is None:
         conditional = store.conditional_put(bucket, folder_key, folder_url)
     record = LeaseRecord(holder, socket.gethostname(), os.getpid(), uuid.uuid4().hex, float(lease_seconds))
