@@ -432,6 +432,7 @@ def test_large_tensors_read_in_place_across_staging_blocks(helpers, monkeypatch)
     and go through the assembly buffer. Both ways, there and back, must give the exact bytes."""
     import reshard_job.execute as execute
 
+    monkeypatch.setattr("reshard_job.storage.atomic.DIRECT_CHUNK", 8 << 20)  # files larger than a block
     calls = []
     real = execute._fill_in_place
     monkeypatch.setattr(execute, "_fill_in_place", lambda sink, p, *a: calls.append(p.name) or real(sink, p, *a))
@@ -443,7 +444,7 @@ def test_large_tensors_read_in_place_across_staging_blocks(helpers, monkeypatch)
 
 
 
-def test_large_tensor_copied_whole_in_place_across_staging_blocks(tmp_path):
+def test_large_tensor_copied_whole_in_place_across_staging_blocks(tmp_path, monkeypatch):
     """A tensor copied whole (a parameter the strategies do not cover) is read straight into the
     output's staging blocks: stored in several records here, 20 MB against 8 MiB blocks, with the
     CRC on; the bytes, the per-tensor digest and the CRC must match what the plain writer gives."""
@@ -451,6 +452,7 @@ def test_large_tensor_copied_whole_in_place_across_staging_blocks(tmp_path):
 
     from reshard_job.execute import _copy_in_place
 
+    monkeypatch.setattr("reshard_job.storage.atomic.DIRECT_CHUNK", 8 << 20)  # a tensor across blocks
     data = np.random.default_rng(5).integers(0, 255, size=(1250, 8000), dtype=np.uint8).view(np.uint16)
     src = tmp_path / "src.ckpt"
     with CheckpointWriter(str(src), chunk_bytes=3 << 20) as w:  # several records, like MindSpore's 512 MiB chunks

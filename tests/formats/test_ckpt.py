@@ -570,9 +570,10 @@ def test_written_file_reports_sizes_and_hashes(tmp_path):
     assert os.path.isabs(res.path)
 
 
-def test_tensor_hashes_across_staging_buffers(tmp_path):
-    """Tensors that start, end and straddle the direct writer's 8 MiB staging buffers, written in
-    odd pieces, hash exactly their own bytes, and the file hash covers the whole file."""
+def test_tensor_hashes_across_staging_buffers(tmp_path, monkeypatch):
+    """Tensors that start, end and straddle the direct writer's staging buffers (8 MiB here), written
+    in odd pieces, hash exactly their own bytes, and the file hash covers the whole file."""
+    monkeypatch.setattr("reshard_job.storage.atomic.DIRECT_CHUNK", 8 << 20)
     from reshard_job.storage.atomic import DIRECT_CHUNK
 
     rng = np.random.default_rng(7)

@@ -41,7 +41,12 @@ def _pieces(seed: int, total: int):
 
 @pytest.mark.parametrize("direct", [True, False])
 @pytest.mark.parametrize("seed", [1, 2])
-def test_tapped_ranges_hash_exactly_their_bytes(tmp_path, direct, seed):
+@pytest.mark.parametrize("block", [None, 1 << 20])
+def test_tapped_ranges_hash_exactly_their_bytes(tmp_path, direct, seed, block, monkeypatch):
+    """Every tensor's digest and the file's, with pieces of every size across staging blocks (the
+    real size, and 1 MiB so that most pieces straddle blocks); the two digests are fed by two threads."""
+    if block:
+        monkeypatch.setattr("reshard_job.storage.atomic.DIRECT_CHUNK", block)
     pieces = _pieces(seed, 40 << 20)
     f = AtomicFile(tmp_path / "out.bin", direct=direct)
     hashers = _write_pieces(f, pieces)
