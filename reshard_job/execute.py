@@ -53,7 +53,7 @@ class SourceFiles:
 
     def __init__(self, paths: dict[int, str | tuple[str, ...]], *, verify_crc: bool = True,
                  identities: dict[int, tuple] | None = None, storage: StorageOptions | None = None,
-                 digest_ranks: Collection[int] = (), digest_progress=None):
+                 digest_ranks: Collection[int] = (), digest_progress=None, index_cache=None):
         self.paths = {r: p if isinstance(p, str) else tuple(p) for r, p in paths.items()}
         self.verify_crc = verify_crc
         self.identities = dict(identities or {})
@@ -64,6 +64,8 @@ class SourceFiles:
         self.digest_ranks = frozenset(digest_ranks)
         self.digest_progress = digest_progress
         self.digests: dict[str, StreamedDigest] = {}
+        # ``index_cache.IndexCache``: local `.ckpt` files whose identity it knows are not walked
+        self.index_cache = index_cache
         self._readers: dict[int, TensorReader] = {}
 
     def reader(self, rank: int) -> TensorReader:
@@ -83,10 +85,24 @@ class SourceFiles:
             if isinstance(entry, str) and rank in self.digest_ranks and storage_for(entry, self.storage).scheme != "file":
                 r = self._open_digesting(rank, raws[0])
             elif isinstance(entry, str):
-                r = open_reader(raws[0], verify_crc=self.verify_crc)
+                r = self._open_file(entry, raws[0])
             else:
                 r = MultiFileReader(raws, verify_crc=self.verify_crc)
             self._readers[rank] = r
+        return r
+
+    def _open_file(self, path: str, raw) -> TensorReader:
+        """A one-file rank's reader; a local `.ckpt` file's index from the index cache where it has it
+        (and kept there after walking it where not)."""
+        cache = self.index_cache
+        if cache is None or (kind_of(path) or KIND_CKPT) != KIND_CKPT or storage_for(path, self.storage).scheme != "file":
+            return open_reader(raw, verify_crc=self.verify_crc)
+        from .formats.ckpt import CheckpointReader
+
+        known = cache.get(path, raw.identity)
+        r = CheckpointReader(raw, verify_crc=self.verify_crc, known_index=known)
+        if known is None:
+            cache.put(path, raw.identity, r.index_document())
         return r
 
     def _open_digesting(self, rank: int, raw) -> TensorReader:

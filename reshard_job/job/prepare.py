@@ -31,6 +31,7 @@ from ..export import INDEX_FILE, ExportLayout, check_against_index, plan_export,
 from ..mindformers import MindFormersSource
 from ..formats.tensorfile import KIND_TENSOR
 from ..hashing import HashCache, default_cache_path
+from ..index_cache import IndexCache
 from ..plan import Plan, Planner, TensorMeta, identical_mismatch, source_ranks_for
 from ..sources import (LoadedStrategy, RankFiles, discover, discover_export, discover_mindformers, is_export_source,
                        is_mindformers_source, load_strategy)
@@ -95,10 +96,11 @@ PREDICT_LIMIT = 100_000
 
 def prepare(source: SourceSpec, target: TargetSpec, *, ranks: tuple[int, ...] | None = None,
             storage: StorageOptions | None = None, demo_root: str | None = None,
-            hashing: HashWhileIndexing | None = None) -> Prepared:
+            hashing: HashWhileIndexing | None = None, index_cache: IndexCache | None = None) -> Prepared:
     """Sources found and indexed, target settled, inputs cross-checked, the plan made.
 
-    With `hashing`, remote sources the plan will read are hashed while they are indexed."""
+    With `hashing`, remote sources the plan will read are hashed while they are indexed; with
+    `index_cache`, local `.ckpt` files it knows unchanged are not walked again."""
     source = _with_demo(source, demo_root)
     if is_mindformers_source(source.checkpoints, storage):
         return prepare_mindformers(source, target, ranks=ranks, storage=storage)
@@ -108,7 +110,8 @@ def prepare(source: SourceSpec, target: TargetSpec, *, ranks: tuple[int, ...] | 
     if is_export_source(source.checkpoints, storage):
         return _prepare_export_folder(source, target, ranks=ranks, storage=storage, hashing=hashing)
     found = discover(source.checkpoints, source.select, storage)
-    return prepare_files(found, source, target, ranks=ranks, storage=storage, hashing=hashing)
+    return prepare_files(found, source, target, ranks=ranks, storage=storage, hashing=hashing,
+                         index_cache=index_cache)
 
 
 def _prepare_export_folder(source: SourceSpec, target: TargetSpec, *, ranks, storage, hashing) -> Prepared:
@@ -130,7 +133,8 @@ def _prepare_export_folder(source: SourceSpec, target: TargetSpec, *, ranks, sto
 
 
 def prepare_files(found: RankFiles, source: SourceSpec, target: TargetSpec, *, ranks: tuple[int, ...] | None = None,
-                  storage: StorageOptions | None = None, hashing: HashWhileIndexing | None = None) -> Prepared:
+                  storage: StorageOptions | None = None, hashing: HashWhileIndexing | None = None,
+                  index_cache: IndexCache | None = None) -> Prepared:
     """Like ``prepare``, for source files already chosen (rank -> file)."""
     strategy = load_strategy(source.strategy, storage)
     paths = _usable_ranks(found, strategy, source)
@@ -141,7 +145,7 @@ def prepare_files(found: RankFiles, source: SourceSpec, target: TargetSpec, *, r
     bar = Progress(sum(found.sizes.get(r, 0) for r in digest), len(digest),
                    enabled=hashing.progress if hashing else False, desc="indexing and hashing sources", unit="files")
     readers = SourceFiles(paths, verify_crc=False, identities=found.identities, storage=storage,
-                          digest_ranks=digest, digest_progress=bar if digest else None)
+                          digest_ranks=digest, digest_progress=bar if digest else None, index_cache=index_cache)
     try:
         try:
             index = readers.index()

@@ -27,6 +27,7 @@ from ..errors import MissingRankError
 from ..storage import storage_for
 from .convert import Outputs, convert
 from .executor_choice import cluster_layout
+from ..index_cache import IndexCache
 from .integrity import hash_sources
 from .memory import fix_mmap_threshold
 from .outputs import OutputDir
@@ -71,8 +72,10 @@ def run_job(spec: JobSpec, emit: Callable[[str], None] = print) -> JobResult:
                 OutputDir(spec.output.dir, storage_for(spec.output.dir, spec.storage)).refuse_if_locked()
             # a conversion hashes what it reads: remote sources then while they are indexed
             hashing = None if plan_mode else HashWhileIndexing(spec.run.hash_cache, spec.run.progress)
+            # job.hash_cache also keeps what walking a local source found (``index_cache``)
             prepared = prepare(spec.source, spec.target, ranks=spec.run.ranks, storage=spec.storage,
-                               demo_root=os.path.join(spec.context.launch_dir, "runs", "demo"), hashing=hashing)
+                               demo_root=os.path.join(spec.context.launch_dir, "runs", "demo"), hashing=hashing,
+                               index_cache=IndexCache() if spec.run.hash_cache else None)
             try:
                 if plan_mode:
                     return _plan_only(spec, prepared, emit)

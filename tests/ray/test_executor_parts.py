@@ -96,8 +96,10 @@ def test_per_node_throughput_uses_wall_time_and_orders_nodes_by_number():
 
 
 def test_memory_per_task_covers_slices_staging_and_the_worker():
+    from reshard_job.storage.atomic import DIRECT_CHUNK
+
     mib = 1 << 20
-    assert memory_per_task(32 * mib) == (96 + 32 + 16) * mib
+    assert memory_per_task(32 * mib) == 96 * mib + 32 * mib + 2 * DIRECT_CHUNK  # two staging blocks
     assert memory_per_task(1024 * mib) - memory_per_task(32 * mib) == 992 * mib
 
 

@@ -72,6 +72,8 @@ class _Window:
 
 
 _DTYPES: dict[bytes, str] = {}  # tensor_type bytes -> interned name
+_DTYPE_NAMES: dict[str, str] = {}  # the same names read back from an index document
+INDEX_FORMAT = 1  # of ``CheckpointReader.index_document``: a change makes cached documents unused
 _SHAPES: dict[tuple, tuple] = {}  # interned shapes
 _KINDS = (KIND_TENSOR, KIND_STR, KIND_MAP)
 _SHARED_NAMES: list = []  # (names, positions) of recently indexed files, shared when equal
@@ -93,6 +95,15 @@ def _span_shape(dtype: str, dims: tuple, stored: int) -> tuple | None:
     if dims == (0,) and stored and dt.itemsize == stored:
         dims = ()
     return dims if prod(dims) * dt.itemsize == stored else None
+
+
+def _known_record(r: list, size: int) -> Record:
+    """A Record from an index document's list, or ValueError where it cannot be one of this file."""
+    offset, length, dims, dtype, c_off, c_len = r
+    if not (isinstance(dtype, str) and all(isinstance(x, int) for x in (offset, length, c_off, c_len, *dims))
+            and 0 <= offset and offset + length <= size and 0 <= c_off and c_off + c_len <= size and c_len >= 0):
+        raise ValueError("not a record of this file")
+    return Record(offset, length, tuple(dims), dtype, c_off, c_len)
 
 
 def _intern_shape(dims: tuple) -> tuple:
@@ -167,7 +178,7 @@ class CheckpointReader(PositionedReader):
     ``storage.RandomAccess``.
     """
 
-    def __init__(self, source, *, verify_crc: bool = True):
+    def __init__(self, source, *, verify_crc: bool = True, known_index: dict | None = None):
         super().__init__(source)
         self.crc_stored: int | None = None
         self._names: list[str] = []  # group names, in file order
@@ -185,7 +196,7 @@ class CheckpointReader(PositionedReader):
         # (``hashing.DigestingReader.note_content``)
         self._note = getattr(self._file, "note_content", None)
         try:
-            self._index()
+            self._index(known_index)
         except BaseException:
             self.close()
             raise
@@ -201,12 +212,77 @@ class CheckpointReader(PositionedReader):
         return self.crc_stored is not None
 
     # --- indexing -----------------------------------------------------------------------------
-    def _index(self) -> None:
+    def _index(self, known: dict | None = None) -> None:
+        """Walk the records, or take `known` (``index_document`` of these very bytes, from
+        ``index_cache``) where it fits the file; either way the columns are then checked."""
         if self.size == 0:
             raise self._error("empty file (0 bytes), expected MindSpore checkpoint records")
-        self._walk()
+        if known is None or not self._load_index(known):
+            self._walk()
         self._validate()
         self._share_columns()
+
+    def index_document(self) -> dict:
+        """The index as plain JSON values: given back as ``known_index`` for the same bytes, the
+        reader is ready without walking them (``index_cache``)."""
+        def rec(r: Record) -> list:
+            return [r.offset, r.length, list(r.dims), r.dtype, r.content_offset, r.content_len]
+
+        multi = [[i, [[rec(r) for r in part] for part in v] if self._kind[i] == 2 else [rec(r) for r in v]]
+                 for i, v in self._multi.items()]
+        return {"format": INDEX_FORMAT, "size": self.size, "crc": self.crc_stored, "names": list(self._names),
+                "kind": list(self._kind), "dtype": list(self._dtype), "shape": [list(d) for d in self._shape],
+                "off": self._off.tolist(), "len": self._len.tolist(), "rec": self._rec.tolist(),
+                "rlen": self._rlen.tolist(), "multi": multi}
+
+    def _load_index(self, doc: dict) -> bool:
+        """Take the columns of an ``index_document``; False (nothing taken) where it does not fit this
+        file: another format version or size, columns of unequal length, a value of the wrong type,
+        a byte range outside the file. Its dtypes and sizes are then checked as a walk's are."""
+        size = self.size
+        try:
+            if doc.get("format") != INDEX_FORMAT or doc.get("size") != size:
+                return False
+            names = [sys.intern(n) for n in doc["names"]]
+            n = len(names)
+            if not all(isinstance(x, str) for x in names):
+                return False
+            kinds = bytearray(doc["kind"])
+            dtype_col = [_DTYPE_NAMES.setdefault(d, d) for d in doc["dtype"]]
+            shape_col = [_intern_shape(tuple(d)) for d in doc["shape"]]
+            cols = [array("q", doc[k]) for k in ("off", "len", "rec", "rlen")]
+            if any(len(c) != n for c in (kinds, dtype_col, shape_col, *cols)) or any(k > 2 for k in kinds):
+                return False
+            if not all(isinstance(d, str) for d in dtype_col) or not all(
+                    isinstance(x, int) for d in shape_col for x in d):
+                return False
+            off, length, rec, rlen = cols
+            if n and (min(min(off), min(length), min(rec), min(rlen)) < 0
+                      or max(map(int.__add__, off, length)) > size or max(map(int.__add__, rec, rlen)) > size):
+                return False
+            multi: dict[int, tuple] = {}
+            for i, v in doc["multi"]:
+                if not 0 <= i < n:
+                    return False
+                if kinds[i] == 2:
+                    multi[i] = tuple([_known_record(r, size) for r in part] for part in v)
+                else:
+                    multi[i] = tuple(_known_record(r, size) for r in v)
+            crc = doc["crc"]
+            if crc is not None and not isinstance(crc, int):
+                return False
+        except (KeyError, TypeError, ValueError, OverflowError):
+            return False
+        pos: dict[str, int] = {}
+        for i, name in enumerate(names):
+            if name in pos:
+                del pos[name]  # a later group replaces an earlier one, at the end (as walking)
+            pos[name] = i
+        self._names, self._kind, self._dtype, self._shape, self._pos = names, kinds, dtype_col, shape_col, pos
+        self._off, self._len, self._rec, self._rlen = off, length, rec, rlen
+        self._multi = multi
+        self.crc_stored = crc
+        return True
 
     def _validate(self) -> None:
         """Every tensor's dtype known and its data the size its dims say, checked at open (cheaply,
