@@ -99,9 +99,8 @@ class SourceFiles:
             return open_reader(raw, verify_crc=self.verify_crc)
         from .formats.ckpt import CheckpointReader
 
-        known = cache.get(path, raw.identity)
-        r = CheckpointReader(raw, verify_crc=self.verify_crc, known_index=known)
-        if known is None:
+        r = CheckpointReader(raw, verify_crc=self.verify_crc, known_index=cache.get(path, raw.identity))
+        if r.walked:  # nothing kept yet, or a document that did not fit the file: keep the walk's
             cache.put(path, raw.identity, r.index_document())
         return r
 

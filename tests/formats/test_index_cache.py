@@ -225,3 +225,17 @@ def test_the_command_line_keeps_indexes_only_with_the_hash_cache(tmp_path):
                              capture_output=True, text=True, timeout=180)
         assert res.returncode == 0, res.stderr
         assert len(list(folder.glob("*.json.z")) if folder.exists() else []) == kept
+
+
+def test_a_kept_document_that_does_not_fit_is_replaced_by_the_walk(tmp_path, walks):
+    cache = IndexCache(str(tmp_path / "cache"))
+    path = _rich(tmp_path / "a.ckpt")
+    with CheckpointReader(path) as r:
+        identity, doc = r.identity, r.index_document()
+    cache.put(str(path), identity, dict(doc, format=ckpt_reader.INDEX_FORMAT + 1))  # e.g. an older version's
+    walks.clear()
+    for _ in range(2):
+        with SourceFiles({0: str(path)}, verify_crc=False, index_cache=cache) as files:
+            files.index()
+    assert walks == [str(path)]
+    assert cache.get(str(path), identity) == doc

@@ -72,7 +72,6 @@ class _Window:
 
 
 _DTYPES: dict[bytes, str] = {}  # tensor_type bytes -> interned name
-_DTYPE_NAMES: dict[str, str] = {}  # the same names read back from an index document
 INDEX_FORMAT = 1  # of ``CheckpointReader.index_document``: a change makes cached documents unused
 _SHAPES: dict[tuple, tuple] = {}  # interned shapes
 _KINDS = (KIND_TENSOR, KIND_STR, KIND_MAP)
@@ -181,6 +180,7 @@ class CheckpointReader(PositionedReader):
     def __init__(self, source, *, verify_crc: bool = True, known_index: dict | None = None):
         super().__init__(source)
         self.crc_stored: int | None = None
+        self.walked = True  # False where the index came from `known_index` (see ``_index``)
         self._names: list[str] = []  # group names, in file order
         self._kind = bytearray()
         self._dtype: list[str] = []
@@ -217,7 +217,8 @@ class CheckpointReader(PositionedReader):
         ``index_cache``) where it fits the file; either way the columns are then checked."""
         if self.size == 0:
             raise self._error("empty file (0 bytes), expected MindSpore checkpoint records")
-        if known is None or not self._load_index(known):
+        self.walked = known is None or not self._load_index(known)
+        if self.walked:
             self._walk()
         self._validate()
         self._share_columns()
@@ -243,18 +244,15 @@ class CheckpointReader(PositionedReader):
         try:
             if doc.get("format") != INDEX_FORMAT or doc.get("size") != size:
                 return False
-            names = [sys.intern(n) for n in doc["names"]]
+            names = [sys.intern(n) for n in doc["names"]]  # (TypeError for anything but text)
             n = len(names)
-            if not all(isinstance(x, str) for x in names):
-                return False
             kinds = bytearray(doc["kind"])
-            dtype_col = [_DTYPE_NAMES.setdefault(d, d) for d in doc["dtype"]]
+            dtype_col = [sys.intern(d) for d in doc["dtype"]]
             shape_col = [_intern_shape(tuple(d)) for d in doc["shape"]]
             cols = [array("q", doc[k]) for k in ("off", "len", "rec", "rlen")]
             if any(len(c) != n for c in (kinds, dtype_col, shape_col, *cols)) or any(k > 2 for k in kinds):
                 return False
-            if not all(isinstance(d, str) for d in dtype_col) or not all(
-                    isinstance(x, int) for d in shape_col for x in d):
+            if not all(isinstance(x, int) for d in shape_col for x in d):
                 return False
             off, length, rec, rlen = cols
             if n and (min(min(off), min(length), min(rec), min(rlen)) < 0
