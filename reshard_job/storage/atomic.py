@@ -15,9 +15,9 @@ writes one buffer while the caller fills the other; hashing and writing a buffer
 threads work while the writer waits on the disk), so the write time is not the hash time plus the
 disk time. The file's sha256 and the digests of byte ranges asked for with ``write_hashed`` (a
 checkpoint's per-tensor digests) are fed by two threads side by side, so the caller's thread does
-not hash at all and the two digests take the time of one. The last, partial block is written padded and
-the file truncated to its real length. Where ``O_DIRECT`` is refused (tmpfs, some network file
-systems) the file is written buffered.
+not hash at all and the two digests take the time of one. The last, partial block is written
+padded and the file truncated to its real length. Where ``O_DIRECT`` is refused (tmpfs, some
+network file systems) the file is written buffered.
 """
 
 from __future__ import annotations
@@ -78,7 +78,8 @@ def fsync_dir(path: str) -> None:
 DIRECT_ALIGN = 4096  # covers 512- and 4096-byte logical blocks
 # bytes per staging buffer (two of them per open file). Measured on a 2-core VM writing 4 x 518 MB
 # O_DIRECT then fsync: 8 MiB requests 2.2 s of writing, 32 MiB 1.4 s (the disk sees bigger I/Os),
-# 64 MiB no better; a 2 GB conversion 5.3 -> 5.0 s. Costs 48 MiB more per open output file.
+# 64 MiB no better; a 2 GB 8 -> 4 job 5.6 -> 5.1-5.3 s (medians of 4 alternating runs). Costs
+# 48 MiB more per open output file.
 DIRECT_CHUNK = 32 * 1024 * 1024
 
 
