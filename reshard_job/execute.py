@@ -98,9 +98,11 @@ class SourceFiles:
         if cache is None or (kind_of(path) or KIND_CKPT) != KIND_CKPT or storage_for(path, self.storage).scheme != "file":
             return open_reader(raw, verify_crc=self.verify_crc)
         from .formats.ckpt import CheckpointReader
+        from .index_cache import worth_keeping
 
         r = CheckpointReader(raw, verify_crc=self.verify_crc, known_index=cache.get(path, raw.identity))
-        if r.walked:  # nothing kept yet, or a document that did not fit the file: keep the walk's
+        # nothing kept yet, or a document that did not fit the file: keep the walk's, where it was slow
+        if r.walked and worth_keeping(r.size, len(r.entries)):
             cache.put(path, raw.identity, r.index_document())
         return r
 

@@ -65,6 +65,20 @@ def _files(tmp_path: Path) -> list[Path]:
 
 
 @pytest.fixture
+def keep_all(monkeypatch):
+    """Keep the index of every file, however small its records (the mechanics under test)."""
+    monkeypatch.setattr(index_cache, "LARGE_RECORDS", 1)
+
+
+def _large(path: Path, count: int = 4) -> Path:
+    """A file of large records (64 KiB tensors), whose index is worth keeping."""
+    with CheckpointWriter(path) as w:
+        for i in range(count):
+            w.add(f"layer.{i}.weight", np.full((128, 256), i, dtype=np.float16))
+    return path
+
+
+@pytest.fixture
 def walks(monkeypatch) -> list[str]:
     """The files walked (rather than taken from a document)."""
     seen: list[str] = []
@@ -153,18 +167,23 @@ def test_the_cache_answers_for_the_same_file_unchanged_only(tmp_path):
     assert cache.get(str(path), identity) is None
 
 
-def test_the_cache_keeps_the_most_recently_used_documents(tmp_path, monkeypatch):
-    monkeypatch.setattr(index_cache, "MAX_FILES", 3)
+@pytest.mark.parametrize("limit", ["files", "bytes"])
+def test_the_cache_keeps_the_most_recently_used_documents(tmp_path, monkeypatch, limit):
     cache = IndexCache(str(tmp_path / "cache"))
     for i in range(5):
         cache.put(f"/data/{i}.ckpt", (1, i), {"names": []})
         os.utime(cache._file(f"/data/{i}.ckpt"), ns=(i * 10**9, i * 10**9))
+    one = os.path.getsize(cache._file("/data/0.ckpt"))
+    if limit == "files":
+        monkeypatch.setattr(index_cache, "MAX_FILES", 3)
+    else:
+        monkeypatch.setattr(index_cache, "MAX_BYTES", 3 * one + one // 2)
     cache.put("/data/5.ckpt", (1, 5), {"names": []})
     kept = sorted(p.name for p in (tmp_path / "cache").iterdir())
     assert kept == sorted(Path(cache._file(f"/data/{i}.ckpt")).name for i in (3, 4, 5))
 
 
-def test_a_cache_that_cannot_be_written_costs_nothing_but_the_walk(tmp_path):
+def test_a_cache_that_cannot_be_written_costs_nothing_but_the_walk(tmp_path, keep_all):
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
     cache = IndexCache(str(blocker / "cache"))
@@ -173,7 +192,7 @@ def test_a_cache_that_cannot_be_written_costs_nothing_but_the_walk(tmp_path):
         assert list(files.index()[0]) == ["w", "b", "s", "m", "w2", "step"]
 
 
-def test_source_files_walk_a_file_once_and_again_when_it_changes(tmp_path, walks):
+def test_source_files_walk_a_file_once_and_again_when_it_changes(tmp_path, walks, keep_all):
     cache = IndexCache(str(tmp_path / "cache"))
     path = _rich(tmp_path / "a.ckpt")
     indexes = []
@@ -190,7 +209,7 @@ def test_source_files_walk_a_file_once_and_again_when_it_changes(tmp_path, walks
     assert walks == [str(path), str(path)]
 
 
-def test_a_job_plans_from_cached_indexes_as_from_walked_ones(tmp_path, walks):
+def test_a_job_plans_from_cached_indexes_as_from_walked_ones(tmp_path, walks, keep_all):
     """prepare() with the cache: the second time no source is walked, and the plan is the same."""
     from reshard_job.job.prepare import prepare
     from reshard_job.job.spec import SourceSpec, TargetSpec
@@ -211,23 +230,35 @@ def test_a_job_plans_from_cached_indexes_as_from_walked_ones(tmp_path, walks):
     assert plans[0] == plans[1]
 
 
+def test_only_indexes_of_large_records_are_kept(tmp_path, walks):
+    """A walk of large records reads each head on its own (worth keeping); one of small records is
+    parsed from large windows as fast as a document is read back (not kept)."""
+    cache = IndexCache(str(tmp_path / "cache"))
+    large, small = _large(tmp_path / "large.ckpt"), _rich(tmp_path / "small.ckpt")
+    for _ in range(2):
+        with SourceFiles({0: str(large), 1: str(small)}, verify_crc=False, index_cache=cache) as files:
+            files.index()
+    assert walks == [str(large), str(small), str(small)]
+
+
 def test_the_command_line_keeps_indexes_only_with_the_hash_cache(tmp_path):
     import subprocess
     import sys
 
-    d = GOLDEN / "S1_mlp_tutorial_8to4"
-    args = [f"source.checkpoints={d / 'src_checkpoints'}", f"source.strategy={d / 'src_strategy.ckpt'}",
-            "target=strategy", f"target.strategy={d / 'dst_strategy.ckpt'}", "job.mode=plan", "hydra.run.dir=run"]
+    (tmp_path / "src" / "rank_0").mkdir(parents=True)
+    _large(tmp_path / "src" / "rank_0" / "checkpoint_0.ckpt")
+    args = [f"source.checkpoints={tmp_path / 'src'}", "source=checkpoints", "target=single", "job.mode=plan",
+            "hydra.run.dir=run"]
     env = dict(os.environ, RESHARD_JOB_CACHE_DIR=str(tmp_path / "cache"))
     folder = tmp_path / "cache" / "source-index.d"
-    for extra, kept in ((["job.hash_cache=false"], 0), ([], 8)):
+    for extra, kept in ((["job.hash_cache=false"], 0), ([], 1)):
         res = subprocess.run([sys.executable, "-m", "reshard_job", *args, *extra], cwd=tmp_path, env=env,
                              capture_output=True, text=True, timeout=180)
         assert res.returncode == 0, res.stderr
         assert len(list(folder.glob("*.json.z")) if folder.exists() else []) == kept
 
 
-def test_a_kept_document_that_does_not_fit_is_replaced_by_the_walk(tmp_path, walks):
+def test_a_kept_document_that_does_not_fit_is_replaced_by_the_walk(tmp_path, walks, keep_all):
     cache = IndexCache(str(tmp_path / "cache"))
     path = _rich(tmp_path / "a.ckpt")
     with CheckpointReader(path) as r:
