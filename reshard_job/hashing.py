@@ -175,6 +175,26 @@ def default_cache_path() -> str:
     return os.path.join(base, "source-digests.json")
 
 
+def write_cache_file(path: str, data: bytes) -> bool:
+    """Replace a file of the user's cache folder (created private) with `data`, atomically, so a
+    concurrent job reads the old or the new file; False where it cannot be written, which only
+    costs time (a cache never fails a job)."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+        return True
+    except OSError:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        return False
+
+
 def _segments_key(segments) -> str | None:
     if segments is None:
         return None
@@ -262,14 +282,7 @@ class HashCache:
             merged.update(new)
             if len(merged) > self.MAX_ENTRIES:
                 merged = dict(list(merged.items())[-self.MAX_ENTRIES:])
-            try:
-                os.makedirs(self.folder, mode=0o700, exist_ok=True)
-                tmp = f"{shard}.{os.getpid()}.tmp"
-                with open(tmp, "w", encoding="utf-8") as f:
-                    json.dump(merged, f)
-                os.replace(tmp, shard)
-            except OSError:
-                pass  # a cache that cannot be written only costs time
+            write_cache_file(shard, json.dumps(merged).encode())
             self._shards[shard] = merged
         self._new = {}
 

@@ -1,9 +1,8 @@
 """The source index cache: what walking a local `.ckpt` file's records found, kept by file identity.
 
 Opening a checkpoint walks its records to learn where every tensor lies (``CheckpointReader``):
-about 20 µs a record here, 0.13 s for an 8-rank 2 GB model and seconds for models of hundreds of
-thousands of parameters — paid again by every ``job.mode=plan``, every rerun that finds its output
-complete and every resumed run. The walk's result depends on the file's bytes only, so it is kept,
+0.13 s for an 8-rank 2 GB model here, paid again by every ``job.mode=plan``, every rerun that finds
+its output complete and every resumed run. The walk's result depends on the file's bytes only, so it is kept,
 like the source digests (``hashing.HashCache``), under the file's identity (device, inode, size,
 modification and change times): a file that changed in any way gets a new identity and is walked
 again. The same trust as the digest cache, which already lets a rerun skip hashing unchanged files.
@@ -16,8 +15,7 @@ documents (and writing them 5 s more), so they are walked.
 
 One compressed JSON document per source file (zlib's checksum refuses a damaged one), in the
 user's cache folder beside the digests; at most ``MAX_FILES`` documents and ``MAX_BYTES`` are kept
-(the least recently used go).
-A cache never fails a job: a document that cannot be read, does not match or does not fit the file
+(the least recently used go). A cache never fails a job: a document that cannot be read, does not match or does not fit the file
 is ignored and the file walked (``CheckpointReader._load_index`` checks every range against the file).
 Only local files: an object's walk is also its hashing read (``hashing.DigestingReader``).
 """
@@ -29,7 +27,7 @@ import json
 import os
 import zlib
 
-from .hashing import default_cache_path
+from .hashing import default_cache_path, write_cache_file
 
 MAX_FILES = 512  # documents kept; the least recently used beyond are removed
 MAX_BYTES = 256 * 1024 * 1024  # and their bytes
@@ -42,6 +40,8 @@ def worth_keeping(file_size: int, tensors: int) -> bool:
 
 
 class IndexCache:
+    """Index documents of local source files by path and identity (see the module docstring)."""
+
     def __init__(self, folder: str | None = None):
         self.folder = folder or os.path.join(os.path.dirname(default_cache_path()), "source-index.d")
 
@@ -71,25 +71,16 @@ class IndexCache:
             return
         payload = zlib.compress(json.dumps({"path": os.path.abspath(path), "identity": list(identity),
                                             "index": index}, separators=(",", ":")).encode(), 1)
-        doc_path = self._file(path)
-        tmp = f"{doc_path}.{os.getpid()}.tmp"
-        try:
-            os.makedirs(self.folder, mode=0o700, exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o600)
-            with os.fdopen(fd, "wb") as f:
-                f.write(payload)
-            os.replace(tmp, doc_path)
+        if write_cache_file(self._file(path), payload):
             self._trim()
-        except OSError:  # a full or read-only cache folder costs a walk next time, nothing more
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
 
     def _trim(self) -> None:
-        with os.scandir(self.folder) as it:
-            docs = sorted((st.st_mtime_ns, st.st_size, e.path) for e in it if e.name.endswith(".json.z")
-                          for st in (e.stat(),))
+        try:
+            with os.scandir(self.folder) as it:
+                docs = sorted((st.st_mtime_ns, st.st_size, e.path) for e in it if e.name.endswith(".json.z")
+                              for st in (e.stat(),))
+        except OSError:  # another job trimming at the same time: it will do
+            return
         total = sum(size for _, size, _ in docs)
         for _, size, path in docs:  # the least recently used first
             if len(docs) <= MAX_FILES and total <= MAX_BYTES:
