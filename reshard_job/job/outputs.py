@@ -11,6 +11,10 @@ One job writes a directory at a time (``Storage.lock``).
 Nothing is written or deleted outside the directory: a planned output whose folder resolves
 elsewhere (a symbolic link planted at ``output.dir/rank_0``) is refused before anything is written,
 and files are only ever removed where they resolve inside the directory.
+
+Local places are compared by what they are, not by how they are named: a folder or file is the
+same as a source when its device and inode are (a bind mount or a second mount of the source's
+file system shows the same folder under another path, which no path comparison can see).
 """
 
 from __future__ import annotations
@@ -36,6 +40,61 @@ COMPLETE = "complete"
 def _inside(path: str, parent: str) -> bool:
     path, parent = os.path.realpath(path), os.path.realpath(parent)
     return path == parent or path.startswith(parent.rstrip(os.sep) + os.sep)
+
+
+def _place(path: str) -> tuple[int, int] | None:
+    """(device, inode) of what `path` names now, following links; None where nothing is."""
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _self_and_ancestors(path: str):
+    """`path` made absolute, then each folder above it up to the root."""
+    path = os.path.abspath(path)
+    while True:
+        yield path
+        parent = os.path.dirname(path)
+        if parent == path:
+            return
+        path = parent
+
+
+def _places(paths) -> dict[tuple[int, int], str]:
+    """(device, inode) -> the path that named it, for the local paths that exist."""
+    out = {}
+    for p in paths:
+        if p and "://" not in p:
+            key = _place(p)
+            if key is not None:
+                out.setdefault(key, p)
+    return out
+
+
+def _source_places(source_dirs, source_files) -> tuple[dict, dict]:
+    """The source files and the source folders, by device and inode."""
+    return _places(source_files), _places(source_dirs)
+
+
+def _source_folder_around(path: str, source_dirs: dict[tuple[int, int], str], seen: dict) -> str | None:
+    """The source folder that is `path` or holds it, as its device and inode say (any other name).
+    `seen` keeps the answers for folders already walked (the rank folders share their parents)."""
+    walked = []
+    found = None
+    for p in _self_and_ancestors(path):
+        if p in seen:
+            found = seen[p]
+            break
+        walked.append(p)
+        key = _place(p)
+        if key in source_dirs:
+            found = source_dirs[key]
+            break
+    for p in walked:
+        seen[p] = found
+    return found
 
 
 def _url_key(url: str) -> str:
@@ -76,9 +135,26 @@ class OutputDir:
                     f"output.dir {self.path} is inside the source directory {d}; outputs must not be written "
                     "among the sources (choose a directory outside it)"
                 )
+        if self.local:
+            self._check_not_source_place(source_dirs, source_files)
         info = self.storage.info(self.path)
         if info is not None and not info.is_dir:
             raise OutputError(f"output.dir {self.path} exists and is not a directory")
+
+    def _check_not_source_place(self, source_dirs: list[str], source_files: list[str]) -> None:
+        """The same refusals by device and inode: output.dir, or a folder above it, is a source under
+        another path."""
+        files, dirs = _source_places(source_dirs, source_files)
+        for p in _self_and_ancestors(self.path):
+            key = _place(p)
+            if key in files:
+                raise OutputError(f"output.dir {self.path} is the source file {files[key]} under another path; "
+                                  "choose a new directory")
+            if key in dirs:
+                raise OutputError(
+                    f"output.dir {self.path} is inside the source directory {dirs[key]} (the same folder under "
+                    "another path); outputs must not be written among the sources (choose a directory outside it)"
+                )
 
     def check_planned(self, planned: list[str], source_files: list[str], source_dirs: list[str] = ()) -> None:
         """Refuse when a file this job would write is a source file, lands in a source directory or
@@ -104,6 +180,24 @@ class OutputDir:
                 raise OutputError(f"output.dir {self.path}: {rel} would be written to {where}, outside output.dir "
                                   "(a symbolic link inside it points elsewhere); remove the link or choose another "
                                   "output.dir")
+        if self.local:
+            self._check_planned_places(planned, source_files, source_dirs)
+
+    def _check_planned_places(self, planned: list[str], source_files: list[str], source_dirs) -> None:
+        """No planned file is a source file (a bind mount, a hard link) or lands in a source folder,
+        as devices and inodes say."""
+        files, dirs = _source_places(source_dirs, source_files)
+        seen: dict[str, str | None] = {}
+        for p in planned:
+            rel = self.relative(p)
+            key = _place(p)
+            if key in files:
+                raise OutputError(f"output.dir {self.path}: writing {rel} would replace the source file "
+                                  f"{files[key]} (the same file under another path); choose another output.dir")
+            holder = _source_folder_around(os.path.dirname(p), dirs, seen)
+            if holder is not None:
+                raise OutputError(f"output.dir {self.path}: {rel} would be written into the source directory "
+                                  f"{holder} (the same folder under another path); choose another output.dir")
 
     def check_writable(self) -> None:
         if not self.local:

@@ -120,12 +120,17 @@ def _open_output(spec: JobSpec, prepared: Prepared) -> OutputDir:
     source = prepared.source
     source_dirs = [source.checkpoints] + ([source.strategy] if prepared.strategy.files and
                                           source.strategy not in prepared.strategy.files else [])
-    source_files = prepared.source_files() + list(prepared.strategy.files)
+    checkpoint_files = prepared.source_files()
+    # the rank folders too: under another path (a bind mount) one is no longer inside the others
+    source_dirs += sorted({os.path.dirname(f) for f in checkpoint_files
+                           if "://" not in f and os.path.dirname(f).startswith(source.checkpoints.rstrip("/") + "/")})
+    source_files = checkpoint_files + list(prepared.strategy.files)
     out.check_not_source(source_dirs, source_files)
     from .convert import unit_paths
 
     planned = list(unit_paths(prepared, out.path, spec.target.prefix, spec.target.format, storage).values())
     planned += [out.manifest_path] + [storage.join(out.path, n) for n in ("strategy.ckpt", "strategy.json")]
+    planned.append(storage.join(out.state_dir, "lock"))  # the state folder: the lock and the journal
     out.check_planned(planned, source_files, source_dirs)
     out.check_writable()
     out.check_not_foreign()

@@ -83,6 +83,41 @@ def test_never_replaces_a_source_file_even_with_overwrite(tmp_path, s1, app):
     assert sorted(os.listdir(out)) == ["strategy.ckpt"]
 
 
+def _bind_mount_possible() -> str | None:
+    """None when this process may bind-mount in a mount namespace of its own; else why not."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("mount") is None:
+        return "needs root and the unshare and mount programs (util-linux)"
+    probe = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", "mount --bind / /mnt"],
+                           capture_output=True, text=True)
+    return None if probe.returncode == 0 else f"cannot bind-mount here: {probe.stderr.strip()[-200:]}"
+
+
+@pytest.mark.parametrize("alias", ["same_folder", "folder_above", "rank_folder"])
+def test_a_bind_mount_of_the_sources_is_refused_even_with_overwrite(tmp_path, s1, alias):
+    """output.dir is the source folder (or one above it, or a rank folder) under another path: no path
+    comparison sees it; devices and inodes do. Nothing is written, not even the lock."""
+    why = _bind_mount_possible()
+    if why:
+        pytest.skip(why)
+    ckpts, src, dst = s1
+    mounted = tmp_path / "view"
+    mounted.mkdir()
+    bound = {"same_folder": ckpts, "folder_above": ckpts.parent, "rank_folder": ckpts / "rank_0"}[alias]
+    out = {"same_folder": mounted, "folder_above": mounted / "ckpts" / "converted", "rank_folder": mounted}[alias]
+    before = snapshot(tmp_path / "src")
+    args = s1_args(ckpts, src, dst, out) + ["output.overwrite=true"]
+    script = 'mount --bind "$1" "$2" && shift 2 && exec "$@"'
+    res = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "bind", str(bound),
+                          str(mounted), *app_command(*args)], cwd=tmp_path, env=app_env(), capture_output=True,
+                         text=True, timeout=180)
+    error = the_error(res)
+    folder = ckpts if alias == "folder_above" else bound
+    assert error == (f"output.dir {out} is inside the source directory {folder} (the same folder under another "
+                     "path); outputs must not be written among the sources (choose a directory outside it)")
+    assert snapshot(tmp_path / "src") == before
+    assert not (ckpts / ".reshard_job").exists() and not (ckpts / "strategy.ckpt").exists()
+
+
 @pytest.mark.parametrize("prefix", ["checkpoint_", "converted_"])
 def test_never_writes_into_a_source_dir_through_a_symlink(tmp_path, s1, app, prefix):
     """output.dir/rank_0 links to a source rank folder: with the default prefix the output would replace
