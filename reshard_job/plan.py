@@ -18,9 +18,12 @@ Choices, and how they relate to MindSpore 2.10's converter (spec §5–§7):
   file that parameters outside the strategies are copied from (a subset of MindSpore's list).
 * **Training truth.** Boxes follow training semantics (``layout.py``); for optimizer-sharded
   non-canonical maps this differs from MindSpore's fast path, which reads the wrong rows.
-* **Parameters in the source strategy but not in the target one** (pipeline ``accu_grads.*``):
-  MindSpore copies the source slice unchanged, which does not fit the target layout. We leave them
-  out and list them in ``plan.omitted``; ``unmapped="full"`` keeps them as full tensors instead.
+* **Parameters in the source strategy but not in the target one**: MindSpore copies the source
+  slice unchanged, which does not fit the target layout. The gradient-accumulation buffers a
+  pipeline strategy lays out (``accu_grads.*``, ``BUFFER_PREFIXES``) are left out and listed in
+  ``plan.omitted``; any other such parameter needs a choice: ``unmapped="full"`` keeps them as full
+  tensors, ``unmapped="drop"`` leaves them out (listed too). A target strategy that lays out none of
+  the checkpoints' parameters belongs to another network and is refused whatever the choice.
 * **Parameters in the target strategy but not in the source one** are taken as whole tensors (as
   when no source strategy is given) and cut for the target; MindSpore copies them unchanged.
 * **Parameters in neither strategy** (``global_step``, ``learning_rate``) are copied unchanged from
@@ -85,8 +88,12 @@ ACTION_RESHARD = "reshard"
 ACTION_COPY = "copy"
 ACTION_FULL = "full"
 
-UNMAPPED_OMIT = "omit"
-UNMAPPED_FULL = "full"
+UNMAPPED_OMIT = "omit"  # leave out the buffers a pipeline lays out on purpose; refuse other parameters
+UNMAPPED_FULL = "full"  # keep every parameter the target does not lay out, as a whole tensor
+UNMAPPED_DROP = "drop"  # leave out every parameter the target does not lay out (the user's explicit choice)
+UNMAPPED_CHOICES = (UNMAPPED_OMIT, UNMAPPED_FULL, UNMAPPED_DROP)
+# gradient-accumulation buffers of pipeline training: a pipeline strategy lays them out, no target needs them
+BUFFER_PREFIXES = ("accu_grads.",)
 
 PLAN_VERSION = 3
 
@@ -575,8 +582,8 @@ class Planner:
         *,
         unmapped: str = UNMAPPED_OMIT,
     ):
-        if unmapped not in (UNMAPPED_OMIT, UNMAPPED_FULL):
-            raise ValueError(f"unmapped must be {UNMAPPED_OMIT!r} or {UNMAPPED_FULL!r}, got {unmapped!r}")
+        if unmapped not in UNMAPPED_CHOICES:
+            raise ValueError(f"unmapped must be one of {', '.join(map(repr, UNMAPPED_CHOICES))}, got {unmapped!r}")
         self.src = src
         self.dst = dst if dst is not None else Topology.unsharded()
         self.dst_given = dst is not None
@@ -666,21 +673,74 @@ class Planner:
             self._check_optimizer_states(resolved)
         self.checks.append(CHECK_WHOLE)
         out = []
+        left_out = []
         for name, ps in resolved.items():
             ps.dst_layouts = self._target_layouts(ps, resolved)
-            if self.dst_given and not ps.in_dst and ps.in_src and self.unmapped == UNMAPPED_OMIT:
-                self.omitted.append({
-                    "name": name,
-                    "reason": "in the source strategy but not in the target strategy; its source slices fit "
-                              "no target layout (unmapped=full keeps it as a whole tensor)",
-                })
+            if self.dst_given and not ps.in_dst and ps.in_src and self.unmapped != UNMAPPED_FULL:
+                left_out.append(name)
                 continue
             ps.reshard = self._reshards(ps)
             out.append(ps)
+        if self.dst_given:
+            self._check_target_network(resolved)
+        self._omit(left_out)
         out.extend(self._unavailable_params(holders))
         if not out:
             raise PlanError("none of the checkpoint's parameters can be converted (all were omitted)")
         return out
+
+    def _check_target_network(self, resolved: Mapping[str, _ParamSource]) -> None:
+        """A target strategy laying out none of the checkpoints' parameters belongs to another
+        network: every weight would be left out (or kept whole in the wrong layout)."""
+        if not self.dst.layouts:
+            return
+        held = [name for name in resolved if not name.startswith(BUFFER_PREFIXES)]
+        if not held:
+            return
+        src = f"the source strategy {shorten(self.src.source)}" if self.src.source else "the source checkpoints"
+        if any(resolved[name].in_dst for name in held):
+            self._check_target_needs(resolved, src)
+            return
+        raise PlanError(
+            f"the target strategy {shorten(self.dst.source)} lays out none of the {len(held)} parameter(s) of "
+            f"{src} (e.g. {quoted(held[0])}) but {len(self.dst.layouts)} others (e.g. "
+            f"{quoted(next(iter(self.dst.layouts)))}): it is the strategy of another network; was target.strategy "
+            "compiled for this model?"
+        )
+
+    def _check_target_needs(self, resolved: Mapping[str, _ParamSource], src: str) -> None:
+        """The target strategy lays out no weight the sources lack: its network would load outputs
+        missing them. Optimizer states are not counted (a target may train from weights only)."""
+        lacking = [name for name in self.dst.layouts
+                   if name not in resolved and name not in self.src.layouts and optimizer_base(name) is None]
+        if lacking:
+            raise PlanError(
+                f"the target strategy {shorten(self.dst.source)} lays out {len(lacking)} parameter(s) that neither "
+                f"{src} nor the checkpoints hold: {', '.join(quoted(n, 60) for n in lacking[:5])}"
+                f"{', ...' if len(lacking) > 5 else ''}; the outputs would lack them (was target.strategy compiled "
+                "for this model?)"
+            )
+
+    def _omit(self, left_out: list[str]) -> None:
+        """Parameters the target strategy does not lay out: pipeline buffers are left out; others
+        only when the user chose ``unmapped=drop``, else the plan is refused naming them."""
+        chosen = self.unmapped == UNMAPPED_DROP
+        others = [n for n in left_out if not n.startswith(BUFFER_PREFIXES)]
+        if others and not chosen:
+            raise PlanError(
+                f"{len(others)} parameter(s) of {shorten(self.src.source or 'the source')} are not laid out by the "
+                f"target strategy {shorten(self.dst.source)}: {', '.join(quoted(n, 60) for n in others[:5])}"
+                f"{', ...' if len(others) > 5 else ''}; "
+                "set target.unmapped=full to keep them as whole tensors or target.unmapped=drop to leave them out"
+            )
+        for name in left_out:
+            buffer = name.startswith(BUFFER_PREFIXES)
+            self.omitted.append({
+                "name": name,
+                "reason": ("a pipeline's gradient-accumulation buffer the target strategy does not lay out" if buffer
+                           else "not laid out by the target strategy (target.unmapped=drop)")
+                + "; unmapped=full keeps it as a whole tensor",
+            })
 
     def _check_names_overlap(self, holders: Mapping[str, tuple[int, ...]]) -> None:
         """A source strategy none of whose parameters is in the checkpoints belongs to another
@@ -910,7 +970,7 @@ class Planner:
         for name, per_stage in self.src.layouts.items():
             if name in holders or any(s in self._stage_files for s in per_stage):
                 continue
-            if self.dst_given and name not in self.dst and self.unmapped == UNMAPPED_OMIT:
+            if self.dst_given and name not in self.dst and self.unmapped != UNMAPPED_FULL:
                 continue
             stage = min(per_stage)
             rec = per_stage[stage]
@@ -1272,7 +1332,7 @@ def source_ranks_for(src: Topology, dst: Topology | None, target_rank: int, *,
     for name, per_stage in src.layouts.items():
         if dst is not None:
             if name not in dst:
-                if unmapped == UNMAPPED_OMIT:
+                if unmapped != UNMAPPED_FULL:
                     continue
                 t_layout = None
             elif t_stage not in dst.stages_of(name):

@@ -221,7 +221,6 @@ def prepare_mindformers(source: SourceSpec, target: TargetSpec, *, ranks: tuple[
     _log_mindformers(save)
     strategy = LoadedStrategy(save.topology, save.strategy, (save.metadata_path,) if save.params else ())
     index = mindformers_index(save, found)
-    _warn_absent(strategy, index)  # the API's per-rank path may be given some of a rank's files only
     tgt = settle_target(target, strategy, index, storage)
     try:
         plan, missing = _plan(strategy, tgt, target, index, ranks)
@@ -231,6 +230,7 @@ def prepare_mindformers(source: SourceSpec, target: TargetSpec, *, ranks: tuple[
         raise PlanError(f"{e}; this MindFormers save was written with redundancy removal (each shard stored by one "
                         "rank), which cannot be planned yet") from None
     export = _export_layout(target, plan)
+    _warn_omitted(plan, missing)
     found = _files_read(found, save, plan)
     readers = SourceFiles(found.files, verify_crc=False, identities=found.identities, storage=storage)
     try:
@@ -287,6 +287,7 @@ def _settle_and_plan(source: SourceSpec, found: RankFiles, strategy: LoadedStrat
     plan, missing = _plan(strategy, tgt, target, index, ranks)
     checks += list(plan.checks)
     export = _export_layout(target, plan)
+    _warn_omitted(plan, missing)
     return Prepared(source, found, strategy, readers, index, tgt, plan, missing, checks, export=export)
 
 
@@ -329,7 +330,10 @@ def _plan(strategy: LoadedStrategy, tgt: Target, spec: TargetSpec, index, ranks)
     planner = Planner(strategy.topology, tgt.topology, index, unmapped=spec.unmapped)
     planner.notes.extend(tgt.notes)
     missing: dict[int, list[int]] = {}
-    return planner.plan(list(ranks) if ranks is not None else None, missing=missing), missing
+    plan = planner.plan(list(ranks) if ranks is not None else None, missing=missing)
+    # after planning: a refused plan prints its one line and nothing else
+    _warn_absent(strategy, index)  # the API's per-rank path may be given some of a rank's files only
+    return plan, missing
 
 
 # ================================================================================ cross-checks
@@ -346,8 +350,18 @@ def _cross_check(found: RankFiles, strategy: LoadedStrategy, source: SourceSpec,
         _check_extra_ranks(found, strategy, source, index, extra, storage)  # raises
     elif source.strategy is not None:
         checks.append("no rank folder beyond the ranks the source strategy describes")
-    _warn_absent(strategy, index)
     return checks
+
+
+def _warn_omitted(plan: Plan, missing) -> None:
+    """Whatever the outputs leave out is said once, in one line (and listed in the manifest); not
+    when missing files refuse the run anyway."""
+    if plan.omitted and not missing:
+        names = [o["name"] for o in plan.omitted]
+        reasons = sorted({o["reason"].split(";")[0] for o in plan.omitted})
+        log.warning("%d parameter(s) left out of the outputs (listed in manifest.json, plan.omitted): %s%s (%s)",
+                    len(names), ", ".join(repr(shorten(n, 60)) for n in names[:5]), ", ..." if len(names) > 5 else "",
+                    "; ".join(reasons[:3]))
 
 
 def _warn_absent(strategy: LoadedStrategy, index) -> None:

@@ -305,3 +305,71 @@ def test_messages_are_one_bounded_line_even_for_huge_names():
     name = "layers." + "x" * 5000 + "\n.weight"
     err = identical_mismatch(name, [3, 1, 2], "/s.ckpt")
     assert "\n" not in str(err) and len(str(err)) < 400 and "1-3" in str(err)
+
+
+# ================================================================================== the target side
+
+# (source folder, source strategy, network) of each golden source; the target strategies per network
+GOLDEN_SOURCES = {
+    "S1": ("S1_mlp_tutorial_8to4/src_checkpoints", "S1_mlp_tutorial_8to4/src_strategy.ckpt", "mlp"),
+    "S2": ("S2_block_mp4dp2opt_to_mp4/src_checkpoints", "S2_block_mp4dp2opt_to_mp4/src_strategy.ckpt", "block2"),
+    "S3": ("S3_pipeline2x4opt_to_4/src_checkpoints", "S3_pipeline2x4opt_to_4/src_strategy_dir", "block4"),
+    "S5b": ("S5b_split_1to8/src_checkpoints", None, "block2"),
+    "M1a": ("M1a_mf_llama_dp2mp2os_bf16_to_mp4/src_mindformers", None, "llama"),
+    "M1b": ("M1b_mf_llama_pp2dp2mp2os2_to_mp4/src_mindformers", None, "llama"),
+}
+GOLDEN_TARGETS = {
+    "S1": ("S1_mlp_tutorial_8to4/dst_strategy.ckpt", "mlp"),
+    "S2": ("S2_block_mp4dp2opt_to_mp4/dst_strategy.ckpt", "block2"),
+    "S3": ("S3_pipeline2x4opt_to_4/dst_strategy.ckpt", "block4"),
+    "S5b": ("S5b_split_1to8/dst_strategy.ckpt", "block2"),
+    "M1a": ("M1a_mf_llama_dp2mp2os_bf16_to_mp4/dst_strategy.ckpt", "llama"),
+    "M1b": ("M1b_mf_llama_pp2dp2mp2os2_to_mp4/dst_strategy.ckpt", "llama"),
+}
+
+
+def _prepare(source: str, target: str, **target_settings):
+    from reshard_job.job.prepare import prepare
+    from reshard_job.job.spec import SourceSpec, TargetSpec
+
+    folder, strategy, _ = GOLDEN_SOURCES[source]
+    return prepare(SourceSpec(str(GOLDEN / folder), str(GOLDEN / strategy) if strategy else None),
+                   TargetSpec(str(GOLDEN / GOLDEN_TARGETS[target][0]), **target_settings))
+
+
+@pytest.mark.parametrize("target", sorted(GOLDEN_TARGETS))
+@pytest.mark.parametrize("source", sorted(GOLDEN_SOURCES))
+def test_a_target_strategy_of_another_network_is_refused(source, target):
+    """Every golden target strategy against every golden source: refused in one line naming the target
+    strategy when the networks differ (whatever target.unmapped says), planned when they are one."""
+    if GOLDEN_SOURCES[source][2] == GOLDEN_TARGETS[target][1]:
+        with _prepare(source, target) as prepared:
+            assert prepared.plan.ranks
+            assert all(o["name"].startswith("accu_grads.") for o in prepared.plan.omitted)
+        return
+    # a four-layer source for a two-layer target: the layers left over need target.unmapped=full or drop
+    subset = GOLDEN_SOURCES[source][2] == "block4" and GOLDEN_TARGETS[target][1] == "block2"
+    for unmapped in ("omit",) if subset else ("omit", "full", "drop"):
+        with pytest.raises(PlanError) as refused:
+            _prepare(source, target, unmapped=unmapped).close()
+        message = str(refused.value)
+        assert "\n" not in message and GOLDEN_TARGETS[target][0].split("/")[0] in message, message
+        assert ("lays out none of" in message or "the outputs would lack them" in message
+                or ("not laid out by the target strategy" in message and unmapped == "omit")), message
+
+
+def test_parameters_the_target_leaves_out_need_a_choice():
+    """S3's four-layer sources with S2's two-layer target strategy: refused by default (the layers the
+    target lacks are named); target.unmapped=full keeps them whole, drop leaves them out, each listed."""
+    with pytest.raises(PlanError, match=r"parameter\(s\) of .*src_strategy_dir are not laid out by the target "
+                                        r"strategy .*S2_block.*: 'layers\.\d.*set target.unmapped=full"):
+        _prepare("S3", "S2")
+    with _prepare("S3", "S2", unmapped="drop") as prepared:
+        omitted = {o["name"]: o["reason"] for o in prepared.plan.omitted}
+    dropped = {n for n in omitted if not n.startswith("accu_grads.")}
+    assert len(dropped) == 39 and len(omitted) > len(dropped)
+    assert all("target.unmapped=drop" in omitted[n] for n in dropped)
+    with _prepare("S3", "S2", unmapped="full") as prepared:
+        assert prepared.plan.omitted == []
+        kept = {p.name for p in prepared.plan.ranks[0].params}
+    assert dropped <= kept

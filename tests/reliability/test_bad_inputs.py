@@ -21,7 +21,7 @@ from typing import Callable
 import numpy as np
 import pytest
 
-from reliability_helpers import (S1, S3, Launcher, assert_nothing_recorded, copy_s1, log_lines, rewrite_ckpt,
+from reliability_helpers import (GOLDEN, S1, S3, Launcher, assert_nothing_recorded, copy_s1, log_lines, rewrite_ckpt,
                                  run_app, s1_args, snapshot, the_error)
 
 from reshard_job.errors import MissingRankError
@@ -306,6 +306,24 @@ def target_strategy_corrupt(d: Path) -> Setup:
     return Setup(s1_args(ckpts, src, f, d / "out"), [f"{f}: not a valid protobuf strategy file"], [f])
 
 
+def target_strategy_of_another_network(d: Path) -> Setup:
+    """S1's MLP sources with the target strategy of S2's network: every weight would be left out."""
+    ckpts, src, _, _ = _s1(d)
+    other = GOLDEN / "S2_block_mp4dp2opt_to_mp4" / "dst_strategy.ckpt"
+    return Setup(s1_args(ckpts, src, other, d / "out"),
+                 [f"the target strategy {other} lays out none of the ", f"source strategy {src}",
+                  "it is the strategy of another network"], [ckpts])
+
+
+def pipeline_buffers_left_out(d: Path) -> Setup:
+    """S3's pipeline sources to 4 ranks: the 30 accu_grads buffers are left out, said in one warning."""
+    d.mkdir(parents=True, exist_ok=True)
+    args = [f"source.checkpoints={S3 / 'src_checkpoints'}", f"source.strategy={S3 / 'src_strategy_dir'}",
+            "target=strategy", f"target.strategy={S3 / 'dst_strategy.ckpt'}", f"output.dir={d / 'out'}"]
+    return Setup(args, ["30 parameter(s) left out of the outputs", "'accu_grads.", "gradient-accumulation buffer"],
+                 [], ok=True)
+
+
 # ---------------------------------------------------------------------------------- 8. disagreements
 
 
@@ -444,7 +462,8 @@ CASES = [Case(f.__name__, f) for f in [
     ckpt_text_starting_with_newline, crc_mismatch, tensor_content_disagrees_with_dims, tensor_content_runs_past_its_record,
     strategy_random_bytes, strategy_truncated, strategy_empty, strategy_protobuf_named_json, strategy_json_named_ckpt,
     strategy_json_truncated, strategy_json_wrong_shape, strategy_json_layout_lacks_key, strategy_file_missing,
-    target_strategy_corrupt, parameter_missing_from_one_rank, local_shape_not_a_slice_of_global,
+    target_strategy_corrupt, target_strategy_of_another_network, pipeline_buffers_left_out,
+    parameter_missing_from_one_rank, local_shape_not_a_slice_of_global,
     local_shape_differs_across_ranks, global_shape_indivisible_by_target, dtype_differs_across_ranks,
     pipeline_first_stage_missing, pipeline_last_stage_missing, pipeline_two_files_claim_one_stage,
     pipeline_stage_dir_empty, layout_unknown_axis, layout_wrong_number_of_dims, layout_indivisible_dimension,
@@ -514,6 +533,7 @@ def test_bad_input(case: Case, outcomes):
         error = the_error(res)
         for e in o.setup.expect:
             assert e in error, f"{e!r} not in {error!r}"
+        assert not log_lines(res.stdout + res.stderr, "WARNING"), "a refused run prints its one line only"
         assert_nothing_recorded(o.dir / "out", o.dir / "runs" / "lineage.db", error)
     assert o.after == o.before, "source files changed"
 
