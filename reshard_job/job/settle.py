@@ -140,7 +140,7 @@ def _target(t: schema.TargetConfig, ctx: JobContext) -> TargetSpec:
         raise ConfigError(f"target.format must be {', '.join(TARGET_FORMATS[:-1])} or {TARGET_FORMATS[-1]}, "
                           f"got {t.format!r}")
     if t.unmapped not in UNMAPPED:
-        raise ConfigError(f"target.unmapped must be {' or '.join(UNMAPPED)}, got {t.unmapped!r}")
+        raise ConfigError(f"target.unmapped must be one of {', '.join(UNMAPPED)}, got {t.unmapped!r}")
     max_shard_size, include = _export_options(t, strategy, layout, devices)
     return TargetSpec(strategy, layout, devices, _prefix(t.prefix), t.format, t.unmapped, bool(t.crc),
                       max_shard_size, include, _cluster(t.cluster, devices))

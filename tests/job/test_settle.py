@@ -59,7 +59,7 @@ def test_a_preset_that_leaves_a_key_open_makes_it_required(tmp_path, group, pres
     ("target.prefix=" + "p" * 300, "target.prefix has 300 characters; at most 200"),
     ("target.prefix=a/b", "target.prefix must be the start of a file name (no '/'), got 'a/b'"),
     ("target.format=npz", "target.format must be ckpt, safetensors or safetensors_index, got 'npz'"),
-    ("target.unmapped=keep", "target.unmapped must be omit or full, got 'keep'"),
+    ("target.unmapped=keep", "target.unmapped must be one of omit, full, drop, got 'keep'"),
     ("job.mode=dry", "job.mode must be 'convert' or 'plan', got 'dry'"),
     ("job.ranks=[-1]", "job.ranks entries must be an integer from 0"),
     ("job.ranks=[]", "job.ranks is empty"),
