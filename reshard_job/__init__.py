@@ -20,11 +20,11 @@ __all__ = [
 def __getattr__(name):
     if name in ("transform_checkpoints", "transform_checkpoint_by_rank", "rank_list_for_transform",
                 "merge_pipeline_strategies", "merge_pipeline_strategys"):
-        from . import api
+        from reshard_job import api
 
         return getattr(api, name)
     if name == "ReshardError":
-        from .errors import ReshardError
+        from reshard_job.errors import ReshardError
 
         return ReshardError
     raise AttributeError(f"module 'reshard_job' has no attribute {name!r}")

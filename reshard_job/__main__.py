@@ -32,7 +32,7 @@ def _hydra_app():
     it happens after the signal handlers are in place."""
     import hydra
 
-    from .job import schema
+    from reshard_job.job import schema
 
     schema.register()
     _compose_once()
@@ -66,10 +66,10 @@ def app(cfg) -> None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from .job.report import run_summary
-    from .job.runner import STATUS_FAILED, JobResult, run_job
-    from .job.settle import settle
-    from .job.spec import JobContext
+    from reshard_job.job.report import run_summary
+    from reshard_job.job.runner import STATUS_FAILED, JobResult, run_job
+    from reshard_job.job.settle import settle
+    from reshard_job.job.spec import JobContext
 
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
@@ -77,7 +77,7 @@ def app(cfg) -> None:
                      sweep_id=os.path.abspath(os.path.join(hc.runtime.cwd, hc.sweep.dir)) if multirun else None,
                      job_num=hc.job.num if multirun else None, choices=dict(hc.runtime.choices), from_presets=True)
     try:
-        from .job.signals import raise_pending
+        from reshard_job.job.signals import raise_pending
 
         raise_pending()  # a Ctrl-C while starting up stops the job here, before anything is done
         _collect_from_now_on()
@@ -93,11 +93,11 @@ def app(cfg) -> None:
                                      error=line))
         if not multirun:
             sys.exit(getattr(e, "exit_code", EXIT_ERROR))
-        from .job.callbacks import FAILED
+        from reshard_job.job.callbacks import FAILED
 
         FAILED.append(1)
         return
-    from .job.signals import ignore
+    from reshard_job.job.signals import ignore
 
     ignore()  # the conversion is committed: a late Ctrl-C has nothing left to stop
     _scrub_saved_config(ctx.run_dir)
@@ -126,20 +126,20 @@ _STARTUP_PAUSED = False
 
 
 def _user_errors():
-    from .errors import ReshardError
-    from .job.signals import Interrupted
+    from reshard_job.errors import ReshardError
+    from reshard_job.job.signals import Interrupted
 
     return (ReshardError, Interrupted)
 
 
 def _error_line(e: BaseException) -> str:
-    from .job.signals import Interrupted
+    from reshard_job.job.signals import Interrupted
 
     if isinstance(e, Interrupted):
         e.status = "interrupted"
         return f"reshard_job: {e}: rerun the same command to resume"
-    from .secrets import mask_url
-    from .text import shorten
+    from reshard_job.secrets import mask_url
+    from reshard_job.text import shorten
 
     return f"reshard_job: error: {shorten(mask_url(str(e)), 2000)}"
 
@@ -153,8 +153,8 @@ def _log_to_file(line: str) -> None:
 
 
 def _write_result(ctx, result) -> None:
-    from .job.callbacks import RESULT_FILE
-    from .secrets import mask_config, mask_text
+    from reshard_job.job.callbacks import RESULT_FILE
+    from reshard_job.secrets import mask_config, mask_text
 
     doc = mask_config(result.to_json())
     doc.update(job_num=ctx.job_num, overrides=[mask_text(o) for o in ctx.overrides])
@@ -165,7 +165,7 @@ def _write_result(ctx, result) -> None:
 
 def _scrub_saved_config(run_dir: str) -> None:
     """Hydra saves the composed config and the command line under .hydra/: mask credentials there."""
-    from .secrets import mask_text
+    from reshard_job.secrets import mask_text
 
     folder = os.path.join(run_dir, ".hydra")
     for name in ("config.yaml", "overrides.yaml", "hydra.yaml"):
@@ -206,7 +206,7 @@ def main() -> None:
     gives full tracebacks.
     """
     if "--version" in sys.argv[1:] or "-V" in sys.argv[1:]:
-        from . import __version__
+        from reshard_job import __version__
 
         _print(f"reshard_job {__version__}")
         return
@@ -220,7 +220,7 @@ def main() -> None:
 
 
 def _main() -> None:
-    from .job.signals import Interrupted, interruptible, raise_pending
+    from reshard_job.job.signals import Interrupted, interruptible, raise_pending
 
     logging.raiseExceptions = False  # a log line to a closed pipe must not print a traceback
     os.environ.setdefault(_USER_FULL_ERROR, os.environ.get("HYDRA_FULL_ERROR", "0"))
@@ -243,7 +243,7 @@ def _main() -> None:
 
         if user_full or not isinstance(e, (HydraException, OmegaConfBaseException)):
             raise
-        from .job.cli_errors import one_line
+        from reshard_job.job.cli_errors import one_line
 
         print(f"reshard_job: error: {one_line(e)}", file=sys.stderr)
         sys.exit(EXIT_ERROR)
@@ -252,7 +252,7 @@ def _main() -> None:
             sys.stdout.flush()
         except BrokenPipeError:
             _quiet_exit()
-    from .job.callbacks import FAILED
+    from reshard_job.job.callbacks import FAILED
 
     if FAILED:
         sys.exit(EXIT_ERROR)

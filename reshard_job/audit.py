@@ -36,7 +36,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from . import __version__
+from reshard_job import __version__
 
 EXIT_OK = 0
 EXIT_MISMATCH = 1
@@ -79,8 +79,8 @@ class _ArgumentParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .lineage.drawing import FORMATS
-    from .lineage.status import RunStatus
+    from reshard_job.lineage.drawing import FORMATS
+    from reshard_job.lineage.status import RunStatus
 
     # --db and --json are accepted before or after the command; SUPPRESS keeps a value given
     # before the command from being reset by the subparser's default.
@@ -148,8 +148,8 @@ class _Answer:
 
 
 def _cmd_runs(session, args) -> _Answer:
-    from .lineage import render
-    from .lineage.queries import RunFilter, list_runs
+    from reshard_job.lineage import render
+    from reshard_job.lineage.queries import RunFilter, list_runs
 
     if args.since and args.until and args.since >= args.until:
         raise _UsageError("--since must be before --until")
@@ -159,29 +159,29 @@ def _cmd_runs(session, args) -> _Answer:
 
 
 def _cmd_show(session, args) -> _Answer:
-    from .lineage import render
-    from .lineage.lookup import resolve_run_id
-    from .lineage.queries import run_details
+    from reshard_job.lineage import render
+    from reshard_job.lineage.lookup import resolve_run_id
+    from reshard_job.lineage.queries import run_details
 
     return _Answer(run_details(session, resolve_run_id(session, args.run)), render.run_details)
 
 
 def _direction(args) -> str:
-    from .lineage.entities import ANCESTORS, DESCENDANTS
+    from reshard_job.lineage.entities import ANCESTORS, DESCENDANTS
 
     return DESCENDANTS if args.descendants else ANCESTORS
 
 
 def _cmd_trace(session, args) -> _Answer:
-    from .lineage import render
-    from .lineage.trace import trace_reference
+    from reshard_job.lineage import render
+    from reshard_job.lineage.trace import trace_reference
 
     return _Answer(trace_reference(session, args.target, _direction(args)), render.trace_tree)
 
 
 def _cmd_verify(session, args) -> _Answer:
-    from .lineage import render
-    from .lineage.verify import verify
+    from reshard_job.lineage import render
+    from reshard_job.lineage.verify import verify
 
     report = verify(session, args.target, include_inputs=args.inputs)
     return _Answer(report, render.verify_report, EXIT_OK if report.intact else EXIT_MISMATCH)
@@ -195,9 +195,9 @@ def _picture_format(args) -> str:
 
 
 def _title(trace) -> str:
-    from .lineage.drawing import shorten
-    from .lineage.entities import ANCESTORS
-    from .lineage.render import SHORT_DIGEST, SHORT_RUN_ID
+    from reshard_job.lineage.drawing import shorten
+    from reshard_job.lineage.entities import ANCESTORS
+    from reshard_job.lineage.render import SHORT_DIGEST, SHORT_RUN_ID
 
     query = trace.query
     if "run_id" in query:
@@ -214,9 +214,9 @@ def _title(trace) -> str:
 
 
 def _cmd_graph(session, args) -> _Answer:
-    from .lineage.drawing import draw
-    from .lineage.graph import graph_of
-    from .lineage.trace import trace_reference
+    from reshard_job.lineage.drawing import draw
+    from reshard_job.lineage.graph import graph_of
+    from reshard_job.lineage.trace import trace_reference
 
     traced = trace_reference(session, args.target, _direction(args))
     graph = graph_of(traced, _title(traced))
@@ -229,9 +229,9 @@ COMMANDS = {"runs": _cmd_runs, "show": _cmd_show, "trace": _cmd_trace, "verify":
 
 def _open_store(url: str):
     """Open the database read-only in spirit: never create it, never migrate it."""
-    from .lineage import LineageStore
-    from .lineage.database import normalize_url, sqlite_file
-    from .lineage.errors import LineageError
+    from reshard_job.lineage import LineageStore
+    from reshard_job.lineage.database import normalize_url, sqlite_file
+    from reshard_job.lineage.errors import LineageError
 
     database_file = sqlite_file(normalize_url(url))
     if database_file is not None and not os.path.exists(database_file):
@@ -268,7 +268,7 @@ def _write(text: str, stream=None) -> None:
 
 
 def _save(path: str, text: str) -> None:
-    from .lineage.errors import LineageError
+    from reshard_job.lineage.errors import LineageError
 
     try:
         with open(path, "w", encoding="utf-8") as handle:
@@ -293,10 +293,10 @@ def _main(argv: list[str] | None) -> int:
 
     from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
-    from .errors import ReshardError
-    from .lineage.database import default_url
-    from .lineage.entities import to_json
-    from .lineage.migrate import check_at_head
+    from reshard_job.errors import ReshardError
+    from reshard_job.lineage.database import default_url
+    from reshard_job.lineage.entities import to_json
+    from reshard_job.lineage.migrate import check_at_head
 
     url = getattr(args, "db", None) or default_url()
     store = None

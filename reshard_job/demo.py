@@ -15,10 +15,10 @@ from importlib import resources
 
 import numpy as np
 
-from .formats.ckpt import CheckpointWriter
-from .formats.strategy import read_strategy
-from .layout import Layout
-from .topology import Topology
+from reshard_job.formats.ckpt import CheckpointWriter
+from reshard_job.formats.strategy import read_strategy
+from reshard_job.layout import Layout
+from reshard_job.topology import Topology
 
 DEMO_NAME = "mlp_784-512-512-10_8ranks"
 SHAPES = {

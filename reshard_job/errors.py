@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from .text import rank_ranges, shorten
+from reshard_job.text import rank_ranges, shorten
 
 
 class ReshardError(Exception):

@@ -17,21 +17,21 @@ from typing import Callable, Collection
 
 import numpy as np
 
-from .errors import FormatError, PlanError
-from .formats import dtypes
-from .formats.base import TensorDecl, TensorReader, WrittenFile
-from .formats.boxes import Box, box_shape, intersect, split_rows
-from .formats.digests import TensorDigests
-from .formats.multifile import MultiFileReader
-from .formats.index import reader_index
-from .formats.ckpt.records import CRC_TRAILER_LEN
-from .formats.registry import CKPT as KIND_CKPT, kind_of, open_reader, open_writer
-from .formats.tensorfile import KIND_MAP, KIND_STR, KIND_TENSOR, Scratch
-from .hashing import DigestingReader, StreamedDigest, stream_block
-from .plan import ACTION_COPY, ParamPlan, ParamPlans, RankPlan, TensorMeta
-from .read_ahead import announce
-from .storage import SourceChangedError, StorageOptions, storage_for
-from .tasks import FORMAT_CKPT, FORMAT_SAFETENSORS, RankResult, RankTask, files_of  # noqa: F401 (re-exported)
+from reshard_job.errors import FormatError, PlanError
+from reshard_job.formats import dtypes
+from reshard_job.formats.base import TensorDecl, TensorReader, WrittenFile
+from reshard_job.formats.boxes import Box, box_shape, intersect, split_rows
+from reshard_job.formats.digests import TensorDigests
+from reshard_job.formats.multifile import MultiFileReader
+from reshard_job.formats.index import reader_index
+from reshard_job.formats.ckpt.records import CRC_TRAILER_LEN
+from reshard_job.formats.registry import CKPT as KIND_CKPT, kind_of, open_reader, open_writer
+from reshard_job.formats.tensorfile import KIND_MAP, KIND_STR, KIND_TENSOR, Scratch
+from reshard_job.hashing import DigestingReader, StreamedDigest, stream_block
+from reshard_job.plan import ACTION_COPY, ParamPlan, ParamPlans, RankPlan, TensorMeta
+from reshard_job.read_ahead import announce
+from reshard_job.storage import SourceChangedError, StorageOptions, storage_for
+from reshard_job.tasks import FORMAT_CKPT, FORMAT_SAFETENSORS, RankResult, RankTask, files_of  # noqa: F401 (re-exported)
 
 DEFAULT_MAX_MEMORY = 32 * 1024 * 1024
 COPY_BLOCK = 4 * 1024 * 1024
@@ -97,8 +97,8 @@ class SourceFiles:
         cache = self.index_cache
         if cache is None or (kind_of(path) or KIND_CKPT) != KIND_CKPT or storage_for(path, self.storage).scheme != "file":
             return open_reader(raw, verify_crc=self.verify_crc)
-        from .formats.ckpt import CheckpointReader
-        from .index_cache import worth_keeping
+        from reshard_job.formats.ckpt import CheckpointReader
+        from reshard_job.index_cache import worth_keeping
 
         r = CheckpointReader(raw, verify_crc=self.verify_crc, known_index=cache.get(path, raw.identity))
         # nothing kept yet, or a document that did not fit the file: keep the walk's, where it was slow

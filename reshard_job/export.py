@@ -43,15 +43,15 @@ import re
 from dataclasses import dataclass
 from typing import Sequence
 
-from .errors import ConfigError, FormatError, PlanError
-from .execute import DEFAULT_MAX_MEMORY, FORMAT_SAFETENSORS, Progress, execute_rank
-from .formats import dtypes
-from .formats.ckpt import WrittenFile
-from .formats.multifile import MultiFileSources
-from .topology import OPTIMIZER_PREFIXES
-from .plan import ParamPlan, RankPlan
-from .storage import StorageError, StorageOptions, absolute, storage_for
-from .storage.atomic import write_bytes_atomic
+from reshard_job.errors import ConfigError, FormatError, PlanError
+from reshard_job.execute import DEFAULT_MAX_MEMORY, FORMAT_SAFETENSORS, Progress, execute_rank
+from reshard_job.formats import dtypes
+from reshard_job.formats.ckpt import WrittenFile
+from reshard_job.formats.multifile import MultiFileSources
+from reshard_job.topology import OPTIMIZER_PREFIXES
+from reshard_job.plan import ParamPlan, RankPlan
+from reshard_job.storage import StorageError, StorageOptions, absolute, storage_for
+from reshard_job.storage.atomic import write_bytes_atomic
 
 INDEX_FILE = "model.safetensors.index.json"
 MAX_INDEX_BYTES = 1024**3  # an index larger than this is not one

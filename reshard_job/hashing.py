@@ -25,8 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Sequence
 
-from .formats.ckpt.records import CRC_TRAILER_LEN
-from .storage import SourceChangedError, StorageOptions, storage_for
+from reshard_job.formats.ckpt.records import CRC_TRAILER_LEN
+from reshard_job.storage import SourceChangedError, StorageOptions, storage_for
 
 BLOCK = 4 * 1024 * 1024
 REMOTE_BLOCK = 32 * 1024 * 1024

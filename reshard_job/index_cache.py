@@ -27,7 +27,7 @@ import json
 import os
 import zlib
 
-from .hashing import default_cache_path, write_cache_file
+from reshard_job.hashing import default_cache_path, write_cache_file
 
 MAX_FILES = 512  # documents kept; the least recently used beyond are removed
 MAX_BYTES = 256 * 1024 * 1024  # and their bytes

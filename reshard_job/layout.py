@@ -36,10 +36,10 @@ from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from math import comb, prod
 
-from .errors import LayoutError
-from .formats.boxes import Box
-from .formats.strategy import MAX_AXES, MAX_DEVICES, ParamLayout
-from .text import bounded_list, quoted, shorten
+from reshard_job.errors import LayoutError
+from reshard_job.formats.boxes import Box
+from reshard_job.formats.strategy import MAX_AXES, MAX_DEVICES, ParamLayout
+from reshard_job.text import bounded_list, quoted, shorten
 
 
 def coords(rank: int, dev_matrix: tuple[int, ...]) -> tuple[int, ...]:

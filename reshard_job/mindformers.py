@@ -43,16 +43,16 @@ import re
 from dataclasses import dataclass, field, replace
 from math import prod
 
-from .errors import FormatError
-from .formats import dtypes
-from .formats.index import TensorMeta
-from .layout import coords, mixed_radix
-from .topology import Topology
-from .formats.boxes import Box
-from .formats.multifile import MultiFileReader, MultiFileSources
-from .formats.safetensors import SafetensorsReader
-from .storage import StorageError, StorageOptions, absolute, storage_for
-from .formats.strategy import FORMAT_PROTOBUF, MERGED_KEY, AxisEntry, ParamLayout, StrategyFile
+from reshard_job.errors import FormatError
+from reshard_job.formats import dtypes
+from reshard_job.formats.index import TensorMeta
+from reshard_job.layout import coords, mixed_radix
+from reshard_job.topology import Topology
+from reshard_job.formats.boxes import Box
+from reshard_job.formats.multifile import MultiFileReader, MultiFileSources
+from reshard_job.formats.safetensors import SafetensorsReader
+from reshard_job.storage import StorageError, StorageOptions, absolute, storage_for
+from reshard_job.formats.strategy import FORMAT_PROTOBUF, MERGED_KEY, AxisEntry, ParamLayout, StrategyFile
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 METADATA_FILE = "metadata.json"

@@ -74,15 +74,15 @@ from functools import cached_property, lru_cache
 from math import gcd, prod
 from typing import Iterable, Iterator, Mapping, NamedTuple, Sequence
 
-from .errors import MissingRankError, PlanError
-from .formats import dtypes
-from .formats.boxes import Box, box_size, full_box
-from .formats.index import TensorMeta
-from .formats.strategy import ParamLayout
-from .jsonchunks import LazyList
-from .layout import Layout, common_ndim, is_flattened, unflatten
-from .text import bounded_list, quoted, rank_ranges, shorten
-from .topology import Topology, optimizer_base
+from reshard_job.errors import MissingRankError, PlanError
+from reshard_job.formats import dtypes
+from reshard_job.formats.boxes import Box, box_size, full_box
+from reshard_job.formats.index import TensorMeta
+from reshard_job.formats.strategy import ParamLayout
+from reshard_job.jsonchunks import LazyList
+from reshard_job.layout import Layout, common_ndim, is_flattened, unflatten
+from reshard_job.text import bounded_list, quoted, rank_ranges, shorten
+from reshard_job.topology import Topology, optimizer_base
 
 ACTION_RESHARD = "reshard"
 ACTION_COPY = "copy"

@@ -20,13 +20,13 @@ from __future__ import annotations
 from math import prod
 from typing import TYPE_CHECKING, Mapping
 
-from .formats import dtypes
-from .formats.tensorfile import KIND_TENSOR
-from .plan import ACTION_COPY
+from reshard_job.formats import dtypes
+from reshard_job.formats.tensorfile import KIND_TENSOR
+from reshard_job.plan import ACTION_COPY
 
 if TYPE_CHECKING:
-    from .formats.tensorfile import TensorEntry
-    from .plan import RankPlan
+    from reshard_job.formats.tensorfile import TensorEntry
+    from reshard_job.plan import RankPlan
 
 MIN_BUDGET = 1024 * 1024
 

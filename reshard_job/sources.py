@@ -27,15 +27,15 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .errors import ConfigError, PlanError
-from .formats.registry import CHECKPOINT_SUFFIXES, kind_of
-from .storage import StorageError, StorageOptions, absolute, storage_for
-from .text import shorten
+from reshard_job.errors import ConfigError, PlanError
+from reshard_job.formats.registry import CHECKPOINT_SUFFIXES, kind_of
+from reshard_job.storage import StorageError, StorageOptions, absolute, storage_for
+from reshard_job.text import shorten
 
 if TYPE_CHECKING:
-    from .mindformers import MindFormersSource
-    from .formats.strategy import StrategyFile
-    from .topology import Topology
+    from reshard_job.mindformers import MindFormersSource
+    from reshard_job.formats.strategy import StrategyFile
+    from reshard_job.topology import Topology
 
 RANK_DIR = re.compile(r"^rank_(\d{1,9})$")
 STEP_NAME = re.compile(r"-(\d+)_(\d+)(?:_\d+)?\.(?:ckpt|safetensors)$")
@@ -167,7 +167,7 @@ def is_mindformers_source(src_dir: str | None, storage_options: StorageOptions |
     one iteration folder), not rank folders."""
     if src_dir is None:
         return False
-    from .mindformers import looks_like_mindformers
+    from reshard_job.mindformers import looks_like_mindformers
 
     src_dir = absolute(src_dir)
     try:
@@ -182,7 +182,7 @@ def discover_mindformers(src_dir: str, iteration: int | None = None,
                          storage_options: StorageOptions | None = None) -> tuple[RankFiles, "MindFormersSource"]:
     """One iteration of a MindFormers save: every storage rank's files (model file, opt file), with
     their identities, and the parsed save (layouts from metadata.json, every file's header checked)."""
-    from .mindformers import load_mindformers
+    from reshard_job.mindformers import load_mindformers
 
     source = load_mindformers(absolute(src_dir), iteration, storage_options)
     storage = storage_for(source.folder, storage_options)
@@ -198,7 +198,7 @@ def discover_mindformers(src_dir: str, iteration: int | None = None,
 def is_export_source(src_dir: str | None, storage_options: StorageOptions | None = None) -> bool:
     """Whether `src_dir` (a folder, or a prefix in a bucket) holds safetensors shards with
     ``model.safetensors.index.json``."""
-    from .export import INDEX_FILE
+    from reshard_job.export import INDEX_FILE
 
     if src_dir is None:
         return False
@@ -213,7 +213,7 @@ def is_export_source(src_dir: str | None, storage_options: StorageOptions | None
 
 def discover_export(src_dir: str, storage_options: StorageOptions | None = None) -> RankFiles:
     """An export folder as one unsharded source rank: rank 0 is every shard its index names."""
-    from .export import export_files
+    from reshard_job.export import export_files
 
     src_dir = absolute(src_dir)
     files = export_files(src_dir, storage_options)
@@ -238,9 +238,9 @@ def read_strategy_file(path: str, storage_options: StorageOptions | None = None)
 
 def read_strategy_bytes(path: str, storage_options: StorageOptions | None = None) -> tuple["StrategyFile", bytes]:
     """A strategy file's parsed content and the exact bytes it was parsed from."""
-    from .formats.strategy import FORMAT_JSON, format_for, parse_json_strategy, parse_protobuf_strategy
-    from .errors import StrategyFormatError
-    from .storage import StorageError
+    from reshard_job.formats.strategy import FORMAT_JSON, format_for, parse_json_strategy, parse_protobuf_strategy
+    from reshard_job.errors import StrategyFormatError
+    from reshard_job.storage import StorageError
 
     try:
         data = storage_for(path, storage_options).read_bytes(path, STRATEGY_MAX_BYTES)
@@ -257,7 +257,7 @@ def read_strategy_bytes(path: str, storage_options: StorageOptions | None = None
 
 
 def _stage_files(storage, folder: str) -> list[str]:
-    from .errors import StrategyFormatError
+    from reshard_job.errors import StrategyFormatError
 
     entries = [e for e in storage.listdir(folder) if e.name.endswith((".ckpt", ".json"))]
     odd = [e for e in entries if not e.is_file]
@@ -275,8 +275,8 @@ def _stage_files(storage, folder: str) -> list[str]:
 
 def load_strategy(spec, storage_options: StorageOptions | None = None) -> LoadedStrategy:
     """A strategy file, a directory of per-stage files (merged), or None for an unsharded side."""
-    from .formats.strategy import FORMAT_JSON, FORMAT_PROTOBUF, merge_strategy_files
-    from .topology import Topology
+    from reshard_job.formats.strategy import FORMAT_JSON, FORMAT_PROTOBUF, merge_strategy_files
+    from reshard_job.topology import Topology
 
     if spec is None:
         return LoadedStrategy(Topology.unsharded(), None, ())

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .plan import RankPlan
-from .storage import StorageOptions
+from reshard_job.plan import RankPlan
+from reshard_job.storage import StorageOptions
 
 FORMAT_CKPT = "ckpt"
 FORMAT_SAFETENSORS = "safetensors"

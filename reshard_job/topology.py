@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 from math import prod
 
-from .errors import LayoutError
-from .formats.strategy import MAX_DEVICES, MAX_STAGES, MERGED_KEY, ParamLayout, StrategyFile, missing_stages
-from .text import bounded_list, quoted
+from reshard_job.errors import LayoutError
+from reshard_job.formats.strategy import MAX_DEVICES, MAX_STAGES, MERGED_KEY, ParamLayout, StrategyFile, missing_stages
+from reshard_job.text import bounded_list, quoted
 
 # Prefixes of optimizer-state entries and gradient accumulators. Each such entry holds a tensor of
 # its parameter's shape, laid out (and optimizer-sharded) like the parameter. The same list as the

@@ -20,8 +20,8 @@ from typing import Iterator, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
-from .boxes import Box
-from .tensorfile import TensorEntry
+from reshard_job.formats.boxes import Box
+from reshard_job.formats.tensorfile import TensorEntry
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import NamedTuple
 
-from .base import TensorReader
+from reshard_job.formats.base import TensorReader
 
 
 class TensorMeta(NamedTuple):

@@ -25,14 +25,14 @@ from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from ..errors import FormatError, PlanError
-from .boxes import Box
-from .index import reader_index
-from .safetensors import SafetensorsReader
-from .tensorfile import TensorEntry
+from reshard_job.errors import FormatError, PlanError
+from reshard_job.formats.boxes import Box
+from reshard_job.formats.index import reader_index
+from reshard_job.formats.safetensors import SafetensorsReader
+from reshard_job.formats.tensorfile import TensorEntry
 
 if TYPE_CHECKING:
-    from ..storage import RandomAccess
+    from reshard_job.storage import RandomAccess
 
 
 class MultiFileReader:

@@ -11,8 +11,8 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
-from ..errors import ConfigError
-from .base import TensorReader, TensorWriter
+from reshard_job.errors import ConfigError
+from reshard_job.formats.base import TensorReader, TensorWriter
 
 CKPT = "ckpt"
 SAFETENSORS = "safetensors"
@@ -27,25 +27,25 @@ class _Format:
 
 
 def _ckpt_reader(source, *, verify_crc: bool) -> TensorReader:
-    from .ckpt import CheckpointReader
+    from reshard_job.formats.ckpt import CheckpointReader
 
     return CheckpointReader(source, verify_crc=verify_crc)
 
 
 def _ckpt_writer(target, *, crc: bool, metadata: dict | None, storage=None) -> TensorWriter:
-    from .ckpt import CheckpointWriter
+    from reshard_job.formats.ckpt import CheckpointWriter
 
     return CheckpointWriter(target, crc=crc, storage=storage)
 
 
 def _safetensors_reader(source, *, verify_crc: bool) -> TensorReader:
-    from .safetensors import SafetensorsReader
+    from reshard_job.formats.safetensors import SafetensorsReader
 
     return SafetensorsReader(source, verify_crc=verify_crc)
 
 
 def _safetensors_writer(target, *, crc: bool, metadata: dict | None, storage=None) -> TensorWriter:
-    from .safetensors import SafetensorsWriter
+    from reshard_job.formats.safetensors import SafetensorsWriter
 
     if metadata is not None:  # e.g. {"format": "pt"} for loaders outside MindSpore
         return SafetensorsWriter(target, metadata=metadata, mindspore=False, crc=crc, storage=storage)

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import os
 
-from .base import WrittenFile
-from .ckpt import KIND_MAP, CheckpointReader, CheckpointWriter
-from .safetensors import CRC_KEY, INT4_MARK, SafetensorsReader, SafetensorsWriter
+from reshard_job.formats.base import WrittenFile
+from reshard_job.formats.ckpt import KIND_MAP, CheckpointReader, CheckpointWriter
+from reshard_job.formats.safetensors import CRC_KEY, INT4_MARK, SafetensorsReader, SafetensorsWriter
 
 
 def copy_checkpoint(reader: CheckpointReader, path: str | os.PathLike, *, crc: bool | None = None) -> WrittenFile:

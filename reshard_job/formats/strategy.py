@@ -25,10 +25,10 @@ import sys
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from ..errors import StrategyFormatError
-from ..text import bounded_list, quoted, shorten
-from . import schema, wire
-from ..storage.atomic import write_bytes_atomic
+from reshard_job.errors import StrategyFormatError
+from reshard_job.text import bounded_list, quoted, shorten
+from reshard_job.formats import schema, wire
+from reshard_job.storage.atomic import write_bytes_atomic
 
 JSON_SUFFIX = ".json"
 FORMAT_PROTOBUF = "protobuf"

@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..errors import FormatError, LayoutError
-from . import dtypes
-from .boxes import Box, box_shape, full_box
+from reshard_job.errors import FormatError, LayoutError
+from reshard_job.formats import dtypes
+from reshard_job.formats.boxes import Box, box_shape, full_box
 
 if TYPE_CHECKING:
-    from ..storage import RandomAccess
+    from reshard_job.storage import RandomAccess
 
 # A run of at least this many contiguous bytes is read on its own; shorter runs are read as part
 # of a larger enclosing span and cut out in memory (fewer system calls, some bytes read twice).
@@ -124,7 +124,7 @@ class PositionedReader:
 
     # --- file handle -------------------------------------------------------------------------
     def _open(self, path: str) -> "RandomAccess":
-        from ..storage import StorageError, storage_for
+        from reshard_job.storage import StorageError, storage_for
 
         try:
             return storage_for(path).open_read(path)

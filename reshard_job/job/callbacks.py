@@ -14,7 +14,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from ..text import table
+from reshard_job.text import table
 
 RESULT_FILE = "result.json"
 FAILED = []  # job numbers that failed in this process's sweep, for the exit status

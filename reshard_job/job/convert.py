@@ -21,26 +21,26 @@ import hashlib
 import logging
 from dataclasses import dataclass, field, replace
 
-from .. import __version__
-from ..execute import current_identity, same_identity
-from ..export import EXPORT_METADATA, INDEX_FILE
-from ..formats.registry import suffix_of
-from ..lineage.records import FileRecord
-from ..plan import Plan
-from ..storage import SourceChangedError
-from ..tasks import FORMAT_CKPT, FORMAT_SAFETENSORS, FORMAT_SAFETENSORS_INDEX, RankResult, RankTask, WriteOptions
-from ..text import human_size
-from .executor_choice import ExecutorChoice, choose_executor, cluster_layout
-from .executors import Executor
-from .integrity import SourceDigests
-from .journal import JournalEntry
-from .manifest import build_manifest, job_fingerprint
-from .node_outputs import node_manifest_records
-from .outputs import COMPLETE, FRESH, PARTIAL, OutputDir
-from .prepare import Prepared
-from .progress import Progress
-from .record import LineageRecorder, NoRecorder
-from .spec import PLACEMENT_PER_NODE, JobSpec
+from reshard_job import __version__
+from reshard_job.execute import current_identity, same_identity
+from reshard_job.export import EXPORT_METADATA, INDEX_FILE
+from reshard_job.formats.registry import suffix_of
+from reshard_job.lineage.records import FileRecord
+from reshard_job.plan import Plan
+from reshard_job.storage import SourceChangedError
+from reshard_job.tasks import FORMAT_CKPT, FORMAT_SAFETENSORS, FORMAT_SAFETENSORS_INDEX, RankResult, RankTask, WriteOptions
+from reshard_job.text import human_size
+from reshard_job.job.executor_choice import ExecutorChoice, choose_executor, cluster_layout
+from reshard_job.job.executors import Executor
+from reshard_job.job.integrity import SourceDigests
+from reshard_job.job.journal import JournalEntry
+from reshard_job.job.manifest import build_manifest, job_fingerprint
+from reshard_job.job.node_outputs import node_manifest_records
+from reshard_job.job.outputs import COMPLETE, FRESH, PARTIAL, OutputDir
+from reshard_job.job.prepare import Prepared
+from reshard_job.job.progress import Progress
+from reshard_job.job.record import LineageRecorder, NoRecorder
+from reshard_job.job.spec import PLACEMENT_PER_NODE, JobSpec
 
 log = logging.getLogger("reshard_job")
 
@@ -80,7 +80,7 @@ def rank_tasks(prepared: Prepared, paths: dict[int, str], options: WriteOptions,
                identities: dict[int, tuple] | None = None, storage=None) -> list[RankTask]:
     """One self-contained task per output file to produce (the API and the job alike): per target
     rank, or per shard of an export (an export's index is written by the caller)."""
-    from ..storage import StorageOptions
+    from reshard_job.storage import StorageOptions
 
     identities = identities if identities is not None else prepared.readers.identities
     storage = storage or StorageOptions()
@@ -202,7 +202,7 @@ def _reuse_if_intact(spec: JobSpec, out: OutputDir, fingerprint: str, recorder, 
 
 
 def _record_reuse(out: OutputDir, manifest: dict, listed: list[JournalEntry], recorder) -> Outputs:
-    from ..hashing import digest_file
+    from reshard_job.hashing import digest_file
 
     m = digest_file(out.manifest_path)
     # the target rank of each file, as its manifest entry says (an export's files are all rank 0's)

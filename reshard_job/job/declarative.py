@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from math import prod
 from typing import Any, Mapping, Sequence
 
-from ..errors import ConfigError, LayoutError
-from ..formats.strategy import ParamLayout, StrategyFile, StrategyItem
+from reshard_job.errors import ConfigError, LayoutError
+from reshard_job.formats.strategy import ParamLayout, StrategyFile, StrategyItem
 
 NODE_NAME = "declarative_layout"
 

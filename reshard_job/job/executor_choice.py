@@ -19,13 +19,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import ConfigError
-from .executors import Executor, LocalExecutor, default_workers
-from .node_outputs import NodeOutputs, SharedOutputs
-from .outputs import OutputDir
-from .placement import Placement, devices_per_node_for, per_node_placement
-from .prepare import Prepared
-from .spec import EXECUTOR_RAY, PLACEMENT_PER_NODE, JobSpec
+from reshard_job.errors import ConfigError
+from reshard_job.job.executors import Executor, LocalExecutor, default_workers
+from reshard_job.job.node_outputs import NodeOutputs, SharedOutputs
+from reshard_job.job.outputs import OutputDir
+from reshard_job.job.placement import Placement, devices_per_node_for, per_node_placement
+from reshard_job.job.prepare import Prepared
+from reshard_job.job.spec import EXECUTOR_RAY, PLACEMENT_PER_NODE, JobSpec
 
 
 @dataclass
@@ -51,7 +51,7 @@ class ExecutorChoice:
 
     def node_summary(self) -> list[dict] | None:
         """Per Ray node: ranks, bytes read and written, wall, busy and CPU seconds (None when local)."""
-        from .throughput import to_json
+        from reshard_job.job.throughput import to_json
 
         if not getattr(self.ray, "reports", None):
             return None
@@ -76,7 +76,7 @@ def _leave_other_cluster(address: str) -> None:
     global _kept_address
     if _kept_address is None or _kept_address == address:
         return
-    from .ray_executor import import_ray
+    from reshard_job.job.ray_executor import import_ray
 
     ray = import_ray()
     if ray.is_initialized():
@@ -115,7 +115,7 @@ def choose_executor(spec: JobSpec, prepared: Prepared, out: OutputDir, fingerpri
     placement = placement_of(spec, devices)
     if spec.run.executor != EXECUTOR_RAY:
         return ExecutorChoice(SharedOutputs(out), given=given, workers=spec.run.workers, prepared=prepared)
-    from .ray_executor import RayExecutor, memory_per_task
+    from reshard_job.job.ray_executor import RayExecutor, memory_per_task
 
     if given is None:
         _leave_other_cluster(spec.run.ray.address)

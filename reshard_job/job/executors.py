@@ -21,8 +21,8 @@ import sys
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, ThreadPoolExecutor, wait
 from typing import Callable, Protocol, Sequence
 
-from ..execute import SourceFiles, run_rank_task
-from ..tasks import RankResult, RankTask
+from reshard_job.execute import SourceFiles, run_rank_task
+from reshard_job.tasks import RankResult, RankTask
 
 OnBytes = Callable[[int], None]
 OnDone = Callable[[RankResult], None]

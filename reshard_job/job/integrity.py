@@ -14,16 +14,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import FormatError
-from ..formats.ckpt import CRC_TRAILER_LEN, CheckpointReader
-from ..formats.crc32 import chain_crc, crc32_combine
-from ..formats.multifile import MultiFileReader
-from ..formats.safetensors import SafetensorsReader
-from ..hashing import FileDigest, HashCache, HashRequest, default_cache_path, digest_files, usable_digest
-from ..storage import StorageOptions
-from ..plan import identical_mismatch
-from .prepare import IDENTICAL_CHECKED, Prepared, identical_to_check
-from .progress import Progress
+from reshard_job.errors import FormatError
+from reshard_job.formats.ckpt import CRC_TRAILER_LEN, CheckpointReader
+from reshard_job.formats.crc32 import chain_crc, crc32_combine
+from reshard_job.formats.multifile import MultiFileReader
+from reshard_job.formats.safetensors import SafetensorsReader
+from reshard_job.hashing import FileDigest, HashCache, HashRequest, default_cache_path, digest_files, usable_digest
+from reshard_job.storage import StorageOptions
+from reshard_job.plan import identical_mismatch
+from reshard_job.job.prepare import IDENTICAL_CHECKED, Prepared, identical_to_check
+from reshard_job.job.progress import Progress
 
 
 @dataclass(frozen=True)

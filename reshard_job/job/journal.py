@@ -16,8 +16,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from ..jsonchunks import iter_json
-from ..storage import Storage
+from reshard_job.jsonchunks import iter_json
+from reshard_job.storage import Storage
 
 STATE_DIR = ".reshard_job"
 JOURNAL_FILE = "journal.jsonl"

@@ -13,7 +13,7 @@ import datetime as dt
 import hashlib
 import json
 
-from ..jsonchunks import iter_json, plain
+from reshard_job.jsonchunks import iter_json, plain
 
 MANIFEST_VERSION = 1
 

@@ -38,14 +38,14 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..errors import OutputError
-from ..jsonchunks import plain
-from ..lineage.records import FileRecord
-from ..storage import storage_for
-from ..tasks import RankResult
-from ..text import rank_ranges
-from .journal import JournalEntry
-from .outputs import OutputDir
+from reshard_job.errors import OutputError
+from reshard_job.jsonchunks import plain
+from reshard_job.lineage.records import FileRecord
+from reshard_job.storage import storage_for
+from reshard_job.tasks import RankResult
+from reshard_job.text import rank_ranges
+from reshard_job.job.journal import JournalEntry
+from reshard_job.job.outputs import OutputDir
 
 log = logging.getLogger("reshard_job")
 
@@ -190,7 +190,7 @@ def _remove_listed(out_dir: str, manifest: dict) -> None:
 
 def _verifies(out_dir: str, f: NodeFile) -> bool:
     """Same identity as when written, else the same sha256 read now (as ``OutputDir.verify`` does)."""
-    from ..hashing import digest_file
+    from reshard_job.hashing import digest_file
 
     full = os.path.join(out_dir, f.path)
     info = storage_for(full).info(full)

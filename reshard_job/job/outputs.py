@@ -23,11 +23,11 @@ import json
 import os
 import socket
 
-from ..errors import OutputError
-from ..hashing import digest_file
-from ..jsonchunks import iter_json, plain
-from ..storage import LockedError, Storage
-from .journal import STATE_DIR, TENSORS_DIR, Journal, JournalEntry
+from reshard_job.errors import OutputError
+from reshard_job.hashing import digest_file
+from reshard_job.jsonchunks import iter_json, plain
+from reshard_job.storage import LockedError, Storage
+from reshard_job.job.journal import STATE_DIR, TENSORS_DIR, Journal, JournalEntry
 
 MANIFEST = "manifest.json"
 MAX_MANIFEST_BYTES = 1 << 31

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, Mapping
 
-from ..errors import ConfigError
+from reshard_job.errors import ConfigError
 
 DEFAULT_NODE_RESOURCE_PREFIX = "reshard_node_"
 PLACEMENT_SHARED = "shared"  # every node sees output.dir (a shared file system): run ranks anywhere

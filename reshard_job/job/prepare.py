@@ -24,23 +24,23 @@ import logging
 import os
 from dataclasses import dataclass, field, replace
 
-from ..demo import ensure_demo
-from ..errors import ConfigError, PlanError, ReshardError
-from ..execute import SourceFiles
-from ..export import INDEX_FILE, ExportLayout, check_against_index, plan_export, read_index
-from ..mindformers import MindFormersSource
-from ..formats.tensorfile import KIND_TENSOR
-from ..hashing import HashCache, default_cache_path
-from ..index_cache import IndexCache
-from ..plan import Plan, Planner, TensorMeta, identical_mismatch, source_ranks_for
-from ..sources import (LoadedStrategy, RankFiles, discover, discover_export, discover_mindformers, is_export_source,
+from reshard_job.demo import ensure_demo
+from reshard_job.errors import ConfigError, PlanError, ReshardError
+from reshard_job.execute import SourceFiles
+from reshard_job.export import INDEX_FILE, ExportLayout, check_against_index, plan_export, read_index
+from reshard_job.mindformers import MindFormersSource
+from reshard_job.formats.tensorfile import KIND_TENSOR
+from reshard_job.hashing import HashCache, default_cache_path
+from reshard_job.index_cache import IndexCache
+from reshard_job.plan import Plan, Planner, TensorMeta, identical_mismatch, source_ranks_for
+from reshard_job.sources import (LoadedStrategy, RankFiles, discover, discover_export, discover_mindformers, is_export_source,
                        is_mindformers_source, load_strategy)
-from ..storage import StorageOptions, storage_for
-from ..tasks import FORMAT_SAFETENSORS_INDEX, files_of
-from ..text import shorten
-from .progress import Progress
-from .spec import SourceSpec, TargetSpec
-from .target import Target, settle_target
+from reshard_job.storage import StorageOptions, storage_for
+from reshard_job.tasks import FORMAT_SAFETENSORS_INDEX, files_of
+from reshard_job.text import shorten
+from reshard_job.job.progress import Progress
+from reshard_job.job.spec import SourceSpec, TargetSpec
+from reshard_job.job.target import Target, settle_target
 
 log = logging.getLogger("reshard_job")
 SAMPLE_BYTES = 4096  # per probe when telling shards from copies

@@ -15,7 +15,7 @@ import shutil
 import sys
 import time
 
-from ..text import human_size
+from reshard_job.text import human_size
 
 log = logging.getLogger("reshard_job")
 MIN_COLUMNS = 60

@@ -45,10 +45,10 @@ import warnings
 from dataclasses import replace
 from typing import Any, Callable, Mapping, Sequence
 
-from ..errors import ConfigError, ReshardError
-from ..tasks import RankResult, RankTask
-from .placement import UNITS_PER_TASK, Placement, as_placement
-from .throughput import NodeThroughput, TaskReport, per_node, render
+from reshard_job.errors import ConfigError, ReshardError
+from reshard_job.tasks import RankResult, RankTask
+from reshard_job.job.placement import UNITS_PER_TASK, Placement, as_placement
+from reshard_job.job.throughput import NodeThroughput, TaskReport, per_node, render
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ def memory_per_task(max_memory: int) -> int:
     """Bytes of Ray's ``memory`` resource a task should reserve under ``job.max_memory``: the slice
     buffers it bounds, the output writer's two staging buffers, and the worker process itself
     (measured peak: about 120 MiB at the default 32 MiB)."""
-    from ..storage.atomic import DIRECT_CHUNK
+    from reshard_job.storage.atomic import DIRECT_CHUNK
 
     return WORKER_BASE_MEMORY + int(max_memory) + 2 * DIRECT_CHUNK
 
@@ -649,7 +649,7 @@ def _run_on_node(function: Callable[..., Any], args: tuple) -> Any:
 
 def _attempt(task: RankTask, runner: Runner | None, reporter) -> RankResult:
     """Run the task once; every failure becomes a (transient or final) RankTaskError."""
-    from ..execute import run_rank_task
+    from reshard_job.execute import run_rank_task
 
     def fail(cls, text: str):
         return cls(task.target_rank, "", _clip(text, MESSAGE_LIMIT), details=traceback.format_exc())
@@ -687,8 +687,8 @@ def _with_node_identities(task: RankTask) -> RankTask:
     but the device is the file the driver hashed, seen through this node's mount; any other
     difference is kept, so a file that really changed still fails the task.
     """
-    from ..storage import is_url
-    from ..storage.local import identity_of
+    from reshard_job.storage import is_url
+    from reshard_job.storage.local import identity_of
 
     localised = {}
     for rank, want in task.source_identities.items():
@@ -708,8 +708,8 @@ def _with_node_identities(task: RankTask) -> RankTask:
 
 def _identity_of(path: str) -> tuple:
     """The written file's identity as this node sees it (for verifying it on this node later)."""
-    from ..storage import is_url
-    from ..storage.local import identity_of
+    from reshard_job.storage import is_url
+    from reshard_job.storage.local import identity_of
 
     if is_url(path):
         return ()
@@ -762,8 +762,8 @@ def _remove_leftovers(*out_paths: str) -> int:
 def _remove_leftovers_of(out_path: str) -> int:
     """Remove temporary files that killed attempts left for this very output (local paths only;
     object stores publish uploads atomically and leave nothing visible)."""
-    from ..storage import is_url
-    from ..storage.atomic import TMP_SUFFIX
+    from reshard_job.storage import is_url
+    from reshard_job.storage.atomic import TMP_SUFFIX
 
     if is_url(out_path):
         return 0
@@ -929,7 +929,7 @@ def _need_key(need: dict[str, float]) -> str:
 
 def _amount(name: str, value: float) -> str:
     if name in ("memory", "object_store_memory"):
-        from ..text import human_size
+        from reshard_job.text import human_size
 
         return human_size(value)
     return f"{value:g}"

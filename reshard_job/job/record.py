@@ -15,10 +15,10 @@ import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
-from .. import __version__
-from ..errors import ReshardError
-from ..secrets import mask_text, mask_url
-from .spec import JobSpec
+from reshard_job import __version__
+from reshard_job.errors import ReshardError
+from reshard_job.secrets import mask_text, mask_url
+from reshard_job.job.spec import JobSpec
 
 log = logging.getLogger("reshard_job")
 
@@ -35,7 +35,7 @@ class LineageRecorder:
 
     # ------------------------------------------------------------------------------ opening
     def _open(self):
-        from ..lineage import LineageError, LineageStore
+        from reshard_job.lineage import LineageError, LineageStore
 
         logging.getLogger("alembic").setLevel(logging.WARNING)  # migration chatter is not the job's news
         if self.url.startswith("sqlite:///"):
@@ -136,7 +136,7 @@ class LineageRecorder:
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
         if self._opened.done() and self._opened.exception() is None:
-            from .signals import held
+            from reshard_job.job.signals import held
 
             with held():  # a signal inside SQLAlchemy's close would be logged with a traceback
                 self._opened.result()[0].close()
@@ -152,7 +152,7 @@ class LineageRecorder:
             return e
         if not isinstance(e, SQLAlchemyError):
             return e
-        from ..lineage import LineageError
+        from reshard_job.lineage import LineageError
 
         cause = getattr(e, "orig", None) or e
         detail = next((ln.strip() for ln in str(cause).splitlines() if ln.strip()), type(cause).__name__)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ..plan import Plan
-from ..text import human_size, rank_ranges, table
+from reshard_job.plan import Plan
+from reshard_job.text import human_size, rank_ranges, table
 
 
 def plan_report(plan: Plan, *, predicted_peak: int, missing: dict[int, list[int]] | None = None,
@@ -62,7 +62,7 @@ def run_summary(result) -> str:
     if result.run_id:
         lines.append(f"  lineage run {result.run_id}: python -m reshard_job.audit show {result.run_id}")
     if getattr(result, "nodes", None):
-        from .throughput import from_json, render
+        from reshard_job.job.throughput import from_json, render
 
         lines += ["  per Ray node:"] + ["    " + line for line in render(from_json(result.nodes)).splitlines()]
     return "\n".join(lines)

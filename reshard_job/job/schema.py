@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING
 
-from ..topology import OPTIMIZER_PREFIXES as _OPTIMIZER_PREFIXES
+from reshard_job.topology import OPTIMIZER_PREFIXES as _OPTIMIZER_PREFIXES
 
 # Prefixes of optimizer-state entries; they follow their parameter's rule unless a rule names them.
 OPTIMIZER_PREFIXES = list(_OPTIMIZER_PREFIXES)

@@ -16,13 +16,13 @@ import typing
 from dataclasses import fields, is_dataclass
 from typing import Any, Mapping
 
-from ..errors import ConfigError
-from ..storage import StorageOptions, absolute, is_url
-from ..tasks import FORMAT_SAFETENSORS_INDEX, TARGET_FORMATS
-from . import schema
-from ..secrets import mask_config
-from .placement import devices_per_node_for
-from .spec import (EXECUTOR_LOCAL, EXECUTOR_RAY, MODE_CONVERT, MODE_PLAN, PLACEMENT_PER_NODE, PLACEMENT_SHARED,
+from reshard_job.errors import ConfigError
+from reshard_job.storage import StorageOptions, absolute, is_url
+from reshard_job.tasks import FORMAT_SAFETENSORS_INDEX, TARGET_FORMATS
+from reshard_job.job import schema
+from reshard_job.secrets import mask_config
+from reshard_job.job.placement import devices_per_node_for
+from reshard_job.job.spec import (EXECUTOR_LOCAL, EXECUTOR_RAY, MODE_CONVERT, MODE_PLAN, PLACEMENT_PER_NODE, PLACEMENT_SHARED,
                    ClusterSpec, JobContext, JobSpec, LineageSpec, OutputSpec, RaySpec, RunSpec, SourceSpec,
                    TargetSpec)
 
@@ -149,7 +149,7 @@ def _target(t: schema.TargetConfig, ctx: JobContext) -> TargetSpec:
 def _export_options(t: schema.TargetConfig, strategy: str | None, layout: dict | None,
                     devices: int | None) -> tuple[int, str]:
     """target.max_shard_size in bytes and target.include; an export is one full model, never sharded."""
-    from ..export import INCLUDE_CHOICES, parse_shard_size
+    from reshard_job.export import INCLUDE_CHOICES, parse_shard_size
 
     size = parse_shard_size(t.max_shard_size)
     if t.include not in INCLUDE_CHOICES:
@@ -214,7 +214,7 @@ def _run(j: schema.JobConfig) -> RunSpec:
 
 
 def _ray(r: schema.RayConfig) -> RaySpec:
-    from .ray_executor import parse_address  # pure; Ray itself is imported only when a job uses it
+    from reshard_job.job.ray_executor import parse_address  # pure; Ray itself is imported only when a job uses it
 
     try:
         parse_address(r.address)
@@ -250,7 +250,7 @@ def _check_placement(output: OutputSpec, target: TargetSpec, run: RunSpec) -> No
 
 
 def _max_memory(value: Any) -> int:
-    from .progress import parse_bytes
+    from reshard_job.job.progress import parse_bytes
 
     try:
         size = parse_bytes(value)
@@ -285,6 +285,6 @@ def _bounded_int(value: Any, key: str, low: int, high: int, *, optional: bool = 
 
 
 def _show(value: Any) -> str:
-    from ..text import shorten
+    from reshard_job.text import shorten
 
     return shorten(repr(value), 60)

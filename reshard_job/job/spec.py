@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..storage import StorageOptions
-from ..tasks import FORMAT_CKPT
-from .placement import DEFAULT_NODE_RESOURCE_PREFIX, PLACEMENT_PER_NODE, PLACEMENT_SHARED  # noqa: F401
+from reshard_job.storage import StorageOptions
+from reshard_job.tasks import FORMAT_CKPT
+from reshard_job.job.placement import DEFAULT_NODE_RESOURCE_PREFIX, PLACEMENT_PER_NODE, PLACEMENT_SHARED  # noqa: F401
 
 MODE_CONVERT = "convert"
 MODE_PLAN = "plan"

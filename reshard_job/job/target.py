@@ -11,16 +11,16 @@ import logging
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from ..errors import ConfigError
-from ..formats import dtypes
-from ..formats.strategy import FORMAT_JSON, format_for, to_protobuf_bytes
-from ..layout import Layout
-from ..plan import TensorMeta
-from ..sources import LoadedStrategy, load_strategy, read_strategy_bytes
-from ..storage import StorageOptions, storage_for
-from ..topology import Topology
-from .declarative import compile_layout
-from .spec import TargetSpec
+from reshard_job.errors import ConfigError
+from reshard_job.formats import dtypes
+from reshard_job.formats.strategy import FORMAT_JSON, format_for, to_protobuf_bytes
+from reshard_job.layout import Layout
+from reshard_job.plan import TensorMeta
+from reshard_job.sources import LoadedStrategy, load_strategy, read_strategy_bytes
+from reshard_job.storage import StorageOptions, storage_for
+from reshard_job.topology import Topology
+from reshard_job.job.declarative import compile_layout
+from reshard_job.job.spec import TargetSpec
 
 LAYOUT_SOURCE = "target.layout"
 log = logging.getLogger("reshard_job")

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from ..text import human_size, rank_ranges, table
+from reshard_job.text import human_size, rank_ranges, table
 
 
 @dataclass(frozen=True)

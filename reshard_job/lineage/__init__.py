@@ -22,9 +22,9 @@ Reading (the audit):
 * ``render``    — text; ``graph`` — vertices, edges and a layered layout; ``drawing`` — DOT/SVG/HTML
 """
 
-from .errors import AmbiguousRunError, LineageError, RunStateError, SchemaError, UnknownRunError
-from .records import FileRecord
-from .status import RunStatus
+from reshard_job.lineage.errors import AmbiguousRunError, LineageError, RunStateError, SchemaError, UnknownRunError
+from reshard_job.lineage.records import FileRecord
+from reshard_job.lineage.status import RunStatus
 
 # The database layer (SQLAlchemy, Alembic) is imported on first use: describing files and
 # raising lineage errors must not wait for it.

@@ -19,11 +19,11 @@ import os
 from html import escape
 from typing import Any
 
-from ..text import human_size, rank_ranges
-from .graph import FileVertex, LineageGraph, Layout, RunVertex, layered_layout
-from .entities import ANCESTORS
-from .render import SHORT_DIGEST, SHORT_RUN_ID, devices, kind_words, plural, when
-from .status import RunStatus
+from reshard_job.text import human_size, rank_ranges
+from reshard_job.lineage.graph import FileVertex, LineageGraph, Layout, RunVertex, layered_layout
+from reshard_job.lineage.entities import ANCESTORS
+from reshard_job.lineage.render import SHORT_DIGEST, SHORT_RUN_ID, devices, kind_words, plural, when
+from reshard_job.lineage.status import RunStatus
 
 FORMATS = ("dot", "svg", "html")
 

@@ -17,8 +17,8 @@ import datetime as dt
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from .digests import HASH_ALGO
-from .status import RunStatus
+from reshard_job.lineage.digests import HASH_ALGO
+from reshard_job.lineage.status import RunStatus
 
 # Which way a lineage is walked: back to the original sources, or forward to what was built.
 ANCESTORS = "ancestors"

@@ -6,7 +6,7 @@ user-facing failure: print the one-line message, exit non-zero, no traceback.
 
 from __future__ import annotations
 
-from ..errors import ReshardError
+from reshard_job.errors import ReshardError
 
 
 class LineageError(ReshardError):

@@ -25,10 +25,10 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from .entities import ANCESTORS, KIND_ORDER, RunInfo
+from reshard_job.lineage.entities import ANCESTORS, KIND_ORDER, RunInfo
 
 if TYPE_CHECKING:  # the walker imports SQLAlchemy; drawing does not need it
-    from .trace import Trace, TraceHop, TraceNode
+    from reshard_job.lineage.trace import Trace, TraceHop, TraceNode
 
 FILE = "file"
 RUN = "run"

@@ -25,12 +25,12 @@ from typing import Union
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from .digests import MIN_PREFIX_LENGTH, SHA256_HEX_LENGTH, looks_like_digest_prefix, looks_like_sha256
-from .entities import ArtifactInfo
-from .errors import AmbiguousReferenceError, AmbiguousRunError, LineageError, UnknownRunError
-from .manifests import OutputListing, read_listing
-from .models import Artifact, ArtifactLocation, Event, Run
-from .reading import absolute, content_digest, exists, is_directory, path_forms
+from reshard_job.lineage.digests import MIN_PREFIX_LENGTH, SHA256_HEX_LENGTH, looks_like_digest_prefix, looks_like_sha256
+from reshard_job.lineage.entities import ArtifactInfo
+from reshard_job.lineage.errors import AmbiguousReferenceError, AmbiguousRunError, LineageError, UnknownRunError
+from reshard_job.lineage.manifests import OutputListing, read_listing
+from reshard_job.lineage.models import Artifact, ArtifactLocation, Event, Run
+from reshard_job.lineage.reading import absolute, content_digest, exists, is_directory, path_forms
 
 # Enough candidates to say "matches N" without reading them all.
 _CANDIDATES = 11

@@ -18,9 +18,9 @@ import os
 import posixpath
 from dataclasses import dataclass, replace
 
-from .digests import looks_like_sha256
-from .errors import LineageError
-from .reading import absolute, dirname, join, read_small_file, relative_to
+from reshard_job.lineage.digests import looks_like_sha256
+from reshard_job.lineage.errors import LineageError
+from reshard_job.lineage.reading import absolute, dirname, join, read_small_file, relative_to
 
 MANIFEST_NAME = "manifest.json"
 NODE_MANIFEST_PREFIX = "manifest."  # manifest.<node>.json: one target node's files (output.placement=per_node)

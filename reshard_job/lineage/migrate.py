@@ -34,8 +34,8 @@ from typing import Iterator
 
 from sqlalchemy import Connection, Engine, inspect, text
 
-from .database import sqlite_file, writer
-from .errors import SchemaError
+from reshard_job.lineage.database import sqlite_file, writer
+from reshard_job.lineage.errors import SchemaError
 
 VERSION_TABLE = "alembic_version"
 # Arbitrary but fixed: every process of every version must agree on it.

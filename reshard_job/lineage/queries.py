@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
-from .entities import FileUse, RankMapEntry, RunDetails, RunInfo, sorted_files
-from .errors import UnknownRunError
-from .models import Artifact, Event, Run, RunPlan, RunRank
-from .reading import path_forms
-from .status import RunStatus
+from reshard_job.lineage.entities import FileUse, RankMapEntry, RunDetails, RunInfo, sorted_files
+from reshard_job.lineage.errors import UnknownRunError
+from reshard_job.lineage.models import Artifact, Event, Run, RunPlan, RunRank
+from reshard_job.lineage.reading import path_forms
+from reshard_job.lineage.status import RunStatus
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,8 @@ import os
 import posixpath
 from typing import Callable, TypeVar
 
-from ..hashing import digest_file
-from ..storage import StorageError, is_url, storage_for
+from reshard_job.hashing import digest_file
+from reshard_job.storage import StorageError, is_url, storage_for
 
 # A manifest lists every output with its digest: tens of kilobytes for thousands of ranks.
 MAX_SMALL_FILE = 64 * 1024 * 1024
@@ -34,7 +34,7 @@ T = TypeVar("T")
 def absolute(path: str) -> str:
     """`path` as the job records it: an absolute local path, or a URL without credentials or trailing '/'."""
     if is_url(path):
-        from ..storage.s3errors import strip_userinfo
+        from reshard_job.storage.s3errors import strip_userinfo
 
         url = strip_userinfo(path)
         head, sep, rest = url.partition("://")

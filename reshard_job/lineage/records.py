@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..hashing import digest_file
-from .digests import looks_like_sha256
+from reshard_job.hashing import digest_file
+from reshard_job.lineage.digests import looks_like_sha256
 
 ARTIFACT_KINDS = ("source_checkpoint", "target_checkpoint", "strategy", "merged_strategy", "manifest")
 
@@ -36,7 +36,7 @@ class FileRecord:
     @classmethod
     def from_file(cls, path: str, kind: str, rank: int | None = None) -> "FileRecord":
         """Hash the file at `path` (made absolute; a URL as it is) and describe it."""
-        from ..storage import absolute
+        from reshard_job.storage import absolute
 
         digest = digest_file(absolute(path))
         return cls(path=digest.path, sha256=digest.sha256, size=digest.size, kind=kind, rank=rank)

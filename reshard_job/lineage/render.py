@@ -11,12 +11,12 @@ import json
 from collections import Counter
 from typing import TYPE_CHECKING, Iterable
 
-from ..text import human_size, rank_ranges, table
-from .entities import ANCESTORS, FileUse, RunDetails, RunInfo, iso
+from reshard_job.text import human_size, rank_ranges, table
+from reshard_job.lineage.entities import ANCESTORS, FileUse, RunDetails, RunInfo, iso
 
 if TYPE_CHECKING:  # the walkers import SQLAlchemy; printing does not need it
-    from .trace import Trace, TraceHop, TraceNode
-    from .verify import FileCheck, VerifyReport
+    from reshard_job.lineage.trace import Trace, TraceHop, TraceNode
+    from reshard_job.lineage.verify import FileCheck, VerifyReport
 
 SHORT_DIGEST = 12
 SHORT_RUN_ID = 8

@@ -24,11 +24,11 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from .entities import ANCESTORS, DESCENDANTS, KIND_ORDER, STRATEGY_KINDS, ArtifactInfo, FileUse, RunInfo, iso
-from .errors import UnknownRunError
-from .lookup import ContentSubject, DirectorySubject, Root, RunSubject, Subject, artifact_info, resolve
-from .models import Artifact, Event, Run
-from .queries import run_files
+from reshard_job.lineage.entities import ANCESTORS, DESCENDANTS, KIND_ORDER, STRATEGY_KINDS, ArtifactInfo, FileUse, RunInfo, iso
+from reshard_job.lineage.errors import UnknownRunError
+from reshard_job.lineage.lookup import ContentSubject, DirectorySubject, Root, RunSubject, Subject, artifact_info, resolve
+from reshard_job.lineage.models import Artifact, Event, Run
+from reshard_job.lineage.queries import run_files
 
 __all__ = ["ANCESTORS", "DESCENDANTS", "Trace", "TraceHop", "TraceNode", "trace", "trace_reference"]
 

@@ -19,13 +19,13 @@ from typing import Any
 from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
-from .entities import iso
-from .errors import AmbiguousRunError, LineageError, UnknownRunError
-from .lookup import artifact_at_path, artifacts_by_digest, resolve_run_id
-from .manifests import MANIFEST_NAME, OutputListing, node_listings, read_listing
-from .models import Event, Run
-from .queries import run_files
-from .reading import absolute, content_digest, exists, file_size, is_directory
+from reshard_job.lineage.entities import iso
+from reshard_job.lineage.errors import AmbiguousRunError, LineageError, UnknownRunError
+from reshard_job.lineage.lookup import artifact_at_path, artifacts_by_digest, resolve_run_id
+from reshard_job.lineage.manifests import MANIFEST_NAME, OutputListing, node_listings, read_listing
+from reshard_job.lineage.models import Event, Run
+from reshard_job.lineage.queries import run_files
+from reshard_job.lineage.reading import absolute, content_digest, exists, file_size, is_directory
 
 STATES = ("ok", "missing", "changed", "unreadable", "unrecorded")
 

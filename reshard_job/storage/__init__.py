@@ -12,9 +12,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from .base import (KIND_DIR, KIND_FILE, KIND_OTHER, AtomicWriter, FileInfo, LockedError, OutputLock, RandomAccess,
+from reshard_job.storage.base import (KIND_DIR, KIND_FILE, KIND_OTHER, AtomicWriter, FileInfo, LockedError, OutputLock, RandomAccess,
                    SourceChangedError, Storage, StorageError)
-from .local import LocalStorage
+from reshard_job.storage.local import LocalStorage
 
 __all__ = [
     "AtomicWriter", "FileInfo", "KIND_DIR", "KIND_FILE", "KIND_OTHER", "LocalStorage", "LockedError", "OutputLock",
@@ -37,7 +37,7 @@ class StorageOptions:
     options: dict[str, Any] = field(default_factory=dict, repr=False)  # may hold keys: never printed
 
     def __repr__(self) -> str:
-        from ..secrets import mask_url
+        from reshard_job.secrets import mask_url
 
         shown = None if self.endpoint_url is None else mask_url(self.endpoint_url)
         return f"StorageOptions(endpoint_url={shown!r}, options=<{len(self.options)} key(s)>)"
@@ -69,6 +69,6 @@ def storage_for(path: str | os.PathLike, options: StorageOptions | None = None) 
     """The back end that serves `path` (a local path, ``file://...`` or a URL)."""
     if not is_url(path):
         return LOCAL
-    from .remote import remote_storage  # fsspec is imported only when a URL is used
+    from reshard_job.storage.remote import remote_storage  # fsspec is imported only when a URL is used
 
     return remote_storage(os.fspath(path), options or StorageOptions())

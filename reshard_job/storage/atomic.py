@@ -32,7 +32,7 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from ..errors import OutputError
+from reshard_job.errors import OutputError
 
 TMP_SUFFIX = ".tmp"
 DIR_MODE = 0o775  # masked by the umask like any directory; never writable by others (see below)

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Protocol, runtime_checkable
 
-from ..errors import ReshardError
+from reshard_job.errors import ReshardError
 
 KIND_FILE = "file"
 KIND_DIR = "dir"

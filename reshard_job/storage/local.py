@@ -16,8 +16,8 @@ import re
 import stat
 from typing import Iterable
 
-from .atomic import DIR_MODE, TMP_SUFFIX, AtomicFile, write_bytes_atomic
-from .base import KIND_DIR, KIND_FILE, KIND_OTHER, FileInfo, LockedError, StorageError
+from reshard_job.storage.atomic import DIR_MODE, TMP_SUFFIX, AtomicFile, write_bytes_atomic
+from reshard_job.storage.base import KIND_DIR, KIND_FILE, KIND_OTHER, FileInfo, LockedError, StorageError
 
 STATE_DIR = ".reshard_job"
 LOCK_FILE = "lock"

@@ -40,8 +40,8 @@ import threading
 import weakref
 from typing import Any, Iterable
 
-from .base import KIND_DIR, KIND_FILE, FileInfo, SourceChangedError, StorageError
-from .s3errors import error_code, is_absent, is_precondition_failed, shorten, storage_error, strip_userinfo
+from reshard_job.storage.base import KIND_DIR, KIND_FILE, FileInfo, SourceChangedError, StorageError
+from reshard_job.storage.s3errors import error_code, is_absent, is_precondition_failed, shorten, storage_error, strip_userinfo
 
 S3_SCHEMES = ("s3", "s3a")
 DEFAULT_RETRIES = {"total_max_attempts": 5, "mode": "standard"}  # botocore's max_attempts counts retries only
@@ -75,7 +75,7 @@ class S3Storage:
     def __init__(self, scheme: str = "s3", *, endpoint_url: str | None = None, options: dict[str, Any] | None = None,
                  lease_seconds: float | None = None, settle_seconds: float | None = None,
                  conditional_writes: bool | None = None, part_size: int | None = None, read_concurrency: int = 8):
-        from . import s3lock, s3upload
+        from reshard_job.storage import s3lock, s3upload
 
         self.scheme = scheme
         self._endpoint_url = endpoint_url
@@ -272,7 +272,7 @@ class S3Storage:
         return url, bucket, key, found
 
     def open_read(self, path: str):
-        from .s3file import ObjectReader
+        from reshard_job.storage.s3file import ObjectReader
 
         url, bucket, key, found = self._head_file(path, "opening it")
         return ObjectReader(self, url, bucket, key, found.size, found.identity[1], found.identity,
@@ -288,7 +288,7 @@ class S3Storage:
 
     # -- writing -------------------------------------------------------------------------------
     def create(self, path: str, *, mode: int = 0o444, large: bool = False):
-        from .s3upload import MultipartUpload
+        from reshard_job.storage.s3upload import MultipartUpload
 
         _, bucket, key = split_url(path)
         if not key:
@@ -406,7 +406,7 @@ class S3Storage:
     # -- the output lock -----------------------------------------------------------------------
     def conditional_put(self, bucket: str, folder_key: str, folder_url: str) -> bool:
         """Whether this store honours ``If-None-Match: *`` (forced by `conditional_writes`, else probed)."""
-        from .s3lock import supports_conditional_put
+        from reshard_job.storage.s3lock import supports_conditional_put
 
         if self.conditional_writes is not None:
             return self.conditional_writes
@@ -415,7 +415,7 @@ class S3Storage:
         return self._conditional_by_bucket[bucket]
 
     def held_by(self, folder: str) -> str | None:
-        from .s3lock import holder_of
+        from reshard_job.storage.s3lock import holder_of
 
         _, bucket, key = split_url(folder)
         try:
@@ -424,7 +424,7 @@ class S3Storage:
             return None
 
     def lock(self, folder: str, holder: str, *, lease_seconds: float | None = None):
-        from .s3lock import acquire
+        from reshard_job.storage.s3lock import acquire
 
         _, bucket, key = split_url(folder)
         return acquire(self, self._url(bucket, key), bucket, key, holder,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 
-from .base import SourceChangedError, StorageError
+from reshard_job.storage.base import SourceChangedError, StorageError
 
 MAX_URL_CHARS = 120
 MAX_DETAIL_CHARS = 100

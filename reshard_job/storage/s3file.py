@@ -33,12 +33,12 @@ import bisect
 import threading
 from typing import TYPE_CHECKING
 
-from .base import SourceChangedError
-from .ranges import Request, clip_ranges, plan_requests
-from .s3errors import is_absent, storage_error
+from reshard_job.storage.base import SourceChangedError
+from reshard_job.storage.ranges import Request, clip_ranges, plan_requests
+from reshard_job.storage.s3errors import is_absent, storage_error
 
 if TYPE_CHECKING:
-    from .s3calls import S3Calls
+    from reshard_job.storage.s3calls import S3Calls
 
 MIN_READAHEAD = 64 * 1024
 MAX_READAHEAD = 4 * 1024 * 1024

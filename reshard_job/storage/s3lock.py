@@ -39,11 +39,11 @@ from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
 from typing import TYPE_CHECKING
 
-from .base import LockedError
-from .s3errors import error_code, is_absent, is_precondition_failed, shorten, storage_error
+from reshard_job.storage.base import LockedError
+from reshard_job.storage.s3errors import error_code, is_absent, is_precondition_failed, shorten, storage_error
 
 if TYPE_CHECKING:
-    from .s3calls import S3Calls
+    from reshard_job.storage.s3calls import S3Calls
 
 log = logging.getLogger(__name__)
 

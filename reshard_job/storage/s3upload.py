@@ -21,10 +21,10 @@ import concurrent.futures
 import hashlib
 from typing import TYPE_CHECKING
 
-from .s3errors import storage_error
+from reshard_job.storage.s3errors import storage_error
 
 if TYPE_CHECKING:
-    from .s3calls import S3Calls
+    from reshard_job.storage.s3calls import S3Calls
 
 PART_SIZE = 8 * 1024 * 1024
 PARTS_PER_DOUBLING = 1000

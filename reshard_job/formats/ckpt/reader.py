@@ -23,10 +23,10 @@ from math import prod
 
 import numpy as np
 
-from ...errors import CheckpointFormatError
-from .. import dtypes, wire
-from ..tensorfile import KIND_MAP, KIND_STR, KIND_TENSOR, PositionedReader, TensorEntry
-from .records import CRC_MAGIC, CRC_TRAILER_LEN, Record, parse_tensor_proto
+from reshard_job.errors import CheckpointFormatError
+from reshard_job.formats import dtypes, wire
+from reshard_job.formats.tensorfile import KIND_MAP, KIND_STR, KIND_TENSOR, PositionedReader, TensorEntry
+from reshard_job.formats.ckpt.records import CRC_MAGIC, CRC_TRAILER_LEN, Record, parse_tensor_proto
 
 WINDOW = 4 * 1024 * 1024  # bytes fetched per read while walking small records
 HEAD = 64 * 1024  # bytes fetched at the start of a record larger than a window

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
-from .. import wire
+from reshard_job.formats import wire
 
 SLICE_BYTES = 512 * 1024 * 1024  # MindSpore's SLICE_SIZE (512 * 1024 KiB)
 CRC_MAGIC = b"crc_num"

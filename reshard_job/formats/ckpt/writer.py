@@ -15,12 +15,12 @@ from typing import Sequence
 
 import numpy as np
 
-from ...errors import LayoutError
-from .. import dtypes
-from ...storage.base import write_hashed
-from ..base import TensorDecl, WrittenFile
-from ..digests import TensorDigests
-from .records import CRC_MAGIC, SLICE_BYTES, default_chunks, map_record, record_header
+from reshard_job.errors import LayoutError
+from reshard_job.formats import dtypes
+from reshard_job.storage.base import write_hashed
+from reshard_job.formats.base import TensorDecl, WrittenFile
+from reshard_job.formats.digests import TensorDigests
+from reshard_job.formats.ckpt.records import CRC_MAGIC, SLICE_BYTES, default_chunks, map_record, record_header
 
 
 class RecordSink:
@@ -140,7 +140,7 @@ class CheckpointWriter:
     def __init__(self, target, *, crc: bool = False, chunk_bytes: int = SLICE_BYTES, mode: int = 0o444,
                  storage=None):
         if isinstance(target, (str, os.PathLike)):
-            from ...storage import absolute, storage_for
+            from reshard_job.storage import absolute, storage_for
 
             path = absolute(target)  # `storage`: the StorageOptions reaching a URL's store
             target = storage_for(path, storage).create(path, mode=mode, large=True)

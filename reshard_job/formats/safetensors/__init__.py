@@ -53,10 +53,10 @@ The CRC and the header. ``crc_num`` depends on all the data but sits in the head
   CRC values have 10 digits), otherwise it differs only in the amount of header padding.
 """
 
-from .header import CRC_KEY, FORMAT_KEY, INT4_MARK, MAX_HEADER_BYTES, METADATA_KEY
-from .reader import SafetensorsReader
-from .writer import SafetensorsWriter, TensorSink, save_file
-from ..crc32 import chain_crc, crc32_combine
+from reshard_job.formats.safetensors.header import CRC_KEY, FORMAT_KEY, INT4_MARK, MAX_HEADER_BYTES, METADATA_KEY
+from reshard_job.formats.safetensors.reader import SafetensorsReader
+from reshard_job.formats.safetensors.writer import SafetensorsWriter, TensorSink, save_file
+from reshard_job.formats.crc32 import chain_crc, crc32_combine
 
 __all__ = [
     "CRC_KEY", "FORMAT_KEY", "INT4_MARK", "MAX_HEADER_BYTES", "METADATA_KEY", "SafetensorsReader",

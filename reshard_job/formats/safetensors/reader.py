@@ -8,13 +8,13 @@ import zlib
 from math import prod
 from typing import TYPE_CHECKING
 
-from ...errors import SafetensorsFormatError
-from .. import dtypes
-from ..tensorfile import PositionedReader, TensorEntry
+from reshard_job.errors import SafetensorsFormatError
+from reshard_job.formats import dtypes
+from reshard_job.formats.tensorfile import PositionedReader, TensorEntry
 if TYPE_CHECKING:
     import numpy as np
 
-from .header import CRC_KEY, FORMAT_KEY, INT4_MARK, MAX_HEADER_BYTES, METADATA_KEY
+from reshard_job.formats.safetensors.header import CRC_KEY, FORMAT_KEY, INT4_MARK, MAX_HEADER_BYTES, METADATA_KEY
 
 
 class SafetensorsReader(PositionedReader):

@@ -14,11 +14,11 @@ from typing import Sequence
 
 import numpy as np
 
-from ...errors import LayoutError
-from .. import dtypes
-from ..base import TensorDecl, WrittenFile
-from ..crc32 import chain_crc
-from .header import (CRC_KEY, CRC_WIDTH, DTYPE_RANK, FORMAT_KEY, INT4_MARK, INT4_STORAGE_CODE, MAX_HEADER_BYTES,
+from reshard_job.errors import LayoutError
+from reshard_job.formats import dtypes
+from reshard_job.formats.base import TensorDecl, WrittenFile
+from reshard_job.formats.crc32 import chain_crc
+from reshard_job.formats.safetensors.header import (CRC_KEY, CRC_WIDTH, DTYPE_RANK, FORMAT_KEY, INT4_MARK, INT4_STORAGE_CODE, MAX_HEADER_BYTES,
                      METADATA_KEY)
 
 
@@ -145,7 +145,7 @@ class SafetensorsWriter:
         self.tensors: dict[str, str] = {}
         self.header_len: int | None = None
         if isinstance(target, (str, os.PathLike)):
-            from ...storage import absolute, storage_for
+            from reshard_job.storage import absolute, storage_for
 
             path = absolute(target)
             # A CRC known only at the end is patched into the header afterwards, which needs a
