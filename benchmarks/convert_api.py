@@ -59,7 +59,7 @@ def convert(src_dir: str, dst_dir: str, src_strategy: str, dst_strategy: str, wo
         if workers <= 1:
             transform_checkpoints(src_dir, dst_dir, PREFIX, src_strategy, dst_strategy)
             return
-        from reshard_job.sources import load_strategy
+        from reshard_job.sources.rank_folders import load_strategy
 
         n_target = load_strategy(dst_strategy).topology.devices
         shares = [list(range(w, n_target, workers)) for w in range(workers)]

@@ -233,7 +233,7 @@ TARGETS = {
 def megatron_box(mesh: Mesh, p: Param, rank: int) -> tuple[tuple[int, int], ...]:
     """The box of `p`'s global tensor that local `rank` of `mesh` holds (training semantics).
 
-    Written out for these meshes on purpose instead of calling ``reshard_job.layout``: the
+    Written out for these meshes on purpose instead of calling ``reshard_job.core.layout``: the
     benchmark's generator and checker must not share the code they check. Rank ``r`` has
     coordinates ``(r // mp, r % mp)`` on ``[dp, mp]``. A split dimension takes block ``r % mp``.
     With optimizer parallelism the replicas of a block, in ascending rank order, each hold one

@@ -60,7 +60,8 @@ def _write_rank(args) -> None:
 
 
 def generate(root: str, n_entries: int) -> None:
-    from reshard_job.formats.strategy import ParamLayout, StrategyFile, StrategyItem, write_strategy
+    from reshard_job.formats.strategy import write_strategy
+    from reshard_job.core.strategy_model import ParamLayout, StrategyFile, StrategyItem
 
     if os.path.exists(os.path.join(root, "done")):
         return

@@ -39,9 +39,9 @@ import tracemalloc
 
 def build(per_rank: int, target_devices: int):
     """(source topology, target topology, index) of a MoE model with `per_rank` entries per rank."""
-    from reshard_job.formats.strategy import ParamLayout, StrategyFile, StrategyItem
-    from reshard_job.plan import TensorMeta
-    from reshard_job.topology import Topology
+    from reshard_job.core.strategy_model import ParamLayout, StrategyFile, StrategyItem
+    from reshard_job.plan.planner import TensorMeta
+    from reshard_job.core.topology import Topology
 
     hidden, ffn = 128, 256
     sharded = dict(opt_shard_step=4, opt_shard_size=-1)  # optimizer parallel over dp
@@ -95,7 +95,7 @@ def _prod(shape) -> int:
 
 
 def child(per_rank: int, target_devices: int, traced: bool, to_json: bool) -> dict:
-    from reshard_job.plan import Planner
+    from reshard_job.plan.planner import Planner
 
     if traced:
         tracemalloc.start()

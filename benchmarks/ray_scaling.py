@@ -213,7 +213,7 @@ class cluster_for:
 
 def via_executor(a, meta: dict, scratch: Path) -> tuple[list[dict], int]:
     """The rank tasks handed to RayExecutor directly, against run_rank_task one after another here."""
-    from reshard_job.execute import run_rank_task
+    from reshard_job.execute.rank_task import run_rank_task
 
     tasks = plan_tasks(meta, a.case, scratch / "local", a.max_memory_bytes)
     started = time.perf_counter()
@@ -234,10 +234,10 @@ def via_executor(a, meta: dict, scratch: Path) -> tuple[list[dict], int]:
 
 
 def plan_tasks(meta: dict, case: str, out: Path, max_memory: int):
-    from reshard_job.execute import SourceFiles
-    from reshard_job.plan import Planner
-    from reshard_job.sources import discover, load_strategy
-    from reshard_job.tasks import RankTask, WriteOptions
+    from reshard_job.sources.open_files import SourceFiles
+    from reshard_job.plan.planner import Planner
+    from reshard_job.sources.rank_folders import discover, load_strategy
+    from reshard_job.execute.tasks import RankTask, WriteOptions
 
     found = discover(meta["sources"]["src"]["path"])
     src = load_strategy(meta["strategies"]["src"])
@@ -256,9 +256,9 @@ def retarget(tasks, out: Path):
 
 
 def run_executor(tasks, address: str, nodes: int, cpus_per_task: float) -> tuple[float, dict, list]:
-    from reshard_job.job.placement import per_node_placement
-    from reshard_job.job.ray_executor import RayExecutor
-    from reshard_job.job.throughput import to_json
+    from reshard_job.core.placement import per_node_placement
+    from reshard_job.job.run.ray.executor import RayExecutor
+    from reshard_job.job.run.throughput import to_json
 
     results: dict = {}
     executor = RayExecutor(address, placement=per_node_placement(max(1, -(-len(tasks) // nodes))),
@@ -317,7 +317,7 @@ def main(argv=None) -> int:
     ap.add_argument("--data", default=str(HERE / "data"), help="where sources and outputs go")
     ap.add_argument("--results-dir", default=str(HERE / "results"))
     a = ap.parse_args(argv)
-    from reshard_job.job.progress import parse_bytes
+    from reshard_job.job.run.progress import parse_bytes
 
     a.max_memory_bytes = parse_bytes(a.max_memory)
     meta = gen.generate(gen.data_dir_for(a.data, a.size_gb, a.dtype), a.size_gb, a.dtype, sources=("src",),

@@ -32,7 +32,7 @@ def _hydra_app():
     it happens after the signal handlers are in place."""
     import hydra
 
-    from reshard_job.job import schema
+    import reshard_job.job.config.schema as schema
 
     schema.register()
     _compose_once()
@@ -66,10 +66,10 @@ def app(cfg) -> None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from reshard_job.job.report import run_summary
+    from reshard_job.job.stages.report import run_summary
     from reshard_job.job.runner import STATUS_FAILED, JobResult, run_job
-    from reshard_job.job.settle import settle
-    from reshard_job.job.spec import JobContext
+    from reshard_job.job.config.settle import settle
+    from reshard_job.job.config.spec import JobContext
 
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
@@ -77,7 +77,7 @@ def app(cfg) -> None:
                      sweep_id=os.path.abspath(os.path.join(hc.runtime.cwd, hc.sweep.dir)) if multirun else None,
                      job_num=hc.job.num if multirun else None, choices=dict(hc.runtime.choices), from_presets=True)
     try:
-        from reshard_job.job.signals import raise_pending
+        from reshard_job.job.run.signals import raise_pending
 
         raise_pending()  # a Ctrl-C while starting up stops the job here, before anything is done
         _collect_from_now_on()
@@ -93,11 +93,11 @@ def app(cfg) -> None:
                                      error=line))
         if not multirun:
             sys.exit(getattr(e, "exit_code", EXIT_ERROR))
-        from reshard_job.job.callbacks import FAILED
+        from reshard_job.job.cli.sweep_summary import FAILED
 
         FAILED.append(1)
         return
-    from reshard_job.job.signals import ignore
+    from reshard_job.job.run.signals import ignore
 
     ignore()  # the conversion is committed: a late Ctrl-C has nothing left to stop
     _scrub_saved_config(ctx.run_dir)
@@ -127,13 +127,13 @@ _STARTUP_PAUSED = False
 
 def _user_errors():
     from reshard_job.errors import ReshardError
-    from reshard_job.job.signals import Interrupted
+    from reshard_job.job.run.signals import Interrupted
 
     return (ReshardError, Interrupted)
 
 
 def _error_line(e: BaseException) -> str:
-    from reshard_job.job.signals import Interrupted
+    from reshard_job.job.run.signals import Interrupted
 
     if isinstance(e, Interrupted):
         e.status = "interrupted"
@@ -153,7 +153,7 @@ def _log_to_file(line: str) -> None:
 
 
 def _write_result(ctx, result) -> None:
-    from reshard_job.job.callbacks import RESULT_FILE
+    from reshard_job.job.cli.sweep_summary import RESULT_FILE
     from reshard_job.secrets import mask_config, mask_text
 
     doc = mask_config(result.to_json())
@@ -220,7 +220,7 @@ def main() -> None:
 
 
 def _main() -> None:
-    from reshard_job.job.signals import Interrupted, interruptible, raise_pending
+    from reshard_job.job.run.signals import Interrupted, interruptible, raise_pending
 
     logging.raiseExceptions = False  # a log line to a closed pipe must not print a traceback
     os.environ.setdefault(_USER_FULL_ERROR, os.environ.get("HYDRA_FULL_ERROR", "0"))
@@ -243,7 +243,7 @@ def _main() -> None:
 
         if user_full or not isinstance(e, (HydraException, OmegaConfBaseException)):
             raise
-        from reshard_job.job.cli_errors import one_line
+        from reshard_job.job.cli.messages import one_line
 
         print(f"reshard_job: error: {one_line(e)}", file=sys.stderr)
         sys.exit(EXIT_ERROR)
@@ -252,7 +252,7 @@ def _main() -> None:
             sys.stdout.flush()
         except BrokenPipeError:
             _quiet_exit()
-    from reshard_job.job.callbacks import FAILED
+    from reshard_job.job.cli.sweep_summary import FAILED
 
     if FAILED:
         sys.exit(EXIT_ERROR)

@@ -32,15 +32,15 @@ from dataclasses import replace
 from typing import Mapping
 
 from reshard_job.errors import ConfigError, MissingRankError
-from reshard_job.execute import DEFAULT_MAX_MEMORY
-from reshard_job.export import DEFAULT_MAX_SHARD_SIZE, INCLUDE_WEIGHTS, parse_shard_size
+from reshard_job.execute.rank_task import DEFAULT_MAX_MEMORY
+from reshard_job.execute.export import DEFAULT_MAX_SHARD_SIZE, INCLUDE_WEIGHTS, parse_shard_size
 from reshard_job.formats.base import WrittenFile
 from reshard_job.formats.registry import kind_of
 from reshard_job.formats.strategy import merge_pipeline_strategies, merge_pipeline_strategys  # noqa: F401 (re-export)
-from reshard_job.plan import UNMAPPED_OMIT, Plan, source_ranks_for
-from reshard_job.sources import RankFiles, discover_mindformers, is_mindformers_source, load_strategy
+from reshard_job.plan.planner import UNMAPPED_OMIT, Plan, source_ranks_for
+from reshard_job.sources.rank_folders import RankFiles, discover_mindformers, is_mindformers_source, load_strategy
 from reshard_job.storage import absolute, storage_for
-from reshard_job.tasks import FORMAT_CKPT, FORMAT_SAFETENSORS_INDEX, TARGET_FORMATS, RankResult, WriteOptions, files_of
+from reshard_job.execute.tasks import FORMAT_CKPT, FORMAT_SAFETENSORS_INDEX, TARGET_FORMATS, RankResult, WriteOptions, files_of
 
 __all__ = [
     "transform_checkpoints",
@@ -56,7 +56,7 @@ __all__ = [
 def _specs(src_strategy_file, dst_strategy_file, *, src_dir=None, select="latest_step", fmt=FORMAT_CKPT,
            unmapped=UNMAPPED_OMIT, iteration=None, max_shard_size=DEFAULT_MAX_SHARD_SIZE, include=INCLUDE_WEIGHTS,
            verify_replicas=True):
-    from reshard_job.job.spec import SourceSpec, TargetSpec
+    from reshard_job.job.config.spec import SourceSpec, TargetSpec
 
     source = SourceSpec(None if src_dir is None else absolute(src_dir),
                         None if src_strategy_file is None else absolute(src_strategy_file), select, iteration=iteration,
@@ -77,7 +77,7 @@ def _check_format(output_format: str, dst_strategy_file=None) -> str:
 
 def _prepare(src_checkpoints_dir, src_strategy_file=None, dst_strategy_file=None, *,
              select: str = "latest_step", unmapped: str = UNMAPPED_OMIT, target_ranks=None, **extra):
-    from reshard_job.job.prepare import prepare
+    from reshard_job.job.stages.prepare import prepare
 
     source, target = _specs(src_strategy_file, dst_strategy_file, src_dir=src_checkpoints_dir, select=select,
                             unmapped=unmapped, **extra)
@@ -96,9 +96,9 @@ def build_plan(src_checkpoints_dir, src_strategy_file=None, dst_strategy_file=No
 
 def _run(prepared, paths: dict[int, str], options: WriteOptions, workers: int = 1) -> dict[int, WrittenFile]:
     """Run the tasks; written files by target rank, or for an export by file number (index last)."""
-    from reshard_job.job.convert import rank_tasks, write_export_index
-    from reshard_job.job.executors import LocalExecutor
-    from reshard_job.job.prepare import check_identical
+    from reshard_job.job.stages.convert import rank_tasks, write_export_index
+    from reshard_job.job.run.local import LocalExecutor
+    from reshard_job.job.stages.prepare import check_identical
 
     if prepared.missing:
         raise MissingRankError(prepared.missing, prepared.source.checkpoints or "")
@@ -135,7 +135,7 @@ def transform_checkpoints(src_checkpoints_dir, dst_checkpoints_dir, ckpt_prefix,
     lay out) are compared by content first; ``verify_replicas=False`` skips that, for checkpoints
     whose replicas differ on purpose.
     """
-    from reshard_job.job.convert import unit_paths
+    from reshard_job.job.stages.convert import unit_paths
 
     if not isinstance(ckpt_prefix, str):
         raise TypeError("ckpt_prefix must be a str")
@@ -159,7 +159,7 @@ def transform_checkpoint_by_rank(rank_id, checkpoint_files_map: Mapping[int, str
     The output format follows the file name (``.ckpt`` or ``.safetensors``). For a MindFormers
     save, a rank maps to a file or a tuple of files of one iteration folder (module docstring).
     """
-    from reshard_job.job.prepare import prepare_files
+    from reshard_job.job.stages.prepare import prepare_files
 
     if not isinstance(rank_id, int) or isinstance(rank_id, bool):
         raise TypeError("rank_id must be an int")
@@ -207,7 +207,7 @@ def _mindformers_folder(files: dict[int, tuple[str, ...]], src_strategy_file) ->
 
 def _by_rank_mindformers(rank_id: int, files: dict[int, tuple[str, ...]], folder: str, name: str, fmt: str,
                          dst_strategy_file, unmapped: str, max_memory: int) -> WrittenFile:
-    from reshard_job.job.prepare import prepare_mindformers
+    from reshard_job.job.stages.prepare import prepare_mindformers
 
     found, save = discover_mindformers(folder)
     given: dict[int, tuple[str, ...]] = {}

@@ -162,8 +162,8 @@ def write_sharded(root, tensors: dict, strategy=None, *, prefix: str = "checkpoi
     """
     from reshard_job.formats.ckpt import CheckpointWriter
     from reshard_job.formats.strategy import read_strategy
-    from reshard_job.layout import Layout
-    from reshard_job.topology import Topology
+    from reshard_job.core.layout import Layout
+    from reshard_job.core.topology import Topology
 
     if isinstance(strategy, (str, os.PathLike)):
         strategy = read_strategy(strategy)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from reshard_job.formats import dtypes
+import reshard_job.core.dtypes as dtypes
 from reshard_job.formats.safetensors import save_file
 
 

@@ -20,7 +20,7 @@ from typing import Iterator, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
-from reshard_job.formats.boxes import Box
+from reshard_job.core.boxes import Box
 from reshard_job.formats.tensorfile import TensorEntry
 
 

@@ -7,18 +7,8 @@ single-file or multi-file alike; the planner only reads these values.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import NamedTuple
-
+from reshard_job.core.tensor_meta import TensorMeta
 from reshard_job.formats.base import TensorReader
-
-
-class TensorMeta(NamedTuple):
-    """What a source file holds under one name (a tuple: an index holds one per name and rank)."""
-
-    dtype: str
-    shape: tuple[int, ...]
-    kind: str = "tensor"  # tensor | str | map
-    nbytes: int = 0
 
 
 _METAS: dict[tuple, TensorMeta] = {}

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
 import numpy as np
 
 from reshard_job.errors import FormatError, PlanError
-from reshard_job.formats.boxes import Box
+from reshard_job.core.boxes import Box
 from reshard_job.formats.index import reader_index
 from reshard_job.formats.safetensors import SafetensorsReader
 from reshard_job.formats.tensorfile import TensorEntry

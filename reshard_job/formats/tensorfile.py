@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from reshard_job.errors import FormatError, LayoutError
-from reshard_job.formats import dtypes
-from reshard_job.formats.boxes import Box, box_shape, full_box
+import reshard_job.core.dtypes as dtypes
+from reshard_job.core.boxes import Box, box_shape, full_box
 
 if TYPE_CHECKING:
     from reshard_job.storage import RandomAccess

@@ -25,17 +25,17 @@ from typing import Callable
 
 from reshard_job.errors import MissingRankError
 from reshard_job.storage import storage_for
-from reshard_job.job.convert import Outputs, convert
-from reshard_job.job.executor_choice import cluster_layout
-from reshard_job.index_cache import IndexCache
-from reshard_job.job.integrity import hash_sources
-from reshard_job.job.memory import fix_mmap_threshold
-from reshard_job.job.outputs import OutputDir
-from reshard_job.job.prepare import HashWhileIndexing, Prepared, check_identical, prepare
-from reshard_job.job.record import LineageRecorder, NoRecorder
-from reshard_job.job.report import plan_report
-from reshard_job.job.signals import interruptible
-from reshard_job.job.spec import MODE_PLAN, JobSpec
+from reshard_job.job.stages.convert import Outputs, convert
+from reshard_job.job.run.choice import cluster_layout
+from reshard_job.sources.index_cache import IndexCache
+from reshard_job.job.stages.integrity import hash_sources
+from reshard_job.job.run.memory import fix_mmap_threshold
+from reshard_job.job.output.directory import OutputDir
+from reshard_job.job.stages.prepare import HashWhileIndexing, Prepared, check_identical, prepare
+from reshard_job.job.stages.record import LineageRecorder, NoRecorder
+from reshard_job.job.stages.report import plan_report
+from reshard_job.job.run.signals import interruptible
+from reshard_job.job.config.spec import MODE_PLAN, JobSpec
 
 log = logging.getLogger("reshard_job")
 
@@ -126,7 +126,7 @@ def _open_output(spec: JobSpec, prepared: Prepared) -> OutputDir:
                            if "://" not in f and os.path.dirname(f).startswith(source.checkpoints.rstrip("/") + "/")})
     source_files = checkpoint_files + list(prepared.strategy.files)
     out.check_not_source(source_dirs, source_files)
-    from reshard_job.job.convert import unit_paths
+    from reshard_job.job.stages.convert import unit_paths
 
     planned = list(unit_paths(prepared, out.path, spec.target.prefix, spec.target.format, storage).values())
     planned += [out.manifest_path] + [storage.join(out.path, n) for n in ("strategy.ckpt", "strategy.json")]

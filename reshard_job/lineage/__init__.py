@@ -9,21 +9,14 @@ Writing:
 * ``status``    — ``RunStatus``, the one spelling of a run's states
 * ``database``  — URLs, engines, SQLite/PostgreSQL settings, retry on contention
 * ``migrate``   — concurrency-safe Alembic upgrade to head; revisions in ``migrations/``
-* ``records``   — ``FileRecord``, what a job says about a file (no SQLAlchemy)
+* ``file_records`` — ``FileRecord``, what a job says about a file (no SQLAlchemy)
 * ``store``     — the recording API a job calls
 
-Reading (the audit):
-
-* ``entities``  — read-side dataclasses built from the ORM rows, with their JSON
-* ``digests``, ``reading``, ``manifests`` — what a digest looks like; how files and an output
-  directory's manifest are read
-* ``lookup``    — from a path, directory, digest or run id (or prefix) to what the database holds
-* ``queries``   — runs and their details; ``trace`` — lineage both ways; ``verify`` — re-hashing
-* ``render``    — text; ``graph`` — vertices, edges and a layered layout; ``drawing`` — DOT/SVG/HTML
+Reading is ``reshard_job.audit``'s (the CLI, lookups, traces, graphs, verification).
 """
 
 from reshard_job.lineage.errors import AmbiguousRunError, LineageError, RunStateError, SchemaError, UnknownRunError
-from reshard_job.lineage.records import FileRecord
+from reshard_job.lineage.file_records import FileRecord
 from reshard_job.lineage.status import RunStatus
 
 # The database layer (SQLAlchemy, Alembic) is imported on first use: describing files and

@@ -47,7 +47,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
-from reshard_job.lineage.records import ARTIFACT_KINDS  # one list for the schema and the file records
+from reshard_job.lineage.file_records import ARTIFACT_KINDS  # one list for the schema and the file records
 from reshard_job.lineage.status import RunStatus
 
 DIRECTIONS = ("input", "output")

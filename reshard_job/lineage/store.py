@@ -35,13 +35,13 @@ from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError
 from sqlalchemy.orm import Session, defer, sessionmaker
 
 from reshard_job.jsonchunks import iter_json
-from reshard_job.lineage import queries
+import reshard_job.audit.queries as queries
 from reshard_job.lineage.database import create_lineage_engine, default_url, normalize_url, retry_transient, writer
-from reshard_job.lineage.digests import HASH_ALGO
+from reshard_job.lineage.hash_names import HASH_ALGO
 from reshard_job.lineage.errors import LineageError, RunStateError, SchemaError, UnknownRunError
 from reshard_job.lineage.migrate import upgrade_to_head
 from reshard_job.lineage.models import Artifact, ArtifactLocation, Event, Run, RunPlan, RunRank
-from reshard_job.lineage.records import FileRecord
+from reshard_job.lineage.file_records import FileRecord
 from reshard_job.lineage.runtime import current_host, current_pid, current_user, pid_is_alive
 from reshard_job.lineage.status import RunStatus
 

@@ -1,5 +1,5 @@
 """A deliberately simple reference for which box of a global tensor a rank holds, written from the
-prose of spec/resharding-semantics.md §1–§3 without using ``reshard_job.layout``, and hypothesis
+prose of spec/resharding-semantics.md §1–§3 without using ``reshard_job.core.layout``, and hypothesis
 strategies for random layouts.
 
 The reference favours the literal reading of the spec over speed: the replica group of a rank is
@@ -12,7 +12,7 @@ from math import gcd, prod
 
 from hypothesis import strategies as st
 
-from reshard_job.formats.strategy import ParamLayout
+from reshard_job.core.strategy_model import ParamLayout
 
 
 def axes_of(entry) -> list[int]:

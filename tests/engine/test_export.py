@@ -19,16 +19,17 @@ from safetensors import safe_open
 from safetensors.numpy import load_file
 
 from reshard_job.errors import ConfigError, FormatError, PlanError
-from reshard_job.execute import SourceFiles, execute_rank
-from reshard_job.export import (
+from reshard_job.sources.open_files import SourceFiles
+from reshard_job.execute.rank_task import execute_rank
+from reshard_job.execute.export import (
     INDEX_FILE, export_safetensors, is_training_state, natural_key, open_export, parse_shard_size, plan_export,
     read_index, shard_file_name,
 )
 from reshard_job.formats.ckpt import CheckpointReader
-from reshard_job.mindformers import load_mindformers
+from reshard_job.sources.mindformers import load_mindformers
 from reshard_job.formats.strategy import read_strategy
-from reshard_job.plan import ParamPlan, Planner, RankPlan
-from reshard_job.topology import Topology
+from reshard_job.plan.planner import ParamPlan, Planner, RankPlan
+from reshard_job.core.topology import Topology
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 M1A = GOLDEN / "M1a_mf_llama_dp2mp2os_bf16_to_mp4"

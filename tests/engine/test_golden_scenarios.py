@@ -14,8 +14,8 @@ import numpy as np
 from reshard_job import rank_list_for_transform, transform_checkpoint_by_rank, transform_checkpoints
 from reshard_job.formats.ckpt import CheckpointReader
 from reshard_job.formats.strategy import read_strategy
-from reshard_job.layout import Layout
-from reshard_job.topology import Topology
+from reshard_job.core.layout import Layout
+from reshard_job.core.topology import Topology
 
 
 def variant_id(path) -> str:

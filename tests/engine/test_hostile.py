@@ -19,9 +19,9 @@ from reshard_job.errors import LayoutError, MissingRankError, PlanError, Reshard
 from reshard_job.formats import wire
 from reshard_job.formats.strategy import (MAX_AXES, MAX_DEVICES, ParamLayout, StrategyFile, StrategyItem, read_strategy,
                                           write_strategy)
-from reshard_job.layout import Layout
-from reshard_job.plan import MISSING_SAMPLE, ParamPlans, Planner, TensorMeta, needed_local_ranks, source_ranks_for
-from reshard_job.topology import Topology
+from reshard_job.core.layout import Layout
+from reshard_job.plan.planner import MISSING_SAMPLE, ParamPlans, Planner, TensorMeta, needed_local_ranks, source_ranks_for
+from reshard_job.core.topology import Topology
 
 ITEMS = [StrategyItem("op", 0, ())]
 
@@ -156,9 +156,9 @@ import resource
 with open("/proc/self/status") as f:
     vm = next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmSize:"))
 resource.setrlimit(resource.RLIMIT_AS, (vm + 512 * 2**20, vm + 512 * 2**20))
-from reshard_job.formats.strategy import ParamLayout, StrategyFile, StrategyItem
-from reshard_job.plan import Planner, TensorMeta
-from reshard_job.topology import Topology
+from reshard_job.core.strategy_model import ParamLayout, StrategyFile, StrategyItem
+from reshard_job.plan.planner import Planner, TensorMeta
+from reshard_job.core.topology import Topology
 items = [StrategyItem("op", 0, ())]
 src = Topology.from_strategy(StrategyFile({"w": ParamLayout((2,), (0, -1))}, items))
 dst = Topology.from_strategy(StrategyFile({"w": ParamLayout((1024, 1024), (-1, -1))}, items))
@@ -216,7 +216,7 @@ def test_planning_memory_is_small_per_parameter_and_linear():
 
 
 def test_plan_json_is_compact_and_round_trips():
-    from reshard_job.plan import Plan
+    from reshard_job.plan.planner import Plan
 
     _, plan = planning_peak(2000)
     doc = json.dumps(plan.to_json())

@@ -9,9 +9,10 @@ import pytest
 from hypothesis import given, settings
 
 from reshard_job.errors import LayoutError
-from reshard_job.formats.strategy import ParamLayout, read_strategy
-from reshard_job.layout import Layout, coords
-from reshard_job.topology import Topology
+from reshard_job.formats.strategy import read_strategy
+from reshard_job.core.strategy_model import ParamLayout
+from reshard_job.core.layout import Layout, coords
+from reshard_job.core.topology import Topology
 
 from .reference import layout_and_shape, reference_box
 

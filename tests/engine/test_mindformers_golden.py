@@ -14,12 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from reshard_job.execute import FORMAT_CKPT, FORMAT_SAFETENSORS, execute_rank
+from reshard_job.execute.tasks import FORMAT_CKPT, FORMAT_SAFETENSORS
+
+from reshard_job.execute.rank_task import execute_rank
 from reshard_job.formats.ckpt import CheckpointReader
-from reshard_job.mindformers import load_mindformers
+from reshard_job.sources.mindformers import load_mindformers
 from reshard_job.formats.strategy import read_strategy
-from reshard_job.plan import Planner
-from reshard_job.topology import Topology
+from reshard_job.plan.planner import Planner
+from reshard_job.core.topology import Topology
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 SCENARIOS = sorted(p for p in GOLDEN.iterdir() if (p / "src_mindformers").is_dir())

@@ -13,7 +13,8 @@ import pytest
 from reshard_job import rank_list_for_transform, transform_checkpoint_by_rank, transform_checkpoints
 from reshard_job.errors import LayoutError, MissingRankError, PlanError, ReshardError
 from reshard_job.formats.ckpt import CheckpointWriter
-from reshard_job.formats.strategy import ParamLayout, StrategyFile, StrategyItem, write_strategy
+from reshard_job.formats.strategy import write_strategy
+from reshard_job.core.strategy_model import ParamLayout, StrategyFile, StrategyItem
 
 
 def copy_sources(scenario, dst: Path, drop=()) -> Path:

@@ -19,13 +19,14 @@ from hypothesis import strategies as st
 
 from reshard_job import transform_checkpoint_by_rank, transform_checkpoints
 from reshard_job.errors import LayoutError, PlanError
-from reshard_job.execute import SourceFiles
+from reshard_job.sources.open_files import SourceFiles
 from reshard_job.formats.ckpt import CheckpointReader, CheckpointWriter
-from reshard_job.formats.strategy import ParamLayout, StrategyFile, StrategyItem, read_strategy, write_strategy
-from reshard_job.layout import Layout, unflatten
-from reshard_job.plan import Planner, TensorMeta
-from reshard_job.sources import discover, load_strategy
-from reshard_job.topology import Topology
+from reshard_job.formats.strategy import read_strategy, write_strategy
+from reshard_job.core.strategy_model import ParamLayout, StrategyFile, StrategyItem
+from reshard_job.core.layout import Layout, unflatten
+from reshard_job.plan.planner import Planner, TensorMeta
+from reshard_job.sources.rank_folders import discover, load_strategy
+from reshard_job.core.topology import Topology
 
 from .reference import reference_box
 from .test_roundtrip_properties import Case, Side, convert_there_and_back

@@ -22,12 +22,13 @@ from hypothesis import strategies as st
 
 from reshard_job import rank_list_for_transform, transform_checkpoint_by_rank, transform_checkpoints
 from reshard_job.errors import LayoutError, PlanError
-from reshard_job.formats import dtypes
+import reshard_job.core.dtypes as dtypes
 from reshard_job.formats.ckpt import CheckpointReader, CheckpointWriter
-from reshard_job.formats.strategy import ParamLayout, StrategyFile, StrategyItem, write_strategy
-from reshard_job.layout import Layout, unflatten
-from reshard_job.plan import ACTION_RESHARD, Planner, TensorMeta, source_ranks_for
-from reshard_job.topology import Topology
+from reshard_job.formats.strategy import write_strategy
+from reshard_job.core.strategy_model import ParamLayout, StrategyFile, StrategyItem
+from reshard_job.core.layout import Layout, unflatten
+from reshard_job.plan.planner import ACTION_RESHARD, Planner, TensorMeta, source_ranks_for
+from reshard_job.core.topology import Topology
 
 from .reference import dev_matrices, divisors, lcm, param_layouts, reference_box
 
@@ -430,7 +431,7 @@ def test_large_tensors_read_in_place_across_staging_blocks(helpers, monkeypatch)
     """Tensors over the small-tensor size are read straight into the output's O_DIRECT staging
     blocks; their rows (14,544 bytes here) do not divide a block, so some rows straddle two blocks
     and go through the assembly buffer. Both ways, there and back, must give the exact bytes."""
-    import reshard_job.execute as execute
+    import reshard_job.execute.rank_task as execute
 
     monkeypatch.setattr("reshard_job.storage.atomic.DIRECT_CHUNK", 8 << 20)  # files larger than a block
     calls = []
@@ -450,7 +451,7 @@ def test_large_tensor_copied_whole_in_place_across_staging_blocks(tmp_path, monk
     CRC on; the bytes, the per-tensor digest and the CRC must match what the plain writer gives."""
     import hashlib
 
-    from reshard_job.execute import _copy_in_place
+    from reshard_job.execute.rank_task import _copy_in_place
 
     monkeypatch.setattr("reshard_job.storage.atomic.DIRECT_CHUNK", 8 << 20)  # a tensor across blocks
     data = np.random.default_rng(5).integers(0, 255, size=(1250, 8000), dtype=np.uint8).view(np.uint16)

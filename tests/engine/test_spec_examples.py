@@ -15,10 +15,11 @@ import pytest
 
 from reshard_job import rank_list_for_transform, transform_checkpoint_by_rank, transform_checkpoints
 from reshard_job.formats.ckpt import CheckpointReader, CheckpointWriter
-from reshard_job.formats.strategy import ParamLayout, StrategyFile, StrategyItem, write_strategy
-from reshard_job.layout import Layout
-from reshard_job.plan import Planner, TensorMeta
-from reshard_job.topology import Topology
+from reshard_job.formats.strategy import write_strategy
+from reshard_job.core.strategy_model import ParamLayout, StrategyFile, StrategyItem
+from reshard_job.core.layout import Layout
+from reshard_job.plan.planner import Planner, TensorMeta
+from reshard_job.core.topology import Topology
 
 RANK_CODE = 16
 

@@ -18,14 +18,14 @@ from pathlib import Path
 import pytest
 
 from reshard_job.errors import PlanError, ReshardError, StrategyFormatError
-from reshard_job.execute import SourceFiles
+from reshard_job.sources.open_files import SourceFiles
 from reshard_job.formats.ckpt import CheckpointReader
 from reshard_job.formats.strategy import (StrategyFile, StrategyItem, merge_strategy_files, read_strategy,
                                           to_json_bytes, write_strategy)
-from reshard_job.plan import (CHECK_IDENTICAL, CHECK_OPTIMIZER, CHECK_STAGES, Plan, Planner,
+from reshard_job.plan.planner import (CHECK_IDENTICAL, CHECK_OPTIMIZER, CHECK_STAGES, Plan, Planner,
                               identical_mismatch)
-from reshard_job.sources import discover, load_strategy
-from reshard_job.topology import Topology, optimizer_base
+from reshard_job.sources.rank_folders import discover, load_strategy
+from reshard_job.core.topology import Topology, optimizer_base
 
 GOLDEN = Path(__file__).parents[1] / "golden"
 SCENARIOS = sorted(p.name for p in GOLDEN.iterdir() if (p / "manifest.json").is_file() and (p / "src_checkpoints").is_dir())
@@ -329,8 +329,8 @@ GOLDEN_TARGETS = {
 
 
 def _prepare(source: str, target: str, **target_settings):
-    from reshard_job.job.prepare import prepare
-    from reshard_job.job.spec import SourceSpec, TargetSpec
+    from reshard_job.job.stages.prepare import prepare
+    from reshard_job.job.config.spec import SourceSpec, TargetSpec
 
     folder, strategy, _ = GOLDEN_SOURCES[source]
     return prepare(SourceSpec(str(GOLDEN / folder), str(GOLDEN / strategy) if strategy else None),

@@ -19,7 +19,9 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from reshard_job.errors import CheckpointFormatError, ReshardError
-from reshard_job.formats import dtypes, schema, tensorfile
+from reshard_job.formats import tensorfile
+import reshard_job.core.dtypes as dtypes
+import reshard_job.formats.proto_schema as schema
 from reshard_job.formats.ckpt import CRC_MAGIC, CRC_TRAILER_LEN, CheckpointReader, CheckpointWriter, record_header
 from reshard_job.formats.rewrite import copy_checkpoint
 

@@ -11,12 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from reshard_job import index_cache
-from reshard_job.execute import SourceFiles
+import reshard_job.sources.index_cache as index_cache
+from reshard_job.sources.open_files import SourceFiles
 from reshard_job.formats.ckpt import CheckpointReader, CheckpointWriter
 from reshard_job.formats.ckpt import reader as ckpt_reader
 from reshard_job.formats.rewrite import copy_checkpoint
-from reshard_job.index_cache import IndexCache
+from reshard_job.sources.index_cache import IndexCache
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 GOLDEN_CKPTS = sorted(GOLDEN.glob("*/src_checkpoints/rank_*/*.ckpt"))[:12]
@@ -211,8 +211,8 @@ def test_source_files_walk_a_file_once_and_again_when_it_changes(tmp_path, walks
 
 def test_a_job_plans_from_cached_indexes_as_from_walked_ones(tmp_path, walks, keep_all):
     """prepare() with the cache: the second time no source is walked, and the plan is the same."""
-    from reshard_job.job.prepare import prepare
-    from reshard_job.job.spec import SourceSpec, TargetSpec
+    from reshard_job.job.stages.prepare import prepare
+    from reshard_job.job.config.spec import SourceSpec, TargetSpec
 
     d = GOLDEN / "S2_block_mp4dp2opt_to_mp4"
     cache = IndexCache(str(tmp_path / "cache"))

@@ -22,18 +22,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from reshard_job.errors import FormatError, PlanError, ReshardError
-from reshard_job.execute import execute_rank
+from reshard_job.execute.rank_task import execute_rank
 from reshard_job.formats.ckpt import CheckpointReader
-from reshard_job.mindformers import (
+from reshard_job.sources.mindformers import (
     MindFormersFormatError, is_mindformers_checkpoint, load_mindformers, parse_metadata, resolve_iteration,
     synthesize_strategy,
 )
 from reshard_job.formats.multifile import MultiFileReader, MultiFileSources
 from reshard_job.formats.safetensors import save_file
-from reshard_job.formats.strategy import ParamLayout
-from reshard_job.layout import Layout
-from reshard_job.plan import Planner
-from reshard_job.topology import Topology
+from reshard_job.core.strategy_model import ParamLayout
+from reshard_job.core.layout import Layout
+from reshard_job.plan.planner import Planner
+from reshard_job.core.topology import Topology
 
 from mf_save import (  # tests/mf_save.py (tests/ is on sys.path through its conftest)
     bf16, dedup_params, dedup_writer, f32, spec_box, spec_fragments, spec_shard, write_mf_save,

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 import safetensors
 import safetensors.numpy as stnp
 from reshard_job.errors import LayoutError, SafetensorsFormatError
-from reshard_job.formats import dtypes
+import reshard_job.core.dtypes as dtypes
 from reshard_job.formats.base import WrittenFile
 from reshard_job.formats.crc32 import chain_crc, crc32_combine
 from reshard_job.formats.rewrite import copy_safetensors

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from reshard_job import transform_checkpoints
-from reshard_job.demo import global_tensors
+from reshard_job.sources.demo import global_tensors
 from reshard_job.formats.ckpt import CheckpointReader
 
 GOLDEN = Path(__file__).parents[1] / "golden"

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from fuzz_helpers import (ckpt_hot_ranges, ckpt_seed_files, fuzz, mutations, read_expecting_clean_errors,
                           replace_varint)
 
-from reshard_job.formats import dtypes
+import reshard_job.core.dtypes as dtypes
 from reshard_job.formats.ckpt import KIND_TENSOR, CheckpointReader
 from reshard_job.formats.rewrite import copy_checkpoint
 

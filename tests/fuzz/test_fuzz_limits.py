@@ -70,7 +70,7 @@ import json, resource, sys
 from reshard_job.errors import ReshardError
 from reshard_job.formats.ckpt import CheckpointReader
 from reshard_job.formats.strategy import read_strategy
-from reshard_job.topology import Topology
+from reshard_job.core.topology import Topology
 
 def read_ckpt(path):
     with CheckpointReader(path) as r:

@@ -12,7 +12,7 @@ from hypothesis import given
 
 from fuzz_helpers import fuzz, mutations, read_expecting_clean_errors
 
-from reshard_job.formats import dtypes
+import reshard_job.core.dtypes as dtypes
 from reshard_job.formats.safetensors import SafetensorsReader, save_file
 
 SCRATCH = Path(tempfile.mkdtemp(prefix="fuzz_safetensors_"))

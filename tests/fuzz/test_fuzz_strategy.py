@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from fuzz_helpers import TRIED, fuzz, mutations, read_expecting_clean_errors, strategy_seed_files
 
 from reshard_job.formats.strategy import read_strategy, to_json_bytes
-from reshard_job.topology import Topology
+from reshard_job.core.topology import Topology
 
 SCRATCH = Path(tempfile.mkdtemp(prefix="fuzz_strategy_"))
 PROTO_SEEDS = [p.read_bytes() for p in strategy_seed_files()]
@@ -105,8 +105,8 @@ with open("/proc/self/status") as f:
 cap = vm + 384 * 2**20
 resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
 from reshard_job.errors import ReshardError
-from reshard_job.plan import Planner, TensorMeta, source_ranks_for
-from reshard_job.sources import load_strategy
+from reshard_job.plan.planner import Planner, TensorMeta, source_ranks_for
+from reshard_job.sources.rank_folders import load_strategy
 
 INDEX = {r: {"w": TensorMeta("Float32", (4, 4), "tensor", 64), "b": TensorMeta("Float32", (4,), "tensor", 16),
              "adam_m.w": TensorMeta("Float32", (4, 4), "tensor", 64),
@@ -253,7 +253,9 @@ def encode(docs: list[dict], protobuf: bool) -> list[tuple[str, str]]:
     else all JSON (a directory holds one format)."""
     import base64
 
-    from reshard_job.formats.strategy import ParamLayout, StrategyFile, StrategyItem, to_protobuf_bytes
+    from reshard_job.formats.strategy import to_protobuf_bytes
+
+    from reshard_job.core.strategy_model import ParamLayout, StrategyFile, StrategyItem
 
     if protobuf:
         try:

@@ -11,7 +11,7 @@ import reshard_job.__main__ as entry
 import reshard_job.job.runner as runner
 from reshard_job.errors import ConfigError
 from reshard_job.job.runner import JobResult
-from reshard_job.job.signals import Interrupted
+from reshard_job.job.run.signals import Interrupted
 
 
 def _main(monkeypatch, tmp_path, *args):

@@ -8,9 +8,9 @@ import os
 import pytest
 
 from reshard_job.errors import OutputError
-from reshard_job.job.journal import JournalEntry
-from reshard_job.job.manifest import build_manifest, job_fingerprint, manifest_digest
-from reshard_job.job.outputs import COMPLETE, FRESH, PARTIAL, OutputDir
+from reshard_job.job.output.journal import JournalEntry
+from reshard_job.job.output.manifest import build_manifest, job_fingerprint, manifest_digest
+from reshard_job.job.output.directory import COMPLETE, FRESH, PARTIAL, OutputDir
 from reshard_job.storage import LOCAL
 
 

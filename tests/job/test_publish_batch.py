@@ -11,9 +11,9 @@ import pickle
 import pytest
 
 from reshard_job.errors import OutputError
-from reshard_job.job.executors import _finished, _publish, _Sealed
+from reshard_job.job.run.local import _finished, _publish, _Sealed
 from reshard_job.storage.atomic import TMP_SUFFIX, AtomicFile
-from reshard_job.tasks import RankResult
+from reshard_job.execute.tasks import RankResult
 
 
 def _sealed(path, data: bytes, portable: bool = False):

@@ -9,9 +9,9 @@ import pytest
 from hydra import compose, initialize_config_module
 
 from reshard_job.errors import ConfigError
-from reshard_job.job import schema
-from reshard_job.job.settle import settle
-from reshard_job.job.spec import JobContext
+import reshard_job.job.config.schema as schema
+from reshard_job.job.config.settle import settle
+from reshard_job.job.config.spec import JobContext
 
 CONF = Path(__file__).resolve().parents[2] / "reshard_job" / "conf"
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and not p.name.startswith("_"))
@@ -108,7 +108,7 @@ def test_the_recorded_config_never_holds_a_password(tmp_path):
 def test_default_workers_follow_cpus_ranks_and_bytes(monkeypatch):
     """job.workers=null: one process per CPU, no more than target ranks, and one per 256 MiB to
     write at most (a conversion of many small parameters stays in one process)."""
-    from reshard_job.job import executors
+    import reshard_job.job.run.local as executors
 
     monkeypatch.setattr(executors.os, "cpu_count", lambda: 16)
     mib = 1024 ** 2

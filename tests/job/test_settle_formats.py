@@ -7,9 +7,9 @@ import pytest
 from hydra import compose, initialize_config_module
 
 from reshard_job.errors import ConfigError
-from reshard_job.job import schema
-from reshard_job.job.settle import settle
-from reshard_job.job.spec import JobContext
+import reshard_job.job.config.schema as schema
+from reshard_job.job.config.settle import settle
+from reshard_job.job.config.spec import JobContext
 
 
 def _settle(tmp_path, *overrides: str):

@@ -19,10 +19,10 @@ import pytest
 from reshard_job.audit import main
 from reshard_job.text import human_size
 from reshard_job.lineage import LineageStore
-from reshard_job.lineage.drawing import FILE_COLOURS, to_dot, to_html, to_svg
-from reshard_job.lineage.entities import DESCENDANTS
-from reshard_job.lineage.graph import file_key, graph_of, run_key
-from reshard_job.lineage.trace import trace_reference
+from reshard_job.audit.drawing import FILE_COLOURS, to_dot, to_html, to_svg
+from reshard_job.audit.entities import DESCENDANTS
+from reshard_job.audit.graph import file_key, graph_of, run_key
+from reshard_job.audit.trace import trace_reference
 
 SVG = "{http://www.w3.org/2000/svg}"
 BROWSERS = ("chromium", "chromium-browser")

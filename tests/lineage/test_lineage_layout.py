@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reshard_job.lineage.graph import layered_layout
+from reshard_job.audit.graph import layered_layout
 
 GAP = 14.0
 

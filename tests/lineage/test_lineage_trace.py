@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from reshard_job.lineage import LineageError
-from reshard_job.lineage.trace import trace_reference
+from reshard_job.audit.trace import trace_reference
 
 
 class queries:  # noqa: N801 - the JSON answers, as ``audit trace --json`` prints them
@@ -142,7 +142,7 @@ def test_byte_identical_replicas_are_each_an_original_file(store, tmp_path, make
 
 
 def test_descendants_of_a_source_reach_the_final_files_of_both_runs(store, two_hop):
-    from reshard_job.lineage.entities import DESCENDANTS
+    from reshard_job.audit.entities import DESCENDANTS
 
     with store.read_session() as session:
         built = trace_reference(session, two_hop.sources[2].path, DESCENDANTS).to_json()
@@ -162,8 +162,8 @@ def test_descendants_of_a_source_reach_the_final_files_of_both_runs(store, two_h
 
 
 def test_a_file_no_run_read_has_no_descendants(store, two_hop):
-    from reshard_job.lineage import render
-    from reshard_job.lineage.entities import DESCENDANTS
+    import reshard_job.audit.render as render
+    from reshard_job.audit.entities import DESCENDANTS
 
     with store.read_session() as session:
         built = trace_reference(session, two_hop.final.path, DESCENDANTS)
@@ -172,7 +172,7 @@ def test_a_file_no_run_read_has_no_descendants(store, two_hop):
 
 
 def test_one_strategy_at_two_paths_is_one_original_file(store, tmp_path, make_file):
-    from reshard_job.lineage import render
+    import reshard_job.audit.render as render
 
     strategy = make_file(tmp_path / "strategies" / "src.ckpt", b"the same strategy", "strategy")
     copy = make_file(tmp_path / "copy_of_src.ckpt", b"the same strategy", "strategy")

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from reshard_job.lineage import LineageError
-from reshard_job.lineage.verify import verify
+from reshard_job.audit.verify import verify
 
 
 class queries:  # noqa: N801 - the JSON answers, as ``audit verify --json`` prints them

@@ -55,7 +55,7 @@ class HoldOnce:
     wait: frozenset = field(default_factory=frozenset)
 
     def __call__(self, task, progress=None):
-        from reshard_job.execute import run_rank_task
+        from reshard_job.execute.rank_task import run_rank_task
 
         rank = task.target_rank
         record_attempt(self.signals, rank)
@@ -88,7 +88,7 @@ class HoldDeaf:
     wait: frozenset = field(default_factory=frozenset)
 
     def __call__(self, task, progress=None):
-        from reshard_job.execute import run_rank_task
+        from reshard_job.execute.rank_task import run_rank_task
 
         rank = task.target_rank
         record_attempt(self.signals, rank)

@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 
 from reshard_job.errors import ConfigError, ReshardError
 from reshard_job.job import placement as pl
-from reshard_job.job.ray_executor import (ProgressBoard, RankTaskError, TransientRankTaskError, _first_line,
+from reshard_job.job.run.ray.executor import (ProgressBoard, RankTaskError, TransientRankTaskError, _first_line,
                                           _remove_leftovers_of, memory_per_task, parse_address)
-from reshard_job.job.throughput import TaskReport, per_node, render
+from reshard_job.job.run.throughput import TaskReport, per_node, render
 from reshard_job.storage.atomic import temp_name_for
 
 # ============================================================================ placement
@@ -205,13 +205,13 @@ def test_rank_errors_are_one_line_and_survive_pickling():
 
 def test_missing_ray_says_how_to_install_it():
     code = ("import sys; sys.modules['ray'] = None\n"
-            "from reshard_job.job.ray_executor import RayExecutor\n"
+            "from reshard_job.job.run.ray.executor import RayExecutor\n"
             "try:\n    RayExecutor('auto').connect()\n"
             "except Exception as e:\n    print(type(e).__name__, e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "ConfigError the Ray executor needs the ray package: pip install -e '.[ray]'"
     # importing the executor module does not import Ray
-    code = "import sys, reshard_job.job.ray_executor; print('ray' in sys.modules)"
+    code = "import sys, reshard_job.job.run.ray.executor; print('ray' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False"
 

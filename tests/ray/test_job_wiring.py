@@ -14,19 +14,19 @@ import pytest
 from hydra import compose, initialize_config_module
 
 from reshard_job.errors import ConfigError
-from reshard_job.job import schema
-from reshard_job.job.executor_choice import cluster_layout
-from reshard_job.job.manifest import build_manifest, manifest_digest
-from reshard_job.job.node_outputs import (NodeFile, PublishRequest, SurveyRequest, node_manifest_name, publish_node,
+import reshard_job.job.config.schema as schema
+from reshard_job.job.run.choice import cluster_layout
+from reshard_job.job.output.manifest import build_manifest, manifest_digest
+from reshard_job.job.output.node_outputs import (NodeFile, PublishRequest, SurveyRequest, node_manifest_name, publish_node,
                                           survey_node)
-from reshard_job.job.ray_executor import _with_node_identities
-from reshard_job.job.settle import settle
-from reshard_job.job.spec import JobContext
+from reshard_job.job.run.ray.executor import _with_node_identities
+from reshard_job.job.config.settle import settle
+from reshard_job.job.config.spec import JobContext
 from reshard_job.lineage.errors import LineageError
-from reshard_job.lineage.manifests import node_listings, read_listing
+from reshard_job.audit.manifests import node_listings, read_listing
 from reshard_job.storage.atomic import temp_name_for
 from reshard_job.storage.local import identity_of
-from reshard_job.tasks import RankTask
+from reshard_job.execute.tasks import RankTask
 
 STRATEGY_ARGS = ["source.checkpoints=/data/ckpt", "target=strategy", "target.strategy=/data/dst.ckpt"]
 

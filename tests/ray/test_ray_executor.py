@@ -23,13 +23,14 @@ import rank_runners  # noqa: E402  (this folder; shipped to the workers by value
 from local_cluster import add_node, cluster_processes, kill_node  # noqa: E402
 
 from reshard_job.errors import ConfigError, ReshardError  # noqa: E402
-from reshard_job.execute import SourceFiles, run_rank_task  # noqa: E402
-from reshard_job.job.placement import per_node_placement  # noqa: E402
-from reshard_job.job.ray_executor import (RankTaskError, RayConnectionError, RayExecutor,  # noqa: E402
+from reshard_job.sources.open_files import SourceFiles  # noqa: E402
+from reshard_job.execute.rank_task import run_rank_task
+from reshard_job.core.placement import per_node_placement  # noqa: E402
+from reshard_job.job.run.ray.executor import (RankTaskError, RayConnectionError, RayExecutor,  # noqa: E402
                                           RayExecutorError, memory_per_task)
-from reshard_job.plan import Planner  # noqa: E402
-from reshard_job.sources import discover, load_strategy  # noqa: E402
-from reshard_job.tasks import RankTask  # noqa: E402
+from reshard_job.plan.planner import Planner  # noqa: E402
+from reshard_job.sources.rank_folders import discover, load_strategy  # noqa: E402
+from reshard_job.execute.tasks import RankTask  # noqa: E402
 
 ray.cloudpickle.register_pickle_by_value(rank_runners)
 
@@ -466,8 +467,8 @@ def test_ray_client_address_converts_and_disconnects(ray_cluster, all_golden_sce
 _CLIENT_DRIVER = '''
 import json, pickle, sys
 import ray
-from reshard_job.job.placement import per_node_placement
-from reshard_job.job.ray_executor import RayExecutor
+from reshard_job.core.placement import per_node_placement
+from reshard_job.job.run.ray.executor import RayExecutor
 tasks = pickle.loads(open(sys.argv[2], "rb").read())
 done = []
 executor = RayExecutor(sys.argv[1], placement=per_node_placement(2))

@@ -183,7 +183,8 @@ class BigSource:
 
 def make_big_source(root: Path, *, n_tensors: int = 8, rows: int = 1024, cols: int = 4096) -> BigSource:
     from reshard_job.formats.ckpt import CheckpointWriter
-    from reshard_job.formats.strategy import ParamLayout, StrategyFile, StrategyItem, write_strategy
+    from reshard_job.formats.strategy import write_strategy
+    from reshard_job.core.strategy_model import ParamLayout, StrategyFile, StrategyItem
 
     root.mkdir(parents=True, exist_ok=True)
     names = [f"block{i}.weight" for i in range(n_tensors)]
@@ -217,7 +218,7 @@ def make_big_source(root: Path, *, n_tensors: int = 8, rows: int = 1024, cols: i
 _ZYGOTE = r"""
 import json, os, runpy, signal, sys, time
 import hydra, hydra._internal.utils, hydra.core.hydra_config, omegaconf  # the imports being shared, all but
-import reshard_job.job.runner, reshard_job.job.callbacks, reshard_job.lineage  # reshard_job.__main__ itself
+import reshard_job.job.runner, reshard_job.job.cli.sweep_summary, reshard_job.lineage  # reshard_job.__main__ itself
 import reshard_job.lineage.migrate, alembic.command, reshard_job.formats.safetensors
 for line in sys.stdin:
     req = json.loads(line)
@@ -305,7 +306,7 @@ def compose_config(*overrides: str) -> dict:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from reshard_job.job import schema
+    import reshard_job.job.config.schema as schema
 
     schema.register()
     with initialize_config_dir(config_dir=str(TESTS.parent / "reshard_job" / "conf"), version_base="1.3"):
@@ -316,8 +317,8 @@ def compose_config(*overrides: str) -> dict:
 def run_in_process(launch_dir: Path, *overrides: str):
     """run_job in this process (so a test can patch what it calls); job.workers=1 keeps writes here too."""
     from reshard_job.job.runner import run_job
-    from reshard_job.job.settle import settle
-    from reshard_job.job.spec import JobContext
+    from reshard_job.job.config.settle import settle
+    from reshard_job.job.config.spec import JobContext
 
     cfg = compose_config(*overrides, "job.workers=1")
     return run_job(settle(cfg, JobContext(launch_dir=str(launch_dir), run_dir=str(launch_dir / "run"))))

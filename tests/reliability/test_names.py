@@ -11,7 +11,8 @@ import pytest
 from reliability_helpers import lineage_runs, snapshot
 
 from reshard_job.formats.ckpt import CheckpointReader, CheckpointWriter
-from reshard_job.formats.strategy import ParamLayout, StrategyFile, StrategyItem, write_strategy
+from reshard_job.formats.strategy import write_strategy
+from reshard_job.core.strategy_model import ParamLayout, StrategyFile, StrategyItem
 
 NAMES = {
     "dash": "encoder.layer-1.attention-out.weight",

@@ -113,7 +113,7 @@ def test_interrupts_at_random_moments_in_a_1gb_conversion(tmp_path_factory):
 def test_a_signal_held_during_foreign_code_acts_right_after():
     """``signals.held``: a SIGTERM while a database driver closes its connection is not raised
     inside it (its pool would log a traceback) but right after, as the job's handler would."""
-    from reshard_job.job.signals import Interrupted, held, interruptible
+    from reshard_job.job.run.signals import Interrupted, held, interruptible
 
     reached = []
     with pytest.raises(Interrupted) as err:

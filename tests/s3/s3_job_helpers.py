@@ -265,7 +265,8 @@ def make_big_source(root: Path, *, n_tensors: int = 4, rows: int = 1024, cols: i
     import numpy as np
 
     from reshard_job.formats.ckpt import CheckpointWriter
-    from reshard_job.formats.strategy import ParamLayout, StrategyFile, StrategyItem, write_strategy
+    from reshard_job.formats.strategy import write_strategy
+    from reshard_job.core.strategy_model import ParamLayout, StrategyFile, StrategyItem
 
     root.mkdir(parents=True, exist_ok=True)
     names = [f"block{i}.weight" for i in range(n_tensors)]

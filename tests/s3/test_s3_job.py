@@ -147,7 +147,7 @@ def test_lineage_crosses_from_a_local_file_to_the_object_it_was_uploaded_as(buck
 
 def test_output_guards_compare_urls_as_places(bucket):
     from reshard_job.errors import OutputError
-    from reshard_job.job.outputs import OutputDir
+    from reshard_job.job.output.directory import OutputDir
 
     src = bucket.url("ckpt")
     inside = OutputDir(bucket.url("ckpt", "out").replace("s3://", "s3a://"), bucket.store)

@@ -143,8 +143,8 @@ def test_corrupt_source_bytes_in_the_bucket_are_refused_in_one_line(s3_store, s3
     import numpy as np
 
     from reshard_job.formats.ckpt import CheckpointReader, CheckpointWriter
-    from reshard_job.job.prepare import prepare
-    from reshard_job.job.spec import SourceSpec, TargetSpec
+    from reshard_job.job.stages.prepare import prepare
+    from reshard_job.job.config.spec import SourceSpec, TargetSpec
 
     bucket = Bucket(s3_store, s3_shared_bucket, "corrupt")
     runner = runner_as(tmp_path, s3_server)

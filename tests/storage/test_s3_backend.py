@@ -531,7 +531,7 @@ def test_announced_reads_are_fetched_in_few_requests_and_only_where_announced(s3
 def test_remote_sources_are_indexed_together_and_the_first_bad_rank_is_named(s3_store, s3_prefix, s3_storage_options,
                                                                              monkeypatch):
     from reshard_job.errors import FormatError
-    from reshard_job.execute import SourceFiles
+    from reshard_job.sources.open_files import SourceFiles
     from reshard_job.formats.ckpt.reader import CheckpointReader
 
     golden = GOLDEN_CKPT.parents[1]
@@ -569,9 +569,9 @@ def test_remote_sources_are_indexed_together_and_the_first_bad_rank_is_named(s3_
 
 
 def test_remote_sources_are_hashed_in_the_read_that_indexes_them(s3_store, s3_prefix, s3_storage_options):
-    from reshard_job.execute import SourceFiles
+    from reshard_job.sources.open_files import SourceFiles
     from reshard_job.formats.ckpt import CRC_TRAILER_LEN
-    from reshard_job.hashing import DigestingReader, HashRequest, digest_file, usable_digest
+    from reshard_job.sources.file_digests import DigestingReader, HashRequest, digest_file, usable_digest
 
     golden = GOLDEN_CKPT.parents[1]
     urls = {}
@@ -602,7 +602,7 @@ def test_small_tensors_met_while_indexing_are_read_again_without_a_request(s3_st
                                                                             digest, tmp_path):
     import numpy as np
 
-    from reshard_job.execute import SourceFiles
+    from reshard_job.sources.open_files import SourceFiles
     from reshard_job.formats.ckpt import CheckpointWriter
     from reshard_job.storage.s3file import SMALL_CONTENT
 

@@ -14,7 +14,7 @@ import pytest
 
 from reshard_job.formats.ckpt import CRC_TRAILER_LEN, CheckpointReader, CheckpointWriter
 from reshard_job.formats.safetensors import SafetensorsReader
-from reshard_job.hashing import DigestingReader, HashRequest, digest_file, usable_digest
+from reshard_job.sources.file_digests import DigestingReader, HashRequest, digest_file, usable_digest
 from reshard_job.storage.local import LocalFile
 
 MIB = 1024 * 1024
@@ -148,9 +148,9 @@ SCENARIOS = [  # (scenario, source strategy, target strategy, target ranks)
 def test_the_ranks_foreseen_from_the_strategies_are_those_the_plan_reads(scenario, src, dst, ranks):
     """Which remote sources to hash while indexing is decided before the index exists; a wrong
     guess would cost a read of a whole object the plan does not need, or a second read."""
-    from reshard_job.job.prepare import prepare, ranks_likely_read
-    from reshard_job.job.spec import SourceSpec, TargetSpec
-    from reshard_job.job.target import settle_target
+    from reshard_job.job.stages.prepare import prepare, ranks_likely_read
+    from reshard_job.job.config.spec import SourceSpec, TargetSpec
+    from reshard_job.job.stages.target import settle_target
 
     d = GOLDEN / scenario
     source = SourceSpec(str(d / "src_checkpoints"), str(d / src))
@@ -162,7 +162,7 @@ def test_the_ranks_foreseen_from_the_strategies_are_those_the_plan_reads(scenari
 
 
 def test_a_lone_object_streams_in_blocks_of_several_requests_and_many_share_the_budget():
-    from reshard_job.hashing import REMOTE_BLOCK, STREAM_BLOCK, STREAM_BUDGET, stream_block
+    from reshard_job.sources.file_digests import REMOTE_BLOCK, STREAM_BLOCK, STREAM_BUDGET, stream_block
 
     assert stream_block(1) == REMOTE_BLOCK  # as the hash pass read one object: several GETs in flight
     assert stream_block(8) * 8 <= STREAM_BUDGET and stream_block(8) >= STREAM_BLOCK

@@ -9,7 +9,7 @@ import zlib
 
 import pytest
 
-from reshard_job.hashing import HashCache, HashRequest, digest_file, digest_files
+from reshard_job.sources.file_digests import HashCache, HashRequest, digest_file, digest_files
 from reshard_job.storage import SourceChangedError
 
 
@@ -63,7 +63,7 @@ def test_unwritable_cache_only_costs_time(tmp_path):
 def test_a_file_changed_while_hashed_is_refused(tmp_path, monkeypatch):
     p = tmp_path / "f.bin"
     p.write_bytes(os.urandom(12 * 1024 * 1024))
-    import reshard_job.hashing as hashing
+    import reshard_job.sources.file_digests as hashing
 
     real = hashing._SegmentCrcs.update
     touched = threading.Event()

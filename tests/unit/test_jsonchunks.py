@@ -51,7 +51,7 @@ def test_tensor_digests_come_out_as_the_dict_they_stand_for(names, which, depth,
     import hashlib
 
     from reshard_job import jsonchunks
-    from reshard_job.formats.digests import TensorDigests
+    from reshard_job.formats.tensor_digests import TensorDigests
 
     digests = TensorDigests()
     for i, name in enumerate(names):
@@ -77,7 +77,7 @@ def test_tensor_digests_pickle_compare_and_complete_deferred_hashers():
     import hashlib
     import pickle
 
-    from reshard_job.formats.digests import TensorDigests
+    from reshard_job.formats.tensor_digests import TensorDigests
 
     d = TensorDigests()
     h = hashlib.sha256(b"partial")

@@ -20,10 +20,10 @@ from safetensors import safe_open
 from reshard_job import api
 from reshard_job.errors import ConfigError, PlanError, ReshardError
 from reshard_job.formats.ckpt import CheckpointReader
-from reshard_job.mindformers import load_mindformers
+from reshard_job.sources.mindformers import load_mindformers
 from reshard_job.formats.safetensors import SafetensorsReader
-from reshard_job.job.prepare import prepare
-from reshard_job.job.spec import SourceSpec, TargetSpec
+from reshard_job.job.stages.prepare import prepare
+from reshard_job.job.config.spec import SourceSpec, TargetSpec
 
 from mf_save import dedup_params, dedup_writer, write_mf_save  # tests/mf_save.py
 

@@ -10,14 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from reshard_job.execute import SourceFiles, current_identity, run_rank_task
-from reshard_job.mindformers import load_mindformers
+from reshard_job.sources.open_files import SourceFiles, current_identity
+
+from reshard_job.execute.rank_task import run_rank_task
+from reshard_job.sources.mindformers import load_mindformers
 from reshard_job.formats.multifile import MultiFileReader
 from reshard_job.formats.safetensors import SafetensorsReader
-from reshard_job.plan import Planner
-from reshard_job.sources import discover_mindformers
+from reshard_job.plan.planner import Planner
+from reshard_job.sources.rank_folders import discover_mindformers
 from reshard_job.storage import SourceChangedError
-from reshard_job.tasks import RankTask, WriteOptions
+from reshard_job.execute.tasks import RankTask, WriteOptions
 
 M1A = Path(__file__).resolve().parents[1] / "golden" / "M1a_mf_llama_dp2mp2os_bf16_to_mp4"
 

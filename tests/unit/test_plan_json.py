@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from reshard_job.api import build_plan
-from reshard_job.plan import Plan
+from reshard_job.plan.planner import Plan
 
 S3 = Path(__file__).parents[1] / "golden" / "S3_pipeline2x4opt_to_4"
 
@@ -32,7 +32,7 @@ def test_a_plan_written_in_pieces_is_the_plan_and_is_what_the_lineage_keeps(tmp_
     back from the database must give that document."""
     from reshard_job.jsonchunks import iter_json
     from reshard_job.lineage import LineageStore
-    from reshard_job.lineage.queries import run_details
+    from reshard_job.audit.queries import run_details
 
     plan, sources = build_plan(S3 / "src_checkpoints", S3 / "src_strategy_dir", S3 / "dst_strategy.ckpt")
     sources.close()

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from reshard_job.formats.tensorfile import TensorEntry
-from reshard_job.read_ahead import box_span, expected_ranges, file_ranges
+from reshard_job.execute.read_ahead import box_span, expected_ranges, file_ranges
 
 
 @st.composite
@@ -45,7 +45,7 @@ def test_ranges_follow_a_tensor_across_its_records():
 
 
 def test_a_plan_announces_per_source_rank_in_plan_order():
-    from reshard_job.plan import ACTION_RESHARD, Copy, ParamPlan, RankPlan
+    from reshard_job.plan.planner import ACTION_RESHARD, Copy, ParamPlan, RankPlan
 
     entries = {0: {"a": TensorEntry("a", "Float32", (4, 4), 64, pieces=[(100, 64)]).finish()},
                1: {"a": TensorEntry("a", "Float32", (4, 4), 64, pieces=[(500, 64)]).finish(),

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from reshard_job.errors import ConfigError
-from reshard_job.sources import choose, discover
+from reshard_job.sources.rank_folders import choose, discover
 
 
 NAMES = ["net-3_1875.ckpt", "net-10_1875.ckpt", "net-9_2000.ckpt", "net-10_200.ckpt", "net_graph.ckpt"]

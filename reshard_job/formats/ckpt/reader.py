@@ -24,7 +24,8 @@ from math import prod
 import numpy as np
 
 from reshard_job.errors import CheckpointFormatError
-from reshard_job.formats import dtypes, wire
+from reshard_job.formats import wire
+import reshard_job.core.dtypes as dtypes
 from reshard_job.formats.tensorfile import KIND_MAP, KIND_STR, KIND_TENSOR, PositionedReader, TensorEntry
 from reshard_job.formats.ckpt.records import CRC_MAGIC, CRC_TRAILER_LEN, Record, parse_tensor_proto
 

@@ -16,10 +16,10 @@ from typing import Sequence
 import numpy as np
 
 from reshard_job.errors import LayoutError
-from reshard_job.formats import dtypes
+import reshard_job.core.dtypes as dtypes
 from reshard_job.storage.base import write_hashed
 from reshard_job.formats.base import TensorDecl, WrittenFile
-from reshard_job.formats.digests import TensorDigests
+from reshard_job.formats.tensor_digests import TensorDigests
 from reshard_job.formats.ckpt.records import CRC_MAGIC, SLICE_BYTES, default_chunks, map_record, record_header
 
 

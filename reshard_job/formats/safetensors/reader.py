@@ -9,7 +9,7 @@ from math import prod
 from typing import TYPE_CHECKING
 
 from reshard_job.errors import SafetensorsFormatError
-from reshard_job.formats import dtypes
+import reshard_job.core.dtypes as dtypes
 from reshard_job.formats.tensorfile import PositionedReader, TensorEntry
 if TYPE_CHECKING:
     import numpy as np

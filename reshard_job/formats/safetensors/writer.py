@@ -15,7 +15,7 @@ from typing import Sequence
 import numpy as np
 
 from reshard_job.errors import LayoutError
-from reshard_job.formats import dtypes
+import reshard_job.core.dtypes as dtypes
 from reshard_job.formats.base import TensorDecl, WrittenFile
 from reshard_job.formats.crc32 import chain_crc
 from reshard_job.formats.safetensors.header import (CRC_KEY, CRC_WIDTH, DTYPE_RANK, FORMAT_KEY, INT4_MARK, INT4_STORAGE_CODE, MAX_HEADER_BYTES,

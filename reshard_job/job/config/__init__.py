@@ -1,0 +1,1 @@
+"""The job's configuration: the Hydra schema, settling it into a typed JobSpec."""

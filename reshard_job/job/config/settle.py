@@ -1,0 +1,290 @@
+"""Settling a configuration into a ``JobSpec``: the edge where every value is checked.
+
+The configuration is converted through the typed schema (``OmegaConf.to_object``), which enforces
+types and required keys (``???``); then each value is checked against the range that makes sense
+for it, so that ``job.workers=0``, ``job.max_memory=inf`` or a 300-character prefix fail here, with
+one line naming the key and what is accepted, before anything is read or written. Unknown keys
+(``+target.devcies=4``) are refused with the closest known key.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import os
+import typing
+from dataclasses import fields, is_dataclass
+from typing import Any, Mapping
+
+from reshard_job.errors import ConfigError
+from reshard_job.storage import StorageOptions, absolute, is_url
+from reshard_job.execute.tasks import FORMAT_SAFETENSORS_INDEX, TARGET_FORMATS
+import reshard_job.job.config.schema as schema
+from reshard_job.secrets import mask_config
+from reshard_job.core.placement import devices_per_node_for
+from reshard_job.job.config.spec import (EXECUTOR_LOCAL, EXECUTOR_RAY, MODE_CONVERT, MODE_PLAN, PLACEMENT_PER_NODE, PLACEMENT_SHARED,
+                   ClusterSpec, JobContext, JobSpec, LineageSpec, OutputSpec, RaySpec, RunSpec, SourceSpec,
+                   TargetSpec)
+
+MAX_DEVICES = 1 << 20  # documented ceiling on device counts and rank ids
+MAX_WORKERS = 1024
+MIN_MEMORY, MAX_MEMORY = 1024, 1 << 40
+MAX_PREFIX = 200  # characters; a file name must stay within 255 bytes with the rank and suffix
+MAX_ITERATION = 10**15  # MindFormers iteration numbers (folder names hold 8 digits or more)
+SELECT_RULES = ("latest_step", "last")
+UNMAPPED = ("omit", "full", "drop")
+EXECUTORS = (EXECUTOR_LOCAL, EXECUTOR_RAY)
+PLACEMENTS = (PLACEMENT_SHARED, PLACEMENT_PER_NODE)
+MAX_CPUS_PER_TASK = 1024
+MAX_RETRIES = 100
+
+
+def settle(cfg: Any, ctx: JobContext) -> JobSpec:
+    """A ``JobSpec`` from a composed configuration (DictConfig or plain dict); ConfigError on any bad value."""
+    typed = _to_schema(cfg, ctx)
+    plain = _plain(typed)
+    source = _source(typed.source, ctx)
+    target = _target(typed.target, ctx)
+    run = _run(typed.job)
+    out_dir = typed.output.dir
+    output = OutputSpec(absolute(out_dir, ctx.launch_dir) if out_dir else os.path.join(ctx.run_dir, "output"),
+                        bool(typed.output.overwrite), _placement(typed.output.placement))
+    _check_placement(output, target, run)
+    storage = StorageOptions(typed.storage.endpoint_url, dict(typed.storage.options or {}))
+    return JobSpec(source, target, output, _lineage(typed.lineage, ctx), run, ctx, storage, mask_config(plain))
+
+
+# ---------------------------------------------------------------------------------- schema
+def _to_schema(cfg: Any, ctx: JobContext) -> schema.ReshardConfig:
+    from omegaconf import DictConfig, OmegaConf
+    from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+
+    try:
+        if not isinstance(cfg, DictConfig):
+            cfg = OmegaConf.create(dict(cfg))
+        _check_known_keys(OmegaConf.to_container(cfg, resolve=False), schema.ReshardConfig, "")
+        merged = OmegaConf.merge(OmegaConf.structured(schema.ReshardConfig), cfg)
+        return OmegaConf.to_object(merged)
+    except MissingMandatoryValue as e:
+        key = getattr(e, "full_key", None) or "?"
+        group = key.split(".")[0]
+        preset = ctx.choices.get(group)
+        via = f" by the preset {group}={preset}" if preset else ""
+        raise ConfigError(f"{key} is required{via}: set {key}=...") from None
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None)
+        msg = str(getattr(e, "msg", None) or e).strip().splitlines()[0]
+        raise ConfigError(f"{key}: {msg}" if key and not msg.startswith(f"{key}:") else msg) from None
+
+
+def _check_known_keys(node: Any, cls: type, prefix: str) -> None:
+    """Refuse keys the schema does not know (Hydra's ``+key=value`` would add them silently)."""
+    if not isinstance(node, Mapping) or not is_dataclass(cls):
+        return
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in fields(cls)}
+    for key, value in node.items():
+        full = f"{prefix}{key}"
+        if key not in known:
+            close = difflib.get_close_matches(str(key), sorted(known), n=1, cutoff=0.6)
+            hint = f"; did you mean {prefix}{close[0]}?" if close else f" (known keys: {', '.join(sorted(known))})"
+            raise ConfigError(f"unknown configuration key {full}{hint}")
+        sub = _dataclass_of(hints[key])
+        if sub is not None:
+            _check_known_keys(value, sub, full + ".")
+
+
+def _dataclass_of(hint: Any) -> type | None:
+    """The dataclass a field holds (unwrapping Optional), or None."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    t = args[0] if typing.get_origin(hint) is typing.Union and len(args) == 1 else hint
+    return t if isinstance(t, type) and is_dataclass(t) else None
+
+
+def _plain(typed) -> dict:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(OmegaConf.structured(typed), resolve=True)
+
+
+# ---------------------------------------------------------------------------------- parts
+def _source(s: schema.SourceConfig, ctx: JobContext) -> SourceSpec:
+    if s.checkpoints is None and s.strategy is not None:
+        raise ConfigError("source.strategy is set but source.checkpoints is not")
+    if not isinstance(s.select, str) or not s.select.strip():
+        raise ConfigError(f"source.select must be {' or '.join(SELECT_RULES)} or a glob, got {s.select!r}")
+    iteration = _bounded_int(s.iteration, "source.iteration", 0, MAX_ITERATION, optional=True,
+                             none_means="null for the latest")
+    return SourceSpec(absolute(s.checkpoints, ctx.launch_dir) if s.checkpoints is not None else None,
+                      absolute(s.strategy, ctx.launch_dir) if s.strategy is not None else None,
+                      s.select, bool(s.unsharded), iteration, bool(s.verify_replicas))
+
+
+def _target(t: schema.TargetConfig, ctx: JobContext) -> TargetSpec:
+    devices = _bounded_int(t.devices, "target.devices", 1, MAX_DEVICES, optional=True)
+    layout = _layout(t.layout)
+    strategy = absolute(t.strategy, ctx.launch_dir) if t.strategy is not None else None
+    if strategy is not None:
+        # A strategy file given on the command line wins over the default preset's declarative
+        # layout and device count; given explicitly, they must agree with it (checked when loaded).
+        if layout is not None and ctx.user_set("target.layout") and ctx.user_set("target.strategy"):
+            raise ConfigError("give target.strategy or target.layout, not both (set target.layout=null)")
+        layout = None
+        if not ctx.user_set("target.devices"):
+            devices = None
+    elif layout is not None and devices is None:
+        raise ConfigError("target.layout needs target.devices")
+    elif layout is None and devices not in (None, 1):
+        raise ConfigError(f"target.devices={devices} needs target.strategy or target.layout to say how to shard")
+    if t.format not in TARGET_FORMATS:
+        raise ConfigError(f"target.format must be {', '.join(TARGET_FORMATS[:-1])} or {TARGET_FORMATS[-1]}, "
+                          f"got {t.format!r}")
+    if t.unmapped not in UNMAPPED:
+        raise ConfigError(f"target.unmapped must be one of {', '.join(UNMAPPED)}, got {t.unmapped!r}")
+    max_shard_size, include = _export_options(t, strategy, layout, devices)
+    return TargetSpec(strategy, layout, devices, _prefix(t.prefix), t.format, t.unmapped, bool(t.crc),
+                      max_shard_size, include, _cluster(t.cluster, devices))
+
+
+def _export_options(t: schema.TargetConfig, strategy: str | None, layout: dict | None,
+                    devices: int | None) -> tuple[int, str]:
+    """target.max_shard_size in bytes and target.include; an export is one full model, never sharded."""
+    from reshard_job.execute.export import INCLUDE_CHOICES, parse_shard_size
+
+    size = parse_shard_size(t.max_shard_size)
+    if t.include not in INCLUDE_CHOICES:
+        raise ConfigError(f"target.include must be {' or '.join(INCLUDE_CHOICES)}, got {_show(t.include)}")
+    sharded = strategy is not None or layout is not None or devices not in (None, 1)
+    if t.format == FORMAT_SAFETENSORS_INDEX and sharded:
+        raise ConfigError("target.format=safetensors_index writes the full, unsharded model: use target=hf_export, "
+                          "or set target.strategy=null target.layout=null target.devices=1")
+    return size, t.include
+
+
+def _cluster(c: schema.ClusterConfig, devices: int | None) -> ClusterSpec:
+    """``target.cluster``, checked against ``target.devices`` when that is known here (a device
+    count derived from target.strategy is checked once the strategy is read)."""
+    nodes = _bounded_int(c.nodes, "target.cluster.nodes", 1, MAX_DEVICES, optional=True)
+    per_node = _bounded_int(c.devices_per_node, "target.cluster.devices_per_node", 1, MAX_DEVICES, optional=True)
+    prefix = c.node_resource_prefix
+    if not isinstance(prefix, str) or not prefix.strip() or prefix != prefix.strip() or not prefix.isprintable():
+        raise ConfigError(f"target.cluster.node_resource_prefix must be a non-empty name without spaces around it, "
+                          f"got {_show(prefix)}")
+    cluster = ClusterSpec(nodes, per_node, prefix)
+    if cluster.given and devices is not None:
+        devices_per_node_for(devices, nodes, per_node)
+    return cluster
+
+
+def _layout(layout: Any) -> dict | None:
+    if layout is None:
+        return None
+    from omegaconf import OmegaConf
+
+    plain = OmegaConf.to_container(OmegaConf.structured(layout), resolve=True) if not isinstance(layout, dict) \
+        else dict(layout)
+    return plain if plain.get("mesh") else None
+
+
+def _prefix(prefix: Any) -> str:
+    bad = (not isinstance(prefix, str) or "/" in prefix or "\\" in prefix or "\0" in prefix
+           or prefix in (".", "..") or not prefix.isprintable())
+    if bad:
+        raise ConfigError(f"target.prefix must be the start of a file name (no '/'), got {_show(prefix)}")
+    if len(prefix) > MAX_PREFIX:
+        raise ConfigError(f"target.prefix has {len(prefix)} characters; at most {MAX_PREFIX} keep the file "
+                          "names within the 255 bytes file systems allow")
+    return prefix
+
+
+def _run(j: schema.JobConfig) -> RunSpec:
+    if j.mode not in (MODE_CONVERT, MODE_PLAN):
+        raise ConfigError(f"job.mode must be '{MODE_CONVERT}' or '{MODE_PLAN}', got {j.mode!r}")
+    workers = _bounded_int(j.workers, "job.workers", 1, MAX_WORKERS, optional=True,
+                           none_means="null for the CPU count")
+    ranks = None
+    if j.ranks is not None:
+        ranks = tuple(sorted({_bounded_int(r, "job.ranks entries", 0, MAX_DEVICES - 1) for r in j.ranks}))
+        if not ranks:
+            raise ConfigError("job.ranks is empty; give target ranks, e.g. job.ranks=[0,1], or null for all")
+    if j.executor not in EXECUTORS:
+        raise ConfigError(f"job.executor must be {' or '.join(EXECUTORS)}, got {_show(j.executor)}")
+    return RunSpec(j.mode, workers, ranks, _max_memory(j.max_memory), bool(j.resume), bool(j.hash_cache),
+                   j.progress, j.executor, _ray(j.ray))
+
+
+def _ray(r: schema.RayConfig) -> RaySpec:
+    from reshard_job.job.run.ray.executor import parse_address  # pure; Ray itself is imported only when a job uses it
+
+    try:
+        parse_address(r.address)
+    except ConfigError as e:
+        raise ConfigError(f"job.ray.address: {e}") from None
+    cpus = r.num_cpus_per_task
+    if isinstance(cpus, bool) or not isinstance(cpus, (int, float)) or not 0 < cpus <= MAX_CPUS_PER_TASK:
+        raise ConfigError(f"job.ray.num_cpus_per_task must be a number above 0 and at most {MAX_CPUS_PER_TASK}, "
+                          f"got {_show(cpus)}")
+    retries = _bounded_int(r.max_retries, "job.ray.max_retries", 0, MAX_RETRIES)
+    return RaySpec(str(r.address).strip(), float(cpus), retries)
+
+
+def _placement(placement: Any) -> str:
+    if placement not in PLACEMENTS:
+        raise ConfigError(f"output.placement must be {' or '.join(PLACEMENTS)}, got {_show(placement)}")
+    return placement
+
+
+def _check_placement(output: OutputSpec, target: TargetSpec, run: RunSpec) -> None:
+    """``per_node`` writes each rank on its own node: that takes Ray, a node layout, and local disks."""
+    if output.placement != PLACEMENT_PER_NODE:
+        return
+    if run.executor != EXECUTOR_RAY:
+        raise ConfigError("output.placement=per_node writes each rank's file on its target node through Ray; "
+                          "set job.executor=ray")
+    if not target.cluster.given:
+        raise ConfigError("output.placement=per_node needs the target cluster's layout: set "
+                          "target.cluster.devices_per_node (or target.cluster.nodes)")
+    if is_url(output.dir):
+        raise ConfigError(f"output.placement=per_node writes to each node's local disk, but output.dir is "
+                          f"{_show(output.dir)}; use a local path, or output.placement=shared")
+
+
+def _max_memory(value: Any) -> int:
+    from reshard_job.job.run.progress import parse_bytes
+
+    try:
+        size = parse_bytes(value)
+    except (ValueError, OverflowError) as e:
+        raise ConfigError(f"job.max_memory: {e}") from None
+    if not MIN_MEMORY <= size <= MAX_MEMORY:
+        raise ConfigError(f"job.max_memory must lie between 1KiB and 1TiB (e.g. 256MiB), got {_show(value)}")
+    return size
+
+
+def _lineage(lin: schema.LineageConfig, ctx: JobContext) -> LineageSpec:
+    url = lin.url or "sqlite:///" + os.path.join(ctx.launch_dir, "runs", "lineage.db")
+    if not isinstance(url, str) or "://" not in url:
+        raise ConfigError(f"lineage.url must be an SQLAlchemy URL such as sqlite:///runs/lineage.db, got {_show(url)}")
+    if url.startswith("sqlite:///") and not url.startswith("sqlite:////"):
+        rel = url[len("sqlite:///"):]
+        if rel and rel != ":memory:" and not is_url(rel):
+            url = "sqlite:///" + absolute(rel, ctx.launch_dir)
+    return LineageSpec(bool(lin.enabled), url)
+
+
+def _bounded_int(value: Any, key: str, low: int, high: int, *, optional: bool = False,
+                 none_means: str = "") -> int | None:
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        if isinstance(value, float) and math.isfinite(value) and value.is_integer() and low <= value <= high:
+            return int(value)
+        alt = f", or {none_means}" if none_means else (", or null" if optional else "")
+        raise ConfigError(f"{key} must be an integer from {low} to {high}{alt}; got {_show(value)}")
+    return value
+
+
+def _show(value: Any) -> str:
+    from reshard_job.text import shorten
+
+    return shorten(repr(value), 60)

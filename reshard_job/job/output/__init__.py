@@ -1,0 +1,1 @@
+"""The output directory: guards, lock, journal, manifest, per-node outputs."""

@@ -1,0 +1,1 @@
+"""Running rank tasks: local workers, progress, signals, throughput, and the Ray executor."""

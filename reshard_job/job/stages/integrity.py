@@ -1,0 +1,148 @@
+"""Naming the inputs by content, and checking them: one read of every source file the plan needs.
+
+Each needed source file is hashed (sha256, for the manifest, the lineage record and the resume
+fingerprint), and in the same read the CRCs its format carries are checked: a `.ckpt` CRC32
+trailer, MindSpore safetensors' ``crc_num`` (chained over the tensors in name order). The file's
+identity while it was hashed goes to the rank tasks, which refuse a file that changed since.
+
+A source rank made of several files (a MindFormers rank's model and opt files) is hashed file by
+file: each is an input of its own, listed with its rank, and the rank's identity is the tuple of
+its files' identities.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from reshard_job.errors import FormatError
+from reshard_job.formats.ckpt import CRC_TRAILER_LEN, CheckpointReader
+from reshard_job.formats.crc32 import chain_crc, crc32_combine
+from reshard_job.formats.multifile import MultiFileReader
+from reshard_job.formats.safetensors import SafetensorsReader
+from reshard_job.sources.file_digests import FileDigest, HashCache, HashRequest, default_cache_path, digest_files, usable_digest
+from reshard_job.storage import StorageOptions
+from reshard_job.plan.planner import identical_mismatch
+from reshard_job.job.stages.prepare import IDENTICAL_CHECKED, Prepared, identical_to_check
+from reshard_job.job.run.progress import Progress
+
+
+@dataclass(frozen=True)
+class SourceDigests:
+    files: list[dict]  # [{"rank", "path", "size", "sha256"}] of every source checkpoint file read
+    strategies: list[FileDigest]  # the source strategy file(s)
+    identities: dict[int, tuple]  # rank -> identity while hashed (a tuple of them for a multi-file rank)
+
+
+def hash_sources(prepared: Prepared, *, use_cache: bool = True, progress: bool | None = None,
+                 storage: StorageOptions | None = None) -> SourceDigests:
+    needed = sorted(prepared.plan.source_ranks)
+    parts = [(r, reader) for r in needed for reader in _file_readers(prepared.readers.reader(r))]
+    compare = _to_compare(prepared)
+    requests, tensors = zip(*[_request(reader, compare.get(r, ())) for r, reader in parts]) if parts else ((), ())
+    cache = HashCache(default_cache_path(), storage) if use_cache else None
+    known = prepared.readers.digests  # remote sources hashed while they were indexed
+    todo = sum(reader.size for (_, reader), q in zip(parts, requests)
+               if usable_digest(known.get(q.path), q) is None and (cache is None or cache.get(q) is None))
+    bar = Progress(todo, len(parts), enabled=progress, desc="hashing sources")
+    try:
+        digests = digest_files(requests, threads=2, progress=bar.add_bytes, cache=cache, storage_options=storage,
+                               known=known)
+        for (_, reader), d in zip(parts, digests):
+            _check_crcs(reader, d)
+            bar.step_done()
+    finally:
+        bar.close()
+    _compare_identical(prepared, parts, digests, tensors)
+    strategies = digest_files([HashRequest(p) for p in prepared.strategy.files], threads=1, storage_options=storage)
+    if cache is not None:
+        cache.save()
+    files = [{"rank": r, "path": d.path, "size": d.size, "sha256": d.sha256} for (r, _), d in zip(parts, digests)]
+    return SourceDigests(files, strategies, _identities(prepared, parts, digests))
+
+
+def _file_readers(reader) -> tuple:
+    """The per-file readers of one source rank (one, or one per file of a multi-file rank)."""
+    return tuple(reader.readers) if isinstance(reader, MultiFileReader) else (reader,)
+
+
+def _identities(prepared: Prepared, parts, digests: list[FileDigest]) -> dict[int, tuple]:
+    """rank -> identity while hashed: the file's, or for a rank of several files the tuple of theirs."""
+    by_rank: dict[int, list[tuple]] = {}
+    for (r, _), d in zip(parts, digests):
+        by_rank.setdefault(r, []).append(tuple(d.identity))
+    return {r: ids[0] if isinstance(prepared.source_paths[r], str) else tuple(ids) for r, ids in by_rank.items()}
+
+
+def _format_segments(reader) -> tuple[tuple[int, int], ...]:
+    """The byte ranges whose CRC32 the file's format records (checked in the same read)."""
+    if isinstance(reader, CheckpointReader) and reader.has_crc:
+        return ((0, reader.size - CRC_TRAILER_LEN),)
+    if isinstance(reader, SafetensorsReader) and reader.has_crc:
+        reader.stored_crc()  # a garbled crc_num is refused before anything is read
+        return tuple((off, n) for off, n, _ in _tensor_spans(reader))
+    return ()
+
+
+def _request(reader, names) -> tuple[HashRequest, list[tuple[str, list[tuple[int, int]]]]]:
+    """One read of the file for its sha256, its format's CRCs, and the CRC of every tensor to be
+    compared across ranks (its pieces, in order); returns the request and those tensors' pieces."""
+    segments = list(_format_segments(reader))
+    tensors = [(name, list(reader.entries[name].pieces)) for name in names if name in reader.entries]
+    for _, pieces in tensors:
+        segments.extend(pieces)
+    # the identity the file had when indexed: one replaced since is refused, not hashed
+    seen = tuple(getattr(reader, "identity", ()) or ())
+    return HashRequest(reader.path, tuple(segments) if segments else None, seen), tensors
+
+
+def _tensor_spans(reader: SafetensorsReader) -> list[tuple[int, int, str]]:
+    """(file offset, length, name) of every tensor with data, in file order (empty ones add nothing)."""
+    return sorted((e.pieces[0][0], e.pieces[0][1], e.name) for e in reader.entries.values()
+                  if e.pieces and e.pieces[0][1] > 0)
+
+
+def _to_compare(prepared: Prepared) -> dict[int, list[str]]:
+    """rank -> the tensors it holds that the plan says other ranks hold identically."""
+    out: dict[int, list[str]] = {}
+    for name, groups in identical_to_check(prepared).items():
+        for group in groups:
+            for r in group:
+                out.setdefault(r, []).append(name)
+    return out
+
+
+def _compare_identical(prepared: Prepared, parts, digests, tensors) -> None:
+    """Tensors that must be the same bytes on several ranks, compared by the CRC32 and length taken
+    while hashing: no extra read, and a rank-local slice taken for a whole tensor is refused."""
+    identical = identical_to_check(prepared)
+    if not identical:
+        return
+    seen: dict[tuple[str, int], tuple[int, int]] = {}
+    for (r, reader), d, held in zip(parts, digests, tensors):
+        crcs = list(d.crcs or ())[len(_format_segments(reader)):]
+        for name, pieces in held:
+            crc, total = 0, 0
+            for (_, length), piece_crc in zip(pieces, crcs):
+                crc, total = crc32_combine(crc, piece_crc, length), total + length
+            del crcs[:len(pieces)]
+            seen[(name, r)] = (crc, total)
+    for name, groups in identical.items():
+        for group in groups:
+            if len({seen.get((name, r)) for r in group}) > 1:
+                raise identical_mismatch(name, group, prepared.source.strategy)
+    prepared.checks.append(IDENTICAL_CHECKED)
+
+
+def _check_crcs(reader, digest: FileDigest) -> None:
+    if isinstance(reader, CheckpointReader) and reader.has_crc:
+        if digest.crcs[0] != reader.crc_stored:
+            raise FormatError(reader.path, f"CRC32 mismatch: trailer says {reader.crc_stored}, records give "
+                                           f"{digest.crcs[0]} (file corrupted)")
+    elif isinstance(reader, SafetensorsReader) and reader.has_crc:
+        parts = {name: (crc, n) for (_, n, name), crc in zip(_tensor_spans(reader), digest.crcs)}
+        for name in reader.entries:  # empty tensors have no bytes: CRC 0 over 0 bytes
+            parts.setdefault(name, (0, 0))
+        computed = chain_crc(parts)
+        if computed != reader.stored_crc():
+            raise FormatError(reader.path, f"CRC32 mismatch: metadata crc_num says {reader.stored_crc()}, the tensors "
+                                           f"give {computed} (file corrupted)")

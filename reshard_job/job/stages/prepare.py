@@ -1,0 +1,477 @@
+"""Preparing a conversion: find and index the sources, settle the target, cross-check, plan.
+
+Shared by the batch job and the Python API. Everything here reads; nothing is written. The
+cross-checks run before any output exists, so inputs that disagree (a strategy of another
+network, rank folders that are shards of a model but come without its strategy, ranks beyond
+the strategy that hold parameters no other rank has) end the job here with one line.
+
+Two kinds of source folder: MindSpore's ``rank_<r>/`` folders with a strategy file, and a
+MindFormers 2.x save, detected from the folder itself, whose ``metadata.json`` takes the place of
+the strategy file (it is hashed and recorded like one). A MindFormers rank is the tuple of files
+it wrote, and its index lists exactly what those files hold: a rank that stored nothing (a
+redundancy-removed save) is in the index with nothing, so the planner sees which rank holds which
+slice instead of taking the rank's file for missing.
+
+An export for inference (``target.format=safetensors_index``) is planned as one full target rank,
+then split into shards here (``export.plan_export``), so the plan report, the checks and the job's
+output bookkeeping know every shard before anything is written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from dataclasses import dataclass, field, replace
+
+from reshard_job.sources.demo import ensure_demo
+from reshard_job.errors import ConfigError, PlanError, ReshardError
+from reshard_job.sources.open_files import SourceFiles
+from reshard_job.execute.export import INDEX_FILE, ExportLayout, check_against_index, plan_export, read_index
+from reshard_job.sources.mindformers import MindFormersSource
+from reshard_job.formats.tensorfile import KIND_TENSOR
+from reshard_job.sources.file_digests import HashCache, default_cache_path
+from reshard_job.sources.index_cache import IndexCache
+from reshard_job.plan.planner import Plan, Planner, TensorMeta, identical_mismatch, source_ranks_for
+from reshard_job.sources.rank_folders import (LoadedStrategy, RankFiles, discover, discover_export, discover_mindformers, is_export_source,
+                       is_mindformers_source, load_strategy)
+from reshard_job.storage import StorageOptions, storage_for
+from reshard_job.execute.tasks import FORMAT_SAFETENSORS_INDEX, files_of
+from reshard_job.text import shorten
+from reshard_job.job.run.progress import Progress
+from reshard_job.job.config.spec import SourceSpec, TargetSpec
+from reshard_job.job.stages.target import Target, settle_target
+
+log = logging.getLogger("reshard_job")
+SAMPLE_BYTES = 4096  # per probe when telling shards from copies
+
+
+@dataclass
+class Prepared:
+    source: SourceSpec  # with the demo's paths filled in when it was used
+    found: RankFiles
+    strategy: LoadedStrategy
+    readers: SourceFiles  # open and indexed; closed by close()
+    index: dict[int, dict[str, TensorMeta]]
+    target: Target
+    plan: Plan
+    missing: dict[int, list[int]] = field(default_factory=dict)
+    checks: list[str] = field(default_factory=list)  # the cross-checks that ran
+    mindformers: MindFormersSource | None = None  # the save, when the source is a MindFormers folder
+    export: ExportLayout | None = None  # the shards, for target.format=safetensors_index
+
+    @property
+    def source_paths(self) -> dict[int, str | tuple[str, ...]]:
+        """Source rank -> its file, or the tuple of files read together as that rank."""
+        return self.readers.paths
+
+    def source_files(self) -> list[str]:
+        """Every source checkpoint file, flat."""
+        return [f for paths in self.source_paths.values() for f in files_of(paths)]
+
+    def close(self) -> None:
+        self.readers.close()
+
+    def __enter__(self) -> "Prepared":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+@dataclass(frozen=True)
+class HashWhileIndexing:
+    """A conversion hashes every source it reads: remote ones are then hashed as they are indexed
+    (one read of each object instead of two, ``hashing.DigestingReader``), unless the digest
+    cache already knows them. Which ranks the plan reads is foreseen from the strategies."""
+
+    use_cache: bool = True
+    progress: bool | None = None
+
+
+# target ranks x laid-out parameters worth working through to foresee reads (about 10 us each);
+# beyond, every remote rank is hashed while indexed (a replica the plan skips is then read whole)
+PREDICT_LIMIT = 100_000
+
+
+def prepare(source: SourceSpec, target: TargetSpec, *, ranks: tuple[int, ...] | None = None,
+            storage: StorageOptions | None = None, demo_root: str | None = None,
+            hashing: HashWhileIndexing | None = None, index_cache: IndexCache | None = None) -> Prepared:
+    """Sources found and indexed, target settled, inputs cross-checked, the plan made.
+
+    With `hashing`, remote sources the plan will read are hashed while they are indexed; with
+    `index_cache`, local `.ckpt` files it knows unchanged are not walked again."""
+    source = _with_demo(source, demo_root)
+    if is_mindformers_source(source.checkpoints, storage):
+        return prepare_mindformers(source, target, ranks=ranks, storage=storage)
+    if source.iteration is not None:
+        raise ConfigError(f"source.iteration={source.iteration} picks an iteration of a MindFormers checkpoint folder, "
+                          f"but {source.checkpoints} holds no MindFormers save (set source.iteration=null)")
+    if is_export_source(source.checkpoints, storage):
+        return _prepare_export_folder(source, target, ranks=ranks, storage=storage, hashing=hashing)
+    found = discover(source.checkpoints, source.select, storage)
+    return prepare_files(found, source, target, ranks=ranks, storage=storage, hashing=hashing,
+                         index_cache=index_cache)
+
+
+def _prepare_export_folder(source: SourceSpec, target: TargetSpec, *, ranks, storage, hashing) -> Prepared:
+    """An export for inference (shards + index) read back as one unsharded rank."""
+    if source.strategy is not None:
+        raise ConfigError(f"{source.checkpoints} holds {INDEX_FILE}: an export of the full model, which has no "
+                          f"source strategy; set source.strategy=null (got {source.strategy})")
+    prepared = prepare_files(discover_export(source.checkpoints, storage), source, target, ranks=ranks, storage=storage,
+                             hashing=hashing)
+    try:
+        folder = prepared.found.root
+        check_against_index(prepared.readers.reader(0), read_index(folder, storage),
+                            storage_for(folder, storage).join(folder, INDEX_FILE))
+    except BaseException:
+        prepared.close()
+        raise
+    prepared.checks.append(f"every tensor is in the shard {INDEX_FILE} names")
+    return prepared
+
+
+def prepare_files(found: RankFiles, source: SourceSpec, target: TargetSpec, *, ranks: tuple[int, ...] | None = None,
+                  storage: StorageOptions | None = None, hashing: HashWhileIndexing | None = None,
+                  index_cache: IndexCache | None = None) -> Prepared:
+    """Like ``prepare``, for source files already chosen (rank -> file)."""
+    strategy = load_strategy(source.strategy, storage)
+    paths = _usable_ranks(found, strategy, source)
+    remote = _remote_ranks(paths, storage) if hashing is not None else set()
+    # the target strategy, read now to foresee the reads (and not read again for the plan)
+    settled = settle_target(target, strategy, {}, storage) if remote and target.strategy is not None else None
+    digest = _ranks_to_hash_now(remote, paths, strategy, source, target, settled, ranks, storage, hashing)
+    bar = Progress(sum(found.sizes.get(r, 0) for r in digest), len(digest),
+                   enabled=hashing.progress if hashing else False, desc="indexing and hashing sources", unit="files")
+    readers = SourceFiles(paths, verify_crc=False, identities=found.identities, storage=storage,
+                          digest_ranks=digest, digest_progress=bar if digest else None, index_cache=index_cache)
+    try:
+        try:
+            index = readers.index()
+        finally:
+            bar.close()
+        checks = _cross_check(found, strategy, source, index, storage)
+        return _settle_and_plan(source, found, strategy, readers, index, target, ranks, storage, checks,
+                                settled=settled)
+    except BaseException:
+        readers.close()
+        raise
+
+
+def _remote_ranks(paths: dict, storage: StorageOptions | None) -> set[int]:
+    """Single-file ranks in an object store (a multi-file rank is hashed by the hash pass)."""
+    return {r for r, p in paths.items() if isinstance(p, str) and storage_for(p, storage).scheme != "file"}
+
+
+def _ranks_to_hash_now(remote: set[int], paths: dict, strategy: LoadedStrategy, source: SourceSpec,
+                       target: TargetSpec, settled: Target | None, ranks, storage: StorageOptions | None,
+                       hashing: HashWhileIndexing | None) -> set[int]:
+    """The remote ranks to hash while indexing: those the plan will likely read and the digest
+    cache does not know. Local files are left to the hash pass (reading them again costs the
+    page cache, not the network)."""
+    if hashing is None or not remote:
+        return set()
+    read = ranks_likely_read(strategy, source, target, settled, ranks)
+    if read is not None:
+        remote = remote & read
+    if hashing.use_cache and remote:
+        cache = HashCache(default_cache_path(), storage)
+        remote = {r for r in remote if not cache.knows(paths[r])}
+    return remote
+
+
+def ranks_likely_read(strategy: LoadedStrategy, source: SourceSpec, target: TargetSpec, settled: Target | None,
+                      ranks) -> set[int] | None:
+    """The source ranks the plan will read, foreseen from the strategies alone (``source_ranks_for``;
+    `settled` is the target read from ``target.strategy``); None when only the index can tell (a
+    declarative target layout, no source strategy) or working it out would take long. A wrong
+    guess costs a read, never a wrong output."""
+    if source.strategy is None or target.layout is not None or (target.strategy is not None and settled is None):
+        return None
+    dst = settled.topology if settled is not None else None
+    targets = list(ranks) if ranks is not None else list(range(dst.devices if dst is not None else 1))
+    if len(targets) * max(1, len(strategy.topology.layouts)) > PREDICT_LIMIT:
+        return None
+    read: set[int] = set()
+    try:
+        for t in targets:
+            read.update(source_ranks_for(strategy.topology, dst, t, unmapped=target.unmapped))
+    except ReshardError:
+        return None  # the planner names what is wrong
+    return read
+
+
+def prepare_mindformers(source: SourceSpec, target: TargetSpec, *, ranks: tuple[int, ...] | None = None,
+                        storage: StorageOptions | None = None, found: RankFiles | None = None,
+                        save: MindFormersSource | None = None) -> Prepared:
+    """Like ``prepare``, for a MindFormers save: layouts from its metadata.json, no strategy file.
+
+    `found` and `save` (from ``sources.discover_mindformers``) may be given to convert only some
+    ranks' files (the API's per-rank path); by default every rank of the iteration is used. The
+    headers were read and checked when the save was loaded, so the plan is made before any reader
+    opens, and each rank keeps only the files the plan reads (an export of the weights or a target
+    without optimizer states reads, hashes and records no opt file).
+    """
+    if source.strategy is not None:
+        raise ConfigError(f"{source.checkpoints} is a MindFormers checkpoint folder, whose layouts come from its "
+                          f"metadata.json; set source.strategy=null (got {source.strategy})")
+    if found is None or save is None:
+        found, save = discover_mindformers(source.checkpoints, source.iteration, storage)
+    _log_mindformers(save)
+    strategy = LoadedStrategy(save.topology, save.strategy, (save.metadata_path,) if save.params else ())
+    index = mindformers_index(save, found)
+    tgt = settle_target(target, strategy, index, storage)
+    try:
+        plan, missing = _plan(strategy, tgt, target, index, ranks)
+    except PlanError as e:
+        if not save.deduplicated:
+            raise
+        raise PlanError(f"{e}; this MindFormers save was written with redundancy removal (each shard stored by one "
+                        "rank), which cannot be planned yet") from None
+    export = _export_layout(target, plan)
+    _warn_omitted(plan, missing)
+    found = _files_read(found, save, plan)
+    readers = SourceFiles(found.files, verify_crc=False, identities=found.identities, storage=storage)
+    try:
+        checks = ["MindFormers metadata.json agrees with every file's header (dtypes, shapes, placement)"]
+        checks += list(plan.checks)
+        return Prepared(source, found, strategy, readers, index, tgt, plan, missing, checks, save, export)
+    except BaseException:
+        readers.close()
+        raise
+
+
+def mindformers_index(save: MindFormersSource, found: RankFiles) -> dict[int, dict[str, TensorMeta]]:
+    """What each rank's files in `found` hold (from the headers read when the save was loaded); a rank
+    of the layouts that wrote no file at all holds nothing. Ranks not in `found` are missing."""
+    index: dict[int, dict[str, TensorMeta]] = {r: {} for r in range(save.devices) if r not in save.rank_files}
+    for rank, files in found.files.items():
+        index[rank] = {name: meta for f in files_of(files) for name, meta in save.file_tensors[f].items()}
+    return dict(sorted(index.items()))
+
+
+def _files_read(found: RankFiles, save: MindFormersSource, plan: Plan) -> RankFiles:
+    """`found` narrowed to the ranks the plan reads and, per rank, to the files holding what it reads."""
+    names: dict[int, set[str]] = {}
+    for rp in plan.ranks:
+        for p in rp.params:
+            for c in p.copies:
+                names.setdefault(c.source_rank, set()).add(p.name)
+    files, identities = {}, {}
+    for rank, needed in sorted(names.items()):
+        if rank not in found.files:
+            continue  # missing: reported by the plan
+        keep = [i for i, f in enumerate(found.files[rank]) if needed & set(save.file_tensors[f])]
+        files[rank] = tuple(found.files[rank][i] for i in keep)
+        if rank in found.identities:
+            identities[rank] = tuple(found.identities[rank][i] for i in keep)
+    return replace(found, files=files, identities=identities)
+
+
+def _log_mindformers(save: MindFormersSource) -> None:
+    where = f"iteration {save.iteration}" if save.iteration is not None else "the folder itself"
+    log.info("MindFormers checkpoint: %s (%s), %d rank(s), %d parameter(s) in metadata.json%s", save.folder, where,
+             len(save.rank_files), len(save.params), ", redundancy removed" if save.deduplicated else "")
+    extras = save.extras()
+    if extras:
+        log.info("tensors outside metadata.json, copied whole as MindSpore does: %s", ", ".join(sorted(extras)[:8]))
+    if save.unreferenced:
+        log.warning("%s: %d .safetensors file(s) that metadata.json never names are ignored: %s", save.folder,
+                    len(save.unreferenced), ", ".join(os.path.basename(f) for f in save.unreferenced[:4]))
+
+
+def _settle_and_plan(source: SourceSpec, found: RankFiles, strategy: LoadedStrategy, readers: SourceFiles, index,
+                     target: TargetSpec, ranks, storage, checks: list[str], *, settled: Target | None = None) -> Prepared:
+    tgt = settled if settled is not None else settle_target(target, strategy, index, storage)
+    plan, missing = _plan(strategy, tgt, target, index, ranks)
+    checks += list(plan.checks)
+    export = _export_layout(target, plan)
+    _warn_omitted(plan, missing)
+    return Prepared(source, found, strategy, readers, index, tgt, plan, missing, checks, export=export)
+
+
+def _export_layout(target: TargetSpec, plan: Plan) -> ExportLayout | None:
+    """The shards of an export (None for other formats, or when ``job.ranks`` leaves the full rank
+    out). The full rank's plan keeps only what is exported; what is left out joins ``plan.omitted``."""
+    if target.format != FORMAT_SAFETENSORS_INDEX or not plan.ranks:
+        return None
+    rank_plan = plan.ranks[0]
+    layout = plan_export(rank_plan, max_shard_size=target.max_shard_size, include=target.include)
+    exported = set(layout.weight_map())
+    rank_plan.params = [p for p in rank_plan.params if p.name in exported]
+    plan.omitted.extend({"name": name, "reason": f"not exported: {why}"} for name, why in layout.left_out)
+    plan.notes.append(f"export: {len(layout.shards)} shard(s) of at most {layout.max_shard_size} bytes of tensor "
+                      f"data, {layout.total_size} bytes in all, with {INDEX_FILE}")
+    return layout
+
+
+def _with_demo(source: SourceSpec, demo_root: str | None) -> SourceSpec:
+    if source.checkpoints is not None:
+        return source
+    if demo_root is None:
+        raise ConfigError("source.checkpoints is not set")
+    checkpoints, strategy = ensure_demo(demo_root)
+    log.info("no source.checkpoints given: using the built-in demo (MLP 784-512-512-10 on 8 ranks) at %s",
+             checkpoints)
+    return SourceSpec(checkpoints, strategy, source.select, source.unsharded, source.iteration)
+
+
+def _usable_ranks(found: RankFiles, strategy: LoadedStrategy, source: SourceSpec) -> dict[int, str]:
+    devices = strategy.topology.devices
+    for rank, others in sorted(found.ignored.items())[:8]:
+        if rank < devices:
+            log.info("rank_%d: using %s, ignoring %s", rank, os.path.basename(str(found.files[rank])),
+                     ", ".join(others))
+    return {r: p for r, p in found.files.items() if r < devices}
+
+
+def _plan(strategy: LoadedStrategy, tgt: Target, spec: TargetSpec, index, ranks) -> tuple[Plan, dict]:
+    planner = Planner(strategy.topology, tgt.topology, index, unmapped=spec.unmapped)
+    planner.notes.extend(tgt.notes)
+    missing: dict[int, list[int]] = {}
+    plan = planner.plan(list(ranks) if ranks is not None else None, missing=missing)
+    # after planning: a refused plan prints its one line and nothing else
+    _warn_absent(strategy, index)  # the API's per-rank path may be given some of a rank's files only
+    return plan, missing
+
+
+# ================================================================================ cross-checks
+def _cross_check(found: RankFiles, strategy: LoadedStrategy, source: SourceSpec, index, storage) -> list[str]:
+    checks = []
+    extra = sorted(r for r in found.files if r >= strategy.topology.devices)
+    if source.strategy is None and extra and not source.unsharded:
+        _refuse_shards_without_strategy(found, index, extra, storage)
+        checks.append("rank folders without a strategy hold copies of one model (sampled)")
+    elif extra and source.strategy is None:
+        log.info("source.unsharded=true: rank_%d is the model; rank folders %s are taken as copies of it",
+                 min(index), ", ".join(f"rank_{r}" for r in extra[:8]))
+    elif extra:
+        _check_extra_ranks(found, strategy, source, index, extra, storage)  # raises
+    elif source.strategy is not None:
+        checks.append("no rank folder beyond the ranks the source strategy describes")
+    return checks
+
+
+def _warn_omitted(plan: Plan, missing) -> None:
+    """Whatever the outputs leave out is said once, in one line (and listed in the manifest); not
+    when missing files refuse the run anyway."""
+    if plan.omitted and not missing:
+        names = [o["name"] for o in plan.omitted]
+        reasons = sorted({o["reason"].split(";")[0] for o in plan.omitted})
+        log.warning("%d parameter(s) left out of the outputs (listed in manifest.json, plan.omitted): %s%s (%s)",
+                    len(names), ", ".join(repr(shorten(n, 60)) for n in names[:5]), ", ..." if len(names) > 5 else "",
+                    "; ".join(reasons[:3]))
+
+
+def _warn_absent(strategy: LoadedStrategy, index) -> None:
+    absent = [n for n in strategy.topology.layouts if not any(n in names for names in index.values())]
+    if absent:
+        log.warning("%d parameter(s) of the source strategy are in no source checkpoint and will not be in "
+                    "the outputs: %s%s", len(absent), ", ".join(repr(shorten(n, 60)) for n in absent[:5]),
+                    ", ..." if len(absent) > 5 else "")
+
+
+def _extra_readers(found: RankFiles, ranks: list[int], storage):
+    return SourceFiles({r: found.files[r] for r in ranks}, verify_crc=False, identities=found.identities,
+                       storage=storage)
+
+
+def _check_extra_ranks(found, strategy, source, index, extra, storage) -> None:
+    """Ignoring rank directories beyond the strategy's devices is safe only when they hold nothing
+    the others lack; otherwise (a pipeline strategy directory missing its last stage, the strategy
+    of another run) their parameters would silently be missing from the outputs."""
+    known = set().union(*index.values()) if index else set()
+    with _extra_readers(found, extra, storage) as readers:
+        for r in extra:
+            try:
+                unknown = [n for n in readers.reader(r).names() if n not in known]
+            except ReshardError as e:
+                log.warning("rank_%d is ignored and cannot be read either: %s", r, e)
+                continue
+            if not unknown:
+                continue
+            is_dir = storage_for(source.strategy, storage).info(source.strategy)
+            hint = (f"is a pipeline stage's strategy file missing from {source.strategy}?" if is_dir and is_dir.is_dir
+                    else "was source.strategy saved with these checkpoints?")
+            raise PlanError(
+                f"{found.files[r]}: rank {r} lies beyond the {strategy.topology.devices} rank(s) the source strategy "
+                f"describes, but holds {len(unknown)} parameter(s) that no rank within it holds "
+                f"(e.g. {shorten(unknown[0], 80)!r}); {hint}"
+            )
+    # A strategy describes every rank of the run it was saved with: more rank folders mean another
+    # run's strategy (whose layouts may still fit the first ranks' shapes) or another save's leftovers.
+    names = ", ".join(f"rank_{r}" for r in extra[:8]) + (", ..." if len(extra) > 8 else "")
+    raise PlanError(f"{found.root}: rank folders {names} lie beyond the {strategy.topology.devices} rank(s) the "
+                    f"source strategy describes; a strategy describes every rank of the run it was saved with, so "
+                    "either it belongs to another run (use the one saved with these checkpoints) or these folders "
+                    "are leftovers of another save (move them away)")
+
+
+def _refuse_shards_without_strategy(found: RankFiles, index, extra: list[int], storage) -> None:
+    """Without source.strategy the source is one whole model (rank_0). Several rank folders are
+    fine when they are copies (pure data parallel); when they differ they are shards, and rank 0's
+    shard written out as "the model" would be wrong: refuse, naming the remedy."""
+    first = index[min(index)]
+    with _extra_readers(found, extra, storage) as readers, _extra_readers(found, [min(index)], storage) as base:
+        for r in extra:
+            reader = readers.reader(r)
+            for name, meta in first.items():
+                other = reader.entries.get(name)
+                differs = other is None or other.dtype != meta.dtype or tuple(other.shape) != meta.shape
+                if not differs and meta.kind == KIND_TENSOR:
+                    differs = _sample(base.reader(min(index)), name) != _sample(reader, name)
+                if differs:
+                    raise PlanError(
+                        f"{found.root}: source.strategy is not set, but the {len(found.files)} rank folders hold "
+                        f"different tensors (e.g. {shorten(name, 80)!r} differs between rank_{min(index)} and "
+                        f"rank_{r}): they look like shards of one model; set source.strategy to the strategy file "
+                        "saved with them, or source.unsharded=true if each rank folder is a whole copy")
+
+
+def _sample(reader, name: str) -> str:
+    """A digest of a tensor's first, middle and last bytes: enough to tell shards from copies."""
+    entry = reader.entries[name]
+    size = entry.stored_bytes
+    h = hashlib.sha256()
+    for start in sorted({0, max(0, size // 2 - SAMPLE_BYTES // 2), max(0, size - SAMPLE_BYTES)}):
+        n = min(SAMPLE_BYTES, size - start)
+        buf = bytearray(n)
+        reader.read_logical(entry, start, memoryview(buf))
+        h.update(buf)
+    return h.hexdigest()
+
+
+IDENTICAL_CHECKED = "tensors that must be identical across source ranks compared by content"
+
+
+def identical_to_check(prepared: Prepared) -> dict:
+    """The plan's ``identical`` groups for the tensors the conversion reads (an export of weights
+    reads no optimizer state, and may not have opened the files holding it)."""
+    if not prepared.source.verify_replicas or not prepared.plan.identical:
+        return {}
+    read = {p.name for rp in prepared.plan.ranks for p in rp.params}
+    return {name: groups for name, groups in prepared.plan.identical.items() if name in read}
+
+
+def check_identical(prepared: Prepared) -> None:
+    """Compare, by reading them, the tensors the plan says several source ranks hold identically
+    (replicas of one block, tensors the source strategy does not lay out). A rank-local slice taken
+    for a whole tensor is how a wrong strategy turns into a wrong checkpoint. The batch job does the
+    same while it hashes the sources (``integrity``), without a read of its own."""
+    identical = identical_to_check(prepared)
+    if not identical:
+        return
+    for name, groups in identical.items():
+        for group in groups:
+            digests = {r: _tensor_digest(prepared.readers.reader(r), name) for r in group}
+            if len(set(digests.values())) > 1:
+                raise identical_mismatch(name, group, prepared.source.strategy)
+    prepared.checks.append(IDENTICAL_CHECKED)
+
+
+def _tensor_digest(reader, name: str) -> str:
+    h = hashlib.sha256()
+    for block in reader.iter_content(name):
+        h.update(block)
+    return h.hexdigest()

@@ -1,0 +1,88 @@
+"""Settling the target: a strategy file, a declarative layout compiled into one, or one whole rank.
+
+The target strategy that is used is also the one written next to the outputs
+(``strategy.ckpt``, or ``strategy.json`` when the user's file was JSON): its bytes are read once,
+parsed from those bytes, and copied from them, so the copy is exactly what was planned against.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from reshard_job.errors import ConfigError
+import reshard_job.core.dtypes as dtypes
+from reshard_job.formats.strategy import format_for, to_protobuf_bytes
+from reshard_job.core.strategy_model import FORMAT_JSON
+from reshard_job.core.layout import Layout
+from reshard_job.plan.planner import TensorMeta
+from reshard_job.sources.rank_folders import LoadedStrategy, load_strategy, read_strategy_bytes
+from reshard_job.storage import StorageOptions, storage_for
+from reshard_job.core.topology import Topology
+from reshard_job.job.config.declarative import compile_layout
+from reshard_job.job.config.spec import TargetSpec
+
+LAYOUT_SOURCE = "target.layout"
+log = logging.getLogger("reshard_job")
+
+
+@dataclass(frozen=True)
+class Target:
+    topology: Topology | None  # None: one whole, unsharded checkpoint
+    devices: int
+    strategy_file: str | None = None  # name of the copy in output.dir ("strategy.ckpt" | "strategy.json")
+    strategy_bytes: bytes | None = None
+    strategy_from: str | None = None  # the user's file, or "target.layout"
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+
+def settle_target(spec: TargetSpec, source: LoadedStrategy, index: Mapping[int, Mapping[str, TensorMeta]],
+                  storage_options: StorageOptions | None = None) -> Target:
+    if spec.strategy is not None:
+        return _from_file(spec, storage_options)
+    if spec.layout is not None:
+        compiled = compile_layout(spec.layout, spec.devices, global_shapes(source, index))
+        compiled.strategy.path = LAYOUT_SOURCE
+        for note in compiled.notes:
+            if "matches no parameter" in note:
+                log.warning("%s", note)
+        return Target(Topology.from_strategy(compiled.strategy), spec.devices, "strategy.ckpt",
+                      to_protobuf_bytes(compiled.strategy), LAYOUT_SOURCE, tuple(compiled.notes))
+    return Target(None, 1)
+
+
+def _from_file(spec: TargetSpec, storage_options: StorageOptions | None) -> Target:
+    info = storage_for(spec.strategy, storage_options).info(spec.strategy)
+    if info is not None and info.is_dir:  # per-stage files: merged, and written as one merged file
+        loaded = load_strategy(spec.strategy, storage_options)
+        sf, data, name = loaded.strategy, to_protobuf_bytes(loaded.strategy), "strategy.ckpt"
+    else:
+        sf, data = read_strategy_bytes(spec.strategy, storage_options)
+        name = "strategy.json" if format_for(spec.strategy) == FORMAT_JSON else "strategy.ckpt"
+    topology = Topology.from_strategy(sf)
+    if spec.devices is not None and spec.devices != topology.devices:
+        raise ConfigError(f"target.devices={spec.devices} but target.strategy {spec.strategy} describes "
+                          f"{topology.devices} devices")
+    return Target(topology, topology.devices, name, data, spec.strategy)
+
+
+def global_shapes(source: LoadedStrategy, index: Mapping[int, Mapping[str, TensorMeta]]) -> dict[str, tuple[int, ...]]:
+    """Every sliceable tensor's global shape, from one rank's local shape and the source layout.
+
+    What a declarative layout is compiled against; shapes the planner will check in detail.
+    """
+    topo = source.topology
+    shapes: dict[str, tuple[int, ...]] = {}
+    for rank in sorted(index):
+        for name, meta in index[rank].items():
+            if name in shapes or meta.kind != "tensor" or not dtypes.BY_NAME[meta.dtype].sliceable:
+                continue
+            rec = topo.layout(name, topo.stage_of_rank(rank)) if name in topo else None
+            if rec is None:
+                shapes[name] = tuple(meta.shape)
+                continue
+            layout = Layout.from_recorded(rec, len(meta.shape), topo.stage_devices, name)
+            shapes[name] = layout.global_shape(tuple(meta.shape))
+    return shapes
+
