@@ -26,7 +26,7 @@ from typing import Callable
 from reshard_job.errors import MissingRankError
 from reshard_job.storage import storage_for
 from reshard_job.job.stages.convert import Outputs, convert
-from reshard_job.job.run.choice import cluster_layout
+from reshard_job.job.stages.executor_choice import cluster_layout
 from reshard_job.sources.index_cache import IndexCache
 from reshard_job.job.stages.integrity import hash_sources
 from reshard_job.job.run.memory import fix_mmap_threshold

@@ -15,7 +15,7 @@ from hydra import compose, initialize_config_module
 
 from reshard_job.errors import ConfigError
 import reshard_job.job.config.schema as schema
-from reshard_job.job.run.choice import cluster_layout
+from reshard_job.job.stages.executor_choice import cluster_layout
 from reshard_job.job.output.manifest import build_manifest, manifest_digest
 from reshard_job.job.output.node_outputs import (NodeFile, PublishRequest, SurveyRequest, node_manifest_name, publish_node,
                                           survey_node)

@@ -30,7 +30,7 @@ from reshard_job.plan.planner import Plan
 from reshard_job.storage import SourceChangedError
 from reshard_job.execute.tasks import FORMAT_CKPT, FORMAT_SAFETENSORS, FORMAT_SAFETENSORS_INDEX, RankResult, RankTask, WriteOptions
 from reshard_job.text import human_size
-from reshard_job.job.run.choice import ExecutorChoice, choose_executor, cluster_layout
+from reshard_job.job.stages.executor_choice import ExecutorChoice, choose_executor, cluster_layout
 from reshard_job.job.run.local import Executor
 from reshard_job.job.stages.integrity import SourceDigests
 from reshard_job.job.output.journal import JournalEntry
