@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 
 import pytest
@@ -52,12 +53,57 @@ def test_journal_keeps_identities_and_tensor_digests(tmp_path):
     fp, entries = out.journal.read()
     assert fp == "fp" and [(x.rank, x.path, x.size, x.sha256, x.identity) for x in entries] == \
         [(0, "rank_0/c0.ckpt", 3, e.sha256, e.identity)]
-    assert out.journal.tensors(0) == {"w": "00" * 32}
+    assert out.journal.tensors(entries[0]) == {"w": "00" * 32}
     kept = out.reusable({0: str(tmp_path / "out" / "rank_0" / "c0.ckpt")})
     assert kept[0].tensors == {"w": "00" * 32}
     with open(tmp_path / "out" / ".reshard_job" / "journal.jsonl", "a") as f:
         f.write('{"rank": 1, "path": "rank_1/c1.ck')  # a line cut short by a crash is skipped
     assert len(out.journal.read()[1]) == 1
+
+
+def _journal_lines(tmp_path) -> list[dict]:
+    return [json.loads(x) for x in (tmp_path / "out" / ".reshard_job" / "journal.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("damage", ["sha256", "size", "identity", "path", "check", "no_check"])
+def test_an_edited_or_damaged_journal_line_is_not_trusted(tmp_path, damage):
+    """A journal line whose fields were changed (or that lacks its check) does not count: its rank is
+    redone, never listed with a digest the file does not have."""
+    out = _out(tmp_path)
+    out.journal.start("fp", keep=False)
+    path = tmp_path / "out" / "rank_0" / "c0.ckpt"
+    e = _file(path, b"abc")
+    e.identity = tuple(LOCAL.info(str(path)).identity)
+    out.journal.append(e)
+    assert list(out.reusable({0: str(path)})) == [0]
+    header, line = _journal_lines(tmp_path)
+    if damage == "no_check":
+        del line["check"]
+    elif damage == "identity":
+        line["identity"][1] += 1
+    elif damage in ("size",):
+        line[damage] += 1
+    else:
+        line[damage] = ("0" * 64) if damage != "path" else "rank_0/other.ckpt"
+    (tmp_path / "out" / ".reshard_job" / "journal.jsonl").write_text(
+        json.dumps(header) + "\n" + json.dumps(line) + "\n")
+    assert out.journal.read()[1] == []
+    assert out.reusable({0: str(path)}) == {}
+
+
+def test_an_edited_per_tensor_record_is_not_trusted(tmp_path):
+    out = _out(tmp_path)
+    out.journal.start("fp", keep=False)
+    path = tmp_path / "out" / "rank_0" / "c0.ckpt"
+    e = _file(path, b"abc")
+    e.identity = tuple(LOCAL.info(str(path)).identity)
+    e.tensors = {"w": "00" * 32}
+    out.journal.append(e)
+    record = tmp_path / "out" / ".reshard_job" / "tensors" / "rank_0.json"
+    record.write_text(json.dumps({"w": "11" * 32}))
+    assert out.reusable({0: str(path)}) == {}
+    record.unlink()
+    assert out.reusable({0: str(path)}) == {}
 
 
 def test_verify_trusts_an_unchanged_identity_and_rehashes_a_changed_one(tmp_path):

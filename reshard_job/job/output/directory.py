@@ -363,7 +363,10 @@ class OutputDir:
         keep: dict[int, JournalEntry] = {}
         for e in self.journal.read()[1]:
             if expected_paths.get(e.rank) == self.storage.join(self.path, e.path) and self.verify(e):
-                e.tensors = self.journal.tensors(e.rank)
+                tensors = self.journal.tensors(e)
+                if tensors is None:
+                    continue  # its per-tensor record is not the one journaled: the rank is redone
+                e.tensors = tensors
                 keep[e.rank] = e
         return keep
 

@@ -320,8 +320,9 @@ class NodeOutputs:
         verified = {r for s in found.values() for r in s.verified}
         keep = {}
         for e in claims:
-            if e.rank in verified:
-                e.tensors = self.out.journal.tensors(e.rank)
+            tensors = self.out.journal.tensors(e) if e.rank in verified else None
+            if tensors is not None:  # a per-tensor record that is not the journaled one: redone
+                e.tensors = tensors
                 keep[e.rank] = e
         return keep
 
