@@ -13,9 +13,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from reshard_job.errors import ConfigError, ReshardError
-from reshard_job.job import placement as pl
-from reshard_job.job.run.ray.executor import (ProgressBoard, RankTaskError, TransientRankTaskError, _first_line,
-                                          _remove_leftovers_of, memory_per_task, parse_address)
+from reshard_job.core import placement as pl
+from reshard_job.job.config.ray_address import parse_address
+from reshard_job.job.run.ray.errors import RankTaskError, TransientRankTaskError, first_line
+from reshard_job.job.run.ray.executor import memory_per_task
+from reshard_job.job.run.ray.progress import ProgressBoard
+from reshard_job.job.run.ray.worker import remove_leftovers_of
 from reshard_job.job.run.throughput import TaskReport, per_node, render
 from reshard_job.storage.atomic import temp_name_for
 
@@ -185,11 +188,11 @@ def test_leftovers_of_one_output_only_are_removed(tmp_path):
     link = temp_name_for(str(out))
     os.symlink(target, link)
     out.write_text("final")
-    assert _remove_leftovers_of(str(out)) == 2
+    assert remove_leftovers_of(str(out)) == 2
     assert sorted(os.listdir(out.parent)) == sorted([os.path.basename(p) for p in kept + [link]] + [out.name])
     assert target.read_text() == "x"
-    assert _remove_leftovers_of(str(tmp_path / "missing" / "x.ckpt")) == 0
-    assert _remove_leftovers_of("s3://bucket/rank_0/checkpoint_0.ckpt") == 0
+    assert remove_leftovers_of(str(tmp_path / "missing" / "x.ckpt")) == 0
+    assert remove_leftovers_of("s3://bucket/rank_0/checkpoint_0.ckpt") == 0
 
 
 def test_rank_errors_are_one_line_and_survive_pickling():
@@ -220,7 +223,7 @@ def test_error_text_from_ray_becomes_one_line():
     server_side = ConnectionAbortedError("Initialization failure from server:\nTraceback (most recent call last):\n"
                                          '  File "proxier.py", line 1, in Datapath\n'
                                          "RuntimeError: Proxy failed to Connect to backend!\n")
-    assert _first_line(server_side) == "Initialization failure from server: RuntimeError: Proxy failed to Connect to backend!"
-    assert _first_line(ValueError("first\nsecond")) == "first"
-    assert _first_line(ValueError()) == "ValueError"
-    assert len(_first_line(ValueError("x" * 5000))) == 400
+    assert first_line(server_side) == "Initialization failure from server: RuntimeError: Proxy failed to Connect to backend!"
+    assert first_line(ValueError("first\nsecond")) == "first"
+    assert first_line(ValueError()) == "ValueError"
+    assert len(first_line(ValueError("x" * 5000))) == 400

@@ -19,7 +19,7 @@ from reshard_job.job.stages.executor_choice import cluster_layout
 from reshard_job.job.output.manifest import build_manifest, manifest_digest
 from reshard_job.job.output.node_outputs import (NodeFile, PublishRequest, SurveyRequest, node_manifest_name, publish_node,
                                           survey_node)
-from reshard_job.job.run.ray.executor import _with_node_identities
+from reshard_job.job.run.ray.worker import with_node_identities
 from reshard_job.job.config.settle import settle
 from reshard_job.job.config.spec import JobContext
 from reshard_job.lineage.errors import LineageError
@@ -210,11 +210,11 @@ def test_source_identities_are_taken_as_this_node_sees_the_same_file(tmp_path):
     here = tuple(identity_of(src.stat()))
     task = RankTask(0, None, {0: str(src), 1: "s3://bucket/rank_1.ckpt"}, str(tmp_path / "out.ckpt"),
                     source_identities={0: (here[0] + 1,) + here[1:], 1: (6, "etag", None)})
-    seen = _with_node_identities(task)
+    seen = with_node_identities(task)
     assert seen.source_identities == {0: here, 1: (6, "etag", None)}  # another mount of the same file
     changed = replace(task, source_identities={0: (here[0] + 1, here[1], here[2], here[3] + 1, here[4])})
-    assert _with_node_identities(changed) is changed  # a file that really changed still fails the task
-    assert _with_node_identities(seen) is seen
+    assert with_node_identities(changed) is changed  # a file that really changed still fails the task
+    assert with_node_identities(seen) is seen
 
 
 # ============================================================================ node manifests for the audit
