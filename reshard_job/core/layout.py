@@ -97,41 +97,8 @@ class Layout:
     @staticmethod
     def _build(pl: ParamLayout, ndim: int, stage_devices: int | None, name: str) -> "Layout":
         where = f"parameter {quoted(name)}"
-        if not pl.dev_matrix or len(pl.dev_matrix) > MAX_AXES or any(int(d) < 1 for d in pl.dev_matrix):
-            raise LayoutError(f"{where}: device matrix {bounded_list(pl.dev_matrix)} must be 1 to {MAX_AXES} "
-                              "positive sizes")
-        dev = tuple(int(d) for d in pl.dev_matrix)
-        devices = 1
-        for d in dev:  # checked as it grows: a hostile product is never computed in full
-            devices *= d
-            if devices > MAX_DEVICES:
-                raise LayoutError(f"{where}: device matrix {bounded_list(dev)} declares more than "
-                                  f"{MAX_DEVICES} devices")
-        if len(pl.tensor_map) != ndim:
-            raise LayoutError(
-                f"{where}: tensor map {_show_map(pl.tensor_map)} has {len(pl.tensor_map)} entries "
-                f"but the checkpoint tensor has {ndim} dimension(s)"
-            )
-        n = len(dev)
-        used: set[int] = set()
-        dim_axes = []
-        for i, entry in enumerate(pl.tensor_map):
-            values = entry if isinstance(entry, tuple) else (entry,)
-            positions = []
-            for m in values:
-                if m == -1:
-                    continue
-                if not 0 <= m < n:
-                    raise LayoutError(
-                        f"{where}: tensor map {_show_map(pl.tensor_map)} names device axis {m}, "
-                        f"but device matrix {bounded_list(dev)} has axes 0..{n - 1}"
-                    )
-                p = n - 1 - m
-                if p in used:
-                    raise LayoutError(f"{where}: device axis {m} splits more than one dimension")
-                used.add(p)
-                positions.append(p)
-            dim_axes.append(tuple(positions))
+        dev, devices = _device_matrix(pl, where)
+        dim_axes = _dim_axes(pl, ndim, dev, where)
         if stage_devices is not None and devices != stage_devices:
             if devices > stage_devices or stage_devices % devices:
                 raise LayoutError(
@@ -143,23 +110,7 @@ class Layout:
             dim_axes = [tuple(p + 1 for p in axes) for axes in dim_axes]
             devices = stage_devices
         split = prod(dev[p] for axes in dim_axes for p in axes)
-        replicas = devices // split
-        k = 1
-        step, size = pl.opt_shard_step, pl.opt_shard_size
-        if size not in (0, 1) and step != 0:
-            if ndim == 0:
-                raise LayoutError(f"{where}: optimizer sharding on a scalar")
-            k = replicas if size == -1 else size
-            if k < 1 or replicas % k:
-                raise LayoutError(
-                    f"{where}: optimizer shard size {size} does not divide the {replicas} replicas "
-                    f"of device matrix {bounded_list(dev)} with tensor map {_show_map(pl.tensor_map)}"
-                )
-        elif size not in (0, 1, -1) and step == 0:
-            raise LayoutError(
-                f"{where}: optimizer shard size {size} with step 0 is inconsistent "
-                "(MindSpore records both or neither)"
-            )
+        k = _optimizer_shard(pl, ndim, devices // split, dev, where)
         return Layout(dev, tuple(dim_axes), k)
 
     def __hash__(self) -> int:
@@ -308,6 +259,72 @@ def _replicated(ndim: int, devices: int) -> Layout:
 @lru_cache(maxsize=4096)
 def _shared_layout(pl: ParamLayout, ndim: int, stage_devices: int | None) -> Layout:
     return Layout._build(pl, ndim, stage_devices, "?")
+
+
+def _device_matrix(pl: ParamLayout, where: str) -> tuple[tuple[int, ...], int]:
+    """(device matrix, its device count) of a recorded layout, within ``MAX_AXES`` and ``MAX_DEVICES``."""
+    if not pl.dev_matrix or len(pl.dev_matrix) > MAX_AXES or any(int(d) < 1 for d in pl.dev_matrix):
+        raise LayoutError(f"{where}: device matrix {bounded_list(pl.dev_matrix)} must be 1 to {MAX_AXES} "
+                          "positive sizes")
+    dev = tuple(int(d) for d in pl.dev_matrix)
+    devices = 1
+    for d in dev:  # checked as it grows: a hostile product is never computed in full
+        devices *= d
+        if devices > MAX_DEVICES:
+            raise LayoutError(f"{where}: device matrix {bounded_list(dev)} declares more than "
+                              f"{MAX_DEVICES} devices")
+    return dev, devices
+
+
+def _dim_axes(pl: ParamLayout, ndim: int, dev: tuple[int, ...], where: str) -> list[tuple[int, ...]]:
+    """Per tensor dimension, the device-matrix positions splitting it (each position used once)."""
+    if len(pl.tensor_map) != ndim:
+        raise LayoutError(
+            f"{where}: tensor map {_show_map(pl.tensor_map)} has {len(pl.tensor_map)} entries "
+            f"but the checkpoint tensor has {ndim} dimension(s)"
+        )
+    n = len(dev)
+    used: set[int] = set()
+    dim_axes = []
+    for entry in pl.tensor_map:
+        values = entry if isinstance(entry, tuple) else (entry,)
+        positions = []
+        for m in values:
+            if m == -1:
+                continue
+            if not 0 <= m < n:
+                raise LayoutError(
+                    f"{where}: tensor map {_show_map(pl.tensor_map)} names device axis {m}, "
+                    f"but device matrix {bounded_list(dev)} has axes 0..{n - 1}"
+                )
+            p = n - 1 - m
+            if p in used:
+                raise LayoutError(f"{where}: device axis {m} splits more than one dimension")
+            used.add(p)
+            positions.append(p)
+        dim_axes.append(tuple(positions))
+    return dim_axes
+
+
+def _optimizer_shard(pl: ParamLayout, ndim: int, replicas: int, dev: tuple[int, ...], where: str) -> int:
+    """The number of optimizer-parallel parts of dimension 0 (1 without optimizer sharding)."""
+    step, size = pl.opt_shard_step, pl.opt_shard_size
+    if size not in (0, 1) and step != 0:
+        if ndim == 0:
+            raise LayoutError(f"{where}: optimizer sharding on a scalar")
+        k = replicas if size == -1 else size
+        if k < 1 or replicas % k:
+            raise LayoutError(
+                f"{where}: optimizer shard size {size} does not divide the {replicas} replicas "
+                f"of device matrix {bounded_list(dev)} with tensor map {_show_map(pl.tensor_map)}"
+            )
+        return k
+    if size not in (0, 1, -1) and step == 0:
+        raise LayoutError(
+            f"{where}: optimizer shard size {size} with step 0 is inconsistent "
+            "(MindSpore records both or neither)"
+        )
+    return 1
 
 
 def _show_map(tensor_map) -> str:
