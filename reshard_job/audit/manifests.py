@@ -18,12 +18,12 @@ import os
 import posixpath
 from dataclasses import dataclass, replace
 
+from reshard_job.formats.manifest_file import MANIFEST_FILE, is_node_manifest_name
+from reshard_job.formats.manifest_file import MANIFEST_FILE as MANIFEST_NAME  # noqa: F401 (moved)
+from reshard_job.formats.manifest_file import NODE_MANIFEST_PREFIX  # noqa: F401 (moved)
 from reshard_job.lineage.hash_names import looks_like_sha256
 from reshard_job.lineage.errors import LineageError
 from reshard_job.audit.reading import absolute, dirname, join, read_small_file, relative_to
-
-MANIFEST_NAME = "manifest.json"
-NODE_MANIFEST_PREFIX = "manifest."  # manifest.<node>.json: one target node's files (output.placement=per_node)
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ def read_listing(directory: str) -> OutputListing:
     (``manifest.<node>.json``) and, unless the job's driver ran there, no ``manifest.json``: its
     node manifests then stand for it (the first one names the listing)."""
     directory = absolute(directory)
-    manifest_path = join(directory, MANIFEST_NAME)
+    manifest_path = join(directory, MANIFEST_FILE)
     try:
         data = read_small_file(manifest_path)
     except FileNotFoundError:
@@ -69,7 +69,7 @@ def read_listing(directory: str) -> OutputListing:
         if nodes:
             files = {(f.path, f.sha256): f for n in nodes for f in n.files}  # each holds the strategy
             return replace(nodes[0], files=tuple(files.values()), node=None)
-        raise LineageError(f"{directory}: no {MANIFEST_NAME}, so not a complete output directory of reshard_job "
+        raise LineageError(f"{directory}: no {MANIFEST_FILE}, so not a complete output directory of reshard_job "
                            f"(give a file in it instead)") from None
     except OSError as exc:
         raise LineageError(f"{manifest_path}: cannot read ({exc.strerror or exc})") from None
@@ -88,7 +88,7 @@ def node_listings(directory: str) -> list[OutputListing]:
         return []
     out = []
     for name in names:
-        if not (name.startswith(NODE_MANIFEST_PREFIX) and name.endswith(".json") and name != MANIFEST_NAME):
+        if not is_node_manifest_name(name):  # manifest.<node>.json (output.placement=per_node)
             continue
         path = os.path.join(directory, name)
         try:

@@ -22,7 +22,8 @@ from sqlalchemy.orm import Session
 from reshard_job.audit.entities import iso
 from reshard_job.lineage.errors import AmbiguousRunError, LineageError, UnknownRunError
 from reshard_job.audit.lookup import artifact_at_path, artifacts_by_digest, resolve_run_id
-from reshard_job.audit.manifests import MANIFEST_NAME, OutputListing, node_listings, read_listing
+from reshard_job.audit.manifests import OutputListing, node_listings, read_listing
+from reshard_job.formats.manifest_file import MANIFEST_FILE
 from reshard_job.lineage.models import Event, Run
 from reshard_job.audit.queries import run_files
 from reshard_job.audit.reading import absolute, content_digest, exists, file_size, is_directory
@@ -161,7 +162,7 @@ def verify_directory(session: Session, directory: str) -> VerifyReport:
     which must be recorded); the job's ``manifest.json``, where the driver left it there, only
     for being recorded, as its other files are on other machines."""
     nodes = node_listings(directory)
-    listing = read_listing(directory) if not nodes or os.path.exists(os.path.join(directory, MANIFEST_NAME)) \
+    listing = read_listing(directory) if not nodes or os.path.exists(os.path.join(directory, MANIFEST_FILE)) \
         else None
     if not nodes and listing.per_node:
         held = sorted({f.node for f in listing.files if f.node})

@@ -35,7 +35,6 @@ from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError
 from sqlalchemy.orm import Session, defer, sessionmaker
 
 from reshard_job.jsonchunks import iter_json
-import reshard_job.audit.queries as queries
 from reshard_job.lineage.database import create_lineage_engine, default_url, normalize_url, retry_transient, writer
 from reshard_job.lineage.hash_names import HASH_ALGO
 from reshard_job.lineage.errors import LineageError, RunStateError, SchemaError, UnknownRunError
@@ -220,17 +219,12 @@ class LineageStore:
 
     # -- reading -----------------------------------------------------------------------------
 
-    def get_run(self, run_id: str) -> dict | None:
-        """Everything recorded about one run as a plain, JSON-serialisable dict (None if unknown)."""
-        with self.read_session() as session:
-            try:
-                return queries.run_details(session, run_id).to_json()
-            except UnknownRunError:
-                return None
-
     @contextmanager
     def read_session(self) -> Iterator[Session]:
-        """A session for queries; it never writes and is rolled back at the end."""
+        """A session for queries; it never writes and is rolled back at the end.
+
+        The questions themselves are ``reshard_job.audit``'s (``audit.queries.run_details`` and
+        the rest): the store records, the read side asks, and the write side never imports it."""
         session = self._reader()
         try:
             yield session

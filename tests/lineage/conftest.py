@@ -260,6 +260,25 @@ def store(backend, request, tmp_path):
     lineage.close()
 
 
+def recorded_run(store, run_id: str) -> dict | None:
+    """Everything recorded about one run as a plain, JSON-serialisable dict (None if unknown),
+    read as the audit side reads it: the store only records (it never imports the read side)."""
+    from reshard_job.audit.queries import run_details
+    from reshard_job.lineage import UnknownRunError
+
+    with store.read_session() as session:
+        try:
+            return run_details(session, run_id).to_json()
+        except UnknownRunError:
+            return None
+
+
+@pytest.fixture(scope="session")
+def get_run() -> Callable:
+    """``recorded_run(store, run_id)`` for tests (test modules cannot import a conftest)."""
+    return recorded_run
+
+
 # -- synthetic files and runs ------------------------------------------------------------------
 
 @dataclass

@@ -18,6 +18,7 @@ from sqlalchemy import func, select
 
 from alembic import command
 
+from reshard_job.audit.queries import run_details
 from reshard_job.lineage import FileRecord, LineageStore, create_lineage_engine
 from reshard_job.lineage.database import writer
 from reshard_job.lineage.migrate import alembic_config, current_revision, head_revision
@@ -89,10 +90,11 @@ def _check(url: str, run_ids: list[str], earlier: dict | None = None) -> None:
         assert session.scalar(select(func.count()).select_from(Artifact)) == artifacts
         assert session.scalar(select(func.count()).select_from(ArtifactLocation)) == artifacts
         for run_id in run_ids:
-            run = store.get_run(run_id)
+            run = run_details(session, run_id).to_json()
             assert len(run["inputs"]) == 8 and len(run["outputs"]) == 2 and len(run["rank_map"]) == 2
         if earlier is not None:
-            assert store.get_run(earlier["id"]) == earlier  # every row of it survived the migration
+            # every row of it survived the migration
+            assert run_details(session, earlier["id"]).to_json() == earlier
         assert current_revision(session.connection()) == head_revision()
 
 
@@ -118,7 +120,8 @@ def _database_at_first_revision_with_a_run(url: str, root: Path) -> dict:
         output = FileRecord.from_file(str(root / "old_output.ckpt"), "target_checkpoint", 0)
         store.complete_run(run_id, outputs=[output],
                            plan={"ranks": [{"target_rank": 0, "source_ranks": list(range(8)), "bytes_read": 8}]})
-        return store.get_run(run_id)
+        with store.read_session() as session:
+            return run_details(session, run_id).to_json()
 
 
 def test_concurrent_jobs_on_one_fresh_sqlite_file(tmp_path):

@@ -19,14 +19,14 @@ def _start(store, tmp_path):
                            source_devices=8, target_devices=4)
 
 
-def test_a_failed_run_keeps_its_error_and_no_outputs(store, tmp_path, make_file):
+def test_a_failed_run_keeps_its_error_and_no_outputs(store, tmp_path, make_file, get_run):
     run_id = _start(store, tmp_path)
     source = make_file(tmp_path / "src.ckpt", b"source", "source_checkpoint", 0)
     store.record_inputs(run_id, [source])
     make_file(tmp_path / "out" / "rank_0.ckpt", b"half written", "target_checkpoint", 0)  # never recorded
     store.fail_run(run_id, "MissingRankError: missing source checkpoint: rank 3")
 
-    run = store.get_run(run_id)
+    run = get_run(store, run_id)
     assert run["status"] == "failed"
     assert run["error"] == "MissingRankError: missing source checkpoint: rank 3"
     assert run["ended_at"] is not None and run["outputs"] == [] and len(run["inputs"]) == 1
@@ -34,7 +34,7 @@ def test_a_failed_run_keeps_its_error_and_no_outputs(store, tmp_path, make_file)
         directions = session.scalars(select(Event.direction).where(Event.run_id == run_id)).all()
     assert directions == ["input"]
     store.fail_run(run_id, "reported twice")  # harmless; the first error stays
-    assert store.get_run(run_id)["error"].startswith("MissingRankError")
+    assert get_run(store, run_id)["error"].startswith("MissingRankError")
 
 
 def _dead_pid() -> int:
@@ -48,7 +48,7 @@ def _set_run(store, run_id, **values):
         session.execute(update(Run).where(Run.id == run_id).values(**values))
 
 
-def test_runs_of_dead_processes_on_this_host_are_abandoned(store, tmp_path):
+def test_runs_of_dead_processes_on_this_host_are_abandoned(store, tmp_path, get_run):
     dead = _start(store, tmp_path)
     _set_run(store, dead, pid=_dead_pid())
     alive = _start(store, tmp_path)
@@ -63,9 +63,9 @@ def test_runs_of_dead_processes_on_this_host_are_abandoned(store, tmp_path):
     finally:
         sleeper.kill()
         sleeper.wait()
-    statuses = {run_id: store.get_run(run_id)["status"] for run_id in (dead, alive, elsewhere, mine)}
+    statuses = {run_id: get_run(store, run_id)["status"] for run_id in (dead, alive, elsewhere, mine)}
     assert statuses == {dead: "abandoned", alive: "started", elsewhere: "started", mine: "started"}
-    abandoned = store.get_run(dead)
+    abandoned = get_run(store, dead)
     assert "ended without completing" in abandoned["error"] and abandoned["ended_at"]
     # The sleeper is gone now too; the other host's run is still never judged from here.
     assert store.mark_abandoned_runs() == [alive]
@@ -78,7 +78,7 @@ def _start_and_die(url, output_dir, connection):
     os._exit(1)  # killed mid-conversion: no fail_run, no cleanup
 
 
-def test_a_killed_job_is_found_by_the_next_one(store, tmp_path):
+def test_a_killed_job_is_found_by_the_next_one(store, tmp_path, get_run):
     db_url = store.url.render_as_string(hide_password=False)
     context = multiprocessing.get_context("fork")
     receiver, sender = context.Pipe(duplex=False)
@@ -88,28 +88,28 @@ def test_a_killed_job_is_found_by_the_next_one(store, tmp_path):
     run_id = receiver.recv()
     child.join(timeout=30)
     assert child.exitcode == 1
-    assert store.get_run(run_id)["status"] == "started"
+    assert get_run(store, run_id)["status"] == "started"
     assert store.mark_abandoned_runs() == [run_id]
-    assert store.get_run(run_id)["status"] == "abandoned"
+    assert get_run(store, run_id)["status"] == "abandoned"
 
 
-def test_an_abandoned_run_that_reports_after_all_is_believed(store, tmp_path):
+def test_an_abandoned_run_that_reports_after_all_is_believed(store, tmp_path, get_run):
     run_id = _start(store, tmp_path)
     _set_run(store, run_id, status="abandoned")
     store.complete_run(run_id, outputs=[], plan={"ranks": []})
-    run = store.get_run(run_id)
+    run = get_run(store, run_id)
     assert run["status"] == "completed" and run["error"] is None
 
 
-def test_an_interrupted_run_keeps_its_reason_and_no_outputs(store, tmp_path, make_file):
+def test_an_interrupted_run_keeps_its_reason_and_no_outputs(store, tmp_path, make_file, get_run):
     run_id = _start(store, tmp_path)
     store.record_inputs(run_id, [make_file(tmp_path / "src.ckpt", b"source", "source_checkpoint", 0)])
     store.interrupt_run(run_id, "SIGTERM")
-    run = store.get_run(run_id)
+    run = get_run(store, run_id)
     assert (run["status"], run["error"]) == ("interrupted", "SIGTERM")
     assert run["ended_at"] is not None and run["outputs"] == []
     store.interrupt_run(run_id, "SIGINT")  # a second signal: the first word stays
-    assert store.get_run(run_id)["error"] == "SIGTERM"
+    assert get_run(store, run_id)["error"] == "SIGTERM"
     with pytest.raises(RunStateError, match=f"cannot mark run {run_id} failed: it is already interrupted"):
         store.fail_run(run_id, "late error")
     with pytest.raises(RunStateError, match="already interrupted"):
@@ -117,8 +117,8 @@ def test_an_interrupted_run_keeps_its_reason_and_no_outputs(store, tmp_path, mak
     assert store.mark_abandoned_runs() == []  # only "started" runs are ever judged abandoned
 
 
-def test_an_abandoned_run_may_still_say_it_was_interrupted(store, tmp_path):
+def test_an_abandoned_run_may_still_say_it_was_interrupted(store, tmp_path, get_run):
     run_id = _start(store, tmp_path)
     _set_run(store, run_id, status=RunStatus.ABANDONED)
     store.interrupt_run(run_id, "SIGINT")
-    assert store.get_run(run_id)["status"] == RunStatus.INTERRUPTED == "interrupted"
+    assert get_run(store, run_id)["status"] == RunStatus.INTERRUPTED == "interrupted"

@@ -19,9 +19,9 @@ def _start(store, tmp_path, **overrides):
     return store.start_run(**arguments)
 
 
-def test_start_run_records_who_where_and_what(store, tmp_path):
+def test_start_run_records_who_where_and_what(store, tmp_path, get_run):
     run_id = _start(store, tmp_path, sweep_id="sweep-7", job_num=3)
-    run = store.get_run(run_id)
+    run = get_run(store, run_id)
     assert run["status"] == "started"
     assert run["config"] == {"job": {"mode": "convert"}}
     assert run["overrides"] == ["job.workers=2"]
@@ -33,7 +33,7 @@ def test_start_run_records_who_where_and_what(store, tmp_path):
     json.dumps(run)  # plain data all the way down
 
 
-def test_complete_run_stores_outputs_plan_and_rank_map(store, tmp_path, make_file, make_plan):
+def test_complete_run_stores_outputs_plan_and_rank_map(store, tmp_path, make_file, make_plan, get_run):
     run_id = _start(store, tmp_path)
     source = make_file(tmp_path / "src" / "rank_0.ckpt", b"source", "source_checkpoint", 0)
     store.record_inputs(run_id, [source])
@@ -42,7 +42,7 @@ def test_complete_run_stores_outputs_plan_and_rank_map(store, tmp_path, make_fil
     plan = make_plan(8, 4)
     store.complete_run(run_id, outputs=outputs, plan=plan)
 
-    run = store.get_run(run_id)
+    run = get_run(store, run_id)
     assert run["status"] == "completed" and run["ended_at"] >= run["started_at"]
     assert run["plan"] == plan
     assert run["rank_map"] == [{"target_rank": r, "source_ranks": [2 * r, 2 * r + 1], "bytes_read": 200,
@@ -69,29 +69,29 @@ def test_same_content_is_one_artifact_with_every_path_it_was_seen_at(store, tmp_
         assert (artifact.hash_algo, artifact.digest, artifact.size) == ("sha256", original.sha256, original.size)
 
 
-def test_recording_inputs_twice_does_not_duplicate(store, tmp_path, make_file):
+def test_recording_inputs_twice_does_not_duplicate(store, tmp_path, make_file, get_run):
     run_id = _start(store, tmp_path)
     files = [make_file(tmp_path / f"in_{r}", f"in {r}".encode(), "source_checkpoint", r) for r in range(3)]
     store.record_inputs(run_id, files)
     store.record_inputs(run_id, files)
-    assert len(store.get_run(run_id)["inputs"]) == 3
+    assert len(get_run(store, run_id)["inputs"]) == 3
     with store.read_session() as session:
         assert session.scalar(select(func.count()).select_from(Event)) == 3
 
 
-def test_byte_identical_replicas_keep_their_own_ranks(store, tmp_path, make_file):
+def test_byte_identical_replicas_keep_their_own_ranks(store, tmp_path, make_file, get_run):
     run_id = _start(store, tmp_path)
     replicas = [make_file(tmp_path / f"rank_{r}.ckpt", b"data-parallel replica", "source_checkpoint", r)
                 for r in (0, 4)]
     store.record_inputs(run_id, replicas)
-    inputs = store.get_run(run_id)["inputs"]
+    inputs = get_run(store, run_id)["inputs"]
     assert [(f["rank"], f["sha256"]) for f in inputs] == [(0, replicas[0].sha256), (4, replicas[0].sha256)]
 
 
-def test_devices_missing_at_start_are_taken_from_the_plan(store, tmp_path, make_plan):
+def test_devices_missing_at_start_are_taken_from_the_plan(store, tmp_path, make_plan, get_run):
     run_id = _start(store, tmp_path, source_devices=None, target_devices=None)
     store.complete_run(run_id, outputs=[], plan=make_plan(8, 2))
-    run = store.get_run(run_id)
+    run = get_run(store, run_id)
     assert (run["source_devices"], run["target_devices"]) == (8, 2)
 
 
@@ -113,27 +113,27 @@ def test_a_completed_run_cannot_change(store, tmp_path, make_file):
         store.record_inputs(run_id, [late])
 
 
-def test_unknown_runs(store, tmp_path):
-    assert store.get_run("no-such-run") is None
+def test_unknown_runs(store, tmp_path, get_run):
+    assert get_run(store, "no-such-run") is None
     with pytest.raises(UnknownRunError, match="no-such-run"):
         store.record_inputs("no-such-run", [])
     with pytest.raises(UnknownRunError):
         store.fail_run("no-such-run", "boom")
 
 
-def test_config_is_recorded_as_json_and_the_plan_must_be_plain_json(store, tmp_path):
+def test_config_is_recorded_as_json_and_the_plan_must_be_plain_json(store, tmp_path, get_run):
     from omegaconf import OmegaConf
 
     config = OmegaConf.create({"source": {"checkpoints": "/data/src", "copy": "${source.checkpoints}"}})
     run_id = _start(store, tmp_path, config=config)
-    assert store.get_run(run_id)["config"] == {"source": {"checkpoints": "/data/src", "copy": "/data/src"}}
+    assert get_run(store, run_id)["config"] == {"source": {"checkpoints": "/data/src", "copy": "/data/src"}}
     run_id = _start(store, tmp_path, config={"output": tmp_path})
-    assert store.get_run(run_id)["config"] == {"output": str(tmp_path)}
+    assert get_run(store, run_id)["config"] == {"output": str(tmp_path)}
     with pytest.raises(LineageError, match="config is not plain JSON"):
         _start(store, tmp_path, config={"ratio": float("inf")})
     with pytest.raises(LineageError, match="plan is not plain JSON"):
         store.complete_run(run_id, outputs=[], plan={"ranks": [], "nan": float("nan")})
-    assert store.get_run(run_id)["status"] == "started"
+    assert get_run(store, run_id)["status"] == "started"
 
 
 def test_file_records_are_validated(tmp_path):
@@ -149,8 +149,8 @@ def test_using_a_store_before_its_schema_exists_says_so(db_url, tmp_path):
             _start(fresh, tmp_path)
 
 
-def test_ensure_schema_twice_is_a_no_op(store, tmp_path):
+def test_ensure_schema_twice_is_a_no_op(store, tmp_path, get_run):
     store.ensure_schema()
     run_id = _start(store, tmp_path)
     store.ensure_schema()
-    assert store.get_run(run_id)["status"] == "started"
+    assert get_run(store, run_id)["status"] == "started"
