@@ -24,12 +24,12 @@ import os
 import socket
 
 from reshard_job.errors import OutputError
+from reshard_job.formats.manifest_file import MANIFEST_FILE
 from reshard_job.sources.file_digests import digest_file
 from reshard_job.jsonchunks import iter_json, plain
 from reshard_job.storage import LockedError, Storage
 from reshard_job.job.output.journal import STATE_DIR, TENSORS_DIR, Journal, JournalEntry
 
-MANIFEST = "manifest.json"
 MAX_MANIFEST_BYTES = 1 << 31
 
 FRESH = "fresh"
@@ -119,7 +119,7 @@ class OutputDir:
         self.local = storage.scheme == "file"
         self.overwrite = overwrite
         self.state_dir = storage.join(path, STATE_DIR)
-        self.manifest_path = storage.join(path, MANIFEST)
+        self.manifest_path = storage.join(path, MANIFEST_FILE)
         self.journal = Journal(storage, path)
         self._lock = None
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from reshard_job.plan.planner import Plan
 from reshard_job.text import human_size, rank_ranges, table
+from reshard_job.formats.manifest_file import MANIFEST_FILE
 
 
 def plan_report(plan: Plan, *, predicted_peak: int, missing: dict[int, list[int]] | None = None,
@@ -58,7 +59,7 @@ def run_summary(result) -> str:
     if not result.output_dir:
         return ""
     lines = [f"{result.status}: outputs in {result.output_dir}"]
-    lines.append(f"  manifest: {result.output_dir.rstrip('/')}/manifest.json (file sha256 {result.manifest_sha256})")
+    lines.append(f"  manifest: {result.output_dir.rstrip('/')}/{MANIFEST_FILE} (file sha256 {result.manifest_sha256})")
     if result.run_id:
         lines.append(f"  lineage run {result.run_id}: python -m reshard_job.audit show {result.run_id}")
     if getattr(result, "nodes", None):
