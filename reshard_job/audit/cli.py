@@ -269,10 +269,10 @@ def _write(text: str, stream=None) -> None:
 
 def _save(path: str, text: str) -> None:
     from reshard_job.lineage.errors import LineageError
+    from reshard_job.storage.local_files import replace_file
 
     try:
-        with open(path, "w", encoding="utf-8") as handle:
-            handle.write(text)
+        replace_file(path, text.encode("utf-8"))
     except OSError as exc:
         raise LineageError(f"{os.path.abspath(path)}: cannot write ({exc.strerror or exc})") from None
 

@@ -25,6 +25,7 @@ from typing import Callable
 
 from reshard_job.errors import MissingRankError
 from reshard_job.storage import storage_for
+from reshard_job.storage.atomic import write_bytes_atomic
 from reshard_job.job.stages.convert import Outputs, convert
 from reshard_job.job.stages.executor_choice import cluster_layout
 from reshard_job.sources.index_cache import IndexCache
@@ -151,16 +152,12 @@ def _plan_json(prepared: Prepared, *, lazy: bool = False) -> dict:
 def _plan_only(spec: JobSpec, prepared: Prepared, emit: Callable[[str], None]) -> JobResult:
     check_identical(prepared)  # the conversion compares them while hashing; a plan reads them
     run_dir = spec.context.run_dir
-    os.makedirs(run_dir, exist_ok=True)
     plan_path = os.path.join(run_dir, "plan.json")
     peak = min(spec.run.max_memory, 2 * max((rp.largest_slice for rp in prepared.plan.ranks), default=0))
     doc = _plan_json(prepared)
     doc["predicted_peak_memory"] = peak
     doc["missing"] = {str(k): v for k, v in sorted(prepared.missing.items())}
-    tmp = plan_path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(doc, f, indent=1)
-    os.replace(tmp, plan_path)
+    write_bytes_atomic(plan_path, json.dumps(doc, indent=1).encode("utf-8"), mode=0o644)
     emit(plan_report(prepared.plan, predicted_peak=peak, missing=prepared.missing,
                      source_files=prepared.source_paths, checks=prepared.checks)
          + f"\n\nplan written to {plan_path} (nothing else was written)")

@@ -28,6 +28,8 @@ from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import DBAPIError, OperationalError
 
+from reshard_job.storage.local_files import make_folder
+
 URL_ENV_VAR = "RESHARD_LINEAGE_URL"
 DEFAULT_SQLITE_PATH = os.path.join("runs", "lineage.db")
 
@@ -116,7 +118,7 @@ def _configure_sqlite(engine: Engine) -> None:
         # The default database lives in runs/, which a fresh checkout or launch directory may
         # not have yet; SQLite creates the file but not its directory.
         if database_file is not None:
-            os.makedirs(os.path.dirname(database_file) or ".", exist_ok=True)
+            make_folder(os.path.dirname(database_file))
 
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_connection, _record):

@@ -36,6 +36,7 @@ from sqlalchemy import Connection, Engine, inspect, text
 
 from reshard_job.lineage.database import sqlite_file, writer
 from reshard_job.lineage.errors import SchemaError
+from reshard_job.storage.local_files import exclusive_lock, make_folder
 
 VERSION_TABLE = "alembic_version"
 # Arbitrary but fixed: every process of every version must agree on it.
@@ -120,7 +121,7 @@ def schema_lock(connection: Connection) -> Iterator[None]:
     backend = connection.engine.url.get_backend_name()
     database_file = sqlite_file(connection.engine.url)
     if database_file is not None:
-        with _file_lock(database_file + ".migrate.lock"):
+        with exclusive_lock(database_file + ".migrate.lock"):
             yield
     elif backend == "postgresql":
         connection.execute(text("SELECT pg_advisory_lock(:key)"), {"key": PG_ADVISORY_LOCK_KEY})
@@ -170,26 +171,11 @@ def check_foreign_keys(connection: Connection) -> None:
                           f"references in {', '.join(tables)}; rolled back")
 
 
-@contextlib.contextmanager
-def _file_lock(path: str) -> Iterator[None]:
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: fall back to tolerating races (see upgrade_to_head)
-        yield
-        return
-    with open(path, "a+b") as handle:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
-
-
 def upgrade_to_head(engine: Engine) -> None:
     """Migrate the database behind `engine` to the newest schema, concurrency-safe."""
     database_file = sqlite_file(engine.url)
     if database_file is not None:
-        os.makedirs(os.path.dirname(database_file) or ".", exist_ok=True)
+        make_folder(os.path.dirname(database_file))
     with engine.connect() as connection:
         if current_revision(connection) == quick_head_revision():
             return

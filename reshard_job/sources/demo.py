@@ -19,6 +19,7 @@ from reshard_job.formats.ckpt import CheckpointWriter
 from reshard_job.formats.strategy import read_strategy
 from reshard_job.core.layout import Layout
 from reshard_job.core.topology import Topology
+from reshard_job.storage.local_files import exclusive_lock, make_folder, publish_folder
 
 DEMO_NAME = "mlp_784-512-512-10_8ranks"
 SHAPES = {
@@ -58,25 +59,18 @@ def ensure_demo(root: str) -> tuple[str, str]:
     renames it into place under a lock, the others wait and then use it, so no job ever sees a
     demo file replaced under its feet.
     """
-    import fcntl
-    import shutil
-
     ckpt_dir = os.path.join(root, DEMO_NAME)
     strategy = strategy_path()
     topo = Topology.from_strategy(read_strategy(strategy))
     files = [os.path.join(ckpt_dir, f"rank_{r}", f"checkpoint_{r}.ckpt") for r in range(topo.devices)]
     if all(os.path.exists(f) for f in files):
         return ckpt_dir, strategy
-    os.makedirs(root, exist_ok=True)
-    with open(os.path.join(root, ".demo.lock"), "a") as lock:
-        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+    make_folder(root)
+    with exclusive_lock(os.path.join(root, ".demo.lock")):
         if all(os.path.exists(f) for f in files):
             return ckpt_dir, strategy
-        staging = f"{ckpt_dir}.{os.getpid()}.tmp"
-        shutil.rmtree(staging, ignore_errors=True)
-        _write_demo(staging, topo)
-        shutil.rmtree(ckpt_dir, ignore_errors=True)  # an incomplete set from an older version
-        os.rename(staging, ckpt_dir)
+        # an incomplete set from an older version is replaced
+        publish_folder(ckpt_dir, lambda staging: _write_demo(staging, topo))
     return ckpt_dir, strategy
 
 

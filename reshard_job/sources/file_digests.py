@@ -27,6 +27,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 from reshard_job.formats.ckpt.records import CRC_TRAILER_LEN
 from reshard_job.storage import SourceChangedError, StorageOptions, storage_for
+from reshard_job.storage.cache_files import write_cache_file
 
 BLOCK = 4 * 1024 * 1024
 REMOTE_BLOCK = 32 * 1024 * 1024
@@ -173,26 +174,6 @@ def default_cache_path() -> str:
     base = os.environ.get(CACHE_DIR_ENV) or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "reshard_job")
     return os.path.join(base, "source-digests.json")
-
-
-def write_cache_file(path: str, data: bytes) -> bool:
-    """Replace a file of the user's cache folder (created private) with `data`, atomically, so a
-    concurrent job reads the old or the new file; False where it cannot be written, which only
-    costs time (a cache never fails a job)."""
-    tmp = f"{path}.{os.getpid()}.tmp"
-    try:
-        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-        return True
-    except OSError:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        return False
 
 
 def _segments_key(segments) -> str | None:

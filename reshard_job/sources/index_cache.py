@@ -27,7 +27,8 @@ import json
 import os
 import zlib
 
-from reshard_job.sources.file_digests import default_cache_path, write_cache_file
+from reshard_job.sources.file_digests import default_cache_path
+from reshard_job.storage.cache_files import mark_used, remove_least_recently_used, write_cache_file
 
 MAX_FILES = 512  # documents kept; the least recently used beyond are removed
 MAX_BYTES = 256 * 1024 * 1024  # and their bytes
@@ -57,7 +58,7 @@ class IndexCache:
         try:
             with open(doc_path, "rb") as f:
                 doc = json.loads(zlib.decompress(f.read()))
-            os.utime(doc_path)  # recently used: kept when older ones are removed
+            mark_used(doc_path)  # recently used: kept when older ones are removed
         except (OSError, ValueError, zlib.error):
             return None
         if not isinstance(doc, dict) or doc.get("path") != os.path.abspath(path) or \
@@ -75,19 +76,4 @@ class IndexCache:
             self._trim()
 
     def _trim(self) -> None:
-        try:
-            with os.scandir(self.folder) as it:
-                docs = sorted((st.st_mtime_ns, st.st_size, e.path) for e in it if e.name.endswith(".json.z")
-                              for st in (e.stat(),))
-        except OSError:  # another job trimming at the same time: it will do
-            return
-        total = sum(size for _, size, _ in docs)
-        for _, size, path in docs:  # the least recently used first
-            if len(docs) <= MAX_FILES and total <= MAX_BYTES:
-                return
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
-            docs = docs[1:]
-            total -= size
+        remove_least_recently_used(self.folder, ".json.z", max_files=MAX_FILES, max_bytes=MAX_BYTES)

@@ -3,7 +3,9 @@
 ``storage_for(path)`` returns the back end that serves `path`: the local file system for plain
 paths, an fsspec-based one for URLs such as ``s3://bucket/prefix`` (installed with the ``[s3]``
 extra). Everything above this package (formats, execution, the job) reads and writes through
-the returned ``Storage`` only.
+the returned ``Storage`` only; the job's own local bookkeeping (caches, lock files, the lineage
+database's folder, a graph or plan file) goes through ``cache_files``, ``local_files`` and
+``atomic``. No file is written outside this package.
 """
 
 from __future__ import annotations

@@ -15,17 +15,8 @@ cannot grow, so ``append`` (the resume journal) rewrites the small log object wh
 
 Credentials (``storage.options`` keys such as ``key``/``secret``/``token``, or the environment)
 only ever reach s3fs: URLs are shown without any ``user:password@`` part, the storage's repr
-shows neither options nor keys, and no message includes them. botocore retries throttling, 5xx
-answers and dropped connections with exponential back-off (``standard`` mode, 5 attempts in all;
-``storage.options.config_kwargs.retries`` changes either), and a request that still fails becomes
-one ``StorageError`` line.
-
-s3fs objects are not fork-safe (their event loop thread does not survive ``fork``), and the job
-forks its workers; each process therefore builds its own client on first use. The parent's
-client must not even be closed in a child: its sockets and its event loop's epoll instance are
-shared with the parent, and closing them there unregisters the parent's connections from the
-parent's epoll, which then waits for answers it is never told about until the read timeout. A
-child therefore keeps the client it inherited untouched for its whole life (``_after_fork``).
+shows neither options nor keys, and no message includes them. How the client is configured
+(retries, timeouts), shared and kept safe across ``fork`` is ``s3client``'s.
 """
 
 from __future__ import annotations
@@ -33,20 +24,17 @@ from __future__ import annotations
 import concurrent.futures
 import fnmatch
 import hashlib
-import logging
 import os
 import posixpath
 import threading
-import weakref
 from typing import Any, Iterable
 
 from reshard_job.storage.base import KIND_DIR, KIND_FILE, FileInfo, SourceChangedError, StorageError
+from reshard_job.storage.s3client import (CHATTY_LOGGERS, CONNECT_TIMEOUT_SECONDS, DEFAULT_RETRIES,  # noqa: F401 (moved)
+                                          READ_TIMEOUT_SECONDS, make_s3fs, options_key, shared_store, track_store)
 from reshard_job.storage.s3errors import error_code, is_absent, is_precondition_failed, shorten, storage_error, strip_userinfo
 
 S3_SCHEMES = ("s3", "s3a")
-DEFAULT_RETRIES = {"total_max_attempts": 5, "mode": "standard"}  # botocore's max_attempts counts retries only
-CONNECT_TIMEOUT_SECONDS = 10
-READ_TIMEOUT_SECONDS = 120
 LIST_PAGE = 1000
 APPEND_MAX_BYTES = 64 * 1024 * 1024  # a log rewritten on every append must stay small
 APPEND_ATTEMPTS = 3
@@ -88,7 +76,7 @@ class S3Storage:
         self._fs = None
         self._fs_pid = -1
         self._fs_lock = threading.Lock()
-        _ALL_STORES.add(self)
+        track_store(self)
         self._conditional_by_bucket: dict[str, bool] = {}
         self._appended: dict[str, tuple[str, bytes]] = {}  # log URL -> (ETag, content) after our last append
 
@@ -114,27 +102,7 @@ class S3Storage:
             return self._fs
 
     def _make_fs(self):
-        try:
-            import s3fs
-        except ImportError:
-            raise StorageError(f"{self.scheme}:// paths need the s3 extra: pip install 'reshard_job[s3]'") from None
-        kwargs = dict(self._options)
-        if self._endpoint_url:
-            kwargs["endpoint_url"] = self._endpoint_url
-        config = dict(kwargs.pop("config_kwargs", None) or {})
-        config["retries"] = _retries(config.get("retries"))
-        config.setdefault("connect_timeout", CONNECT_TIMEOUT_SECONDS)
-        config.setdefault("read_timeout", READ_TIMEOUT_SECONDS)
-        # Keep botocore's optional CRC32 request checksums off where not required: several
-        # S3-compatible stores reject the trailing-checksum encoding they imply.
-        config.setdefault("request_checksum_calculation", "when_required")
-        config.setdefault("response_checksum_validation", "when_required")
-        kwargs.update(config_kwargs=config, skip_instance_cache=True, use_listings_cache=False)
-        _quiet_client_logs()
-        try:
-            return s3fs.S3FileSystem(**kwargs)
-        except TypeError as e:
-            raise StorageError(f"storage.options: not accepted by s3fs ({e})") from None
+        return make_s3fs(self.scheme, self._endpoint_url, self._options)
 
     async def client(self):
         """The aiobotocore client (call from coroutines run by ``run``/``submit``)."""
@@ -432,74 +400,12 @@ class S3Storage:
                        settle_seconds=self.settle_seconds)
 
 
-def _retries(given) -> dict:
-    """botocore's retry settings: the user's, completed with ours (a count given as botocore's
-    ``max_attempts``, retries after the first, replaces our total)."""
-    given = dict(given or {})
-    defaults = dict(DEFAULT_RETRIES)
-    if "max_attempts" in given:
-        defaults.pop("total_max_attempts")
-    return {**defaults, **given}
-
-
 def _in_folders(folder: str, patterns: list[str]) -> bool:
     """Whether a sub-folder ('' for the folder itself) is one of `patterns` (names or globs; a
     pattern's '*' does not cross a '/')."""
     if not folder:
         return True
     return any(folder.count("/") == p.count("/") and fnmatch.fnmatchcase(folder, p) for p in patterns)
-
-
-# botocore says at INFO where it found credentials and the endpoint, once per process: in a job
-# with many workers that is noise on every run, so only their warnings are shown.
-CHATTY_LOGGERS = ("aiobotocore.credentials", "botocore.credentials", "botocore.configprovider")
-
-
-def _quiet_client_logs() -> None:
-    for name in CHATTY_LOGGERS:
-        logger = logging.getLogger(name)
-        if logger.level == logging.NOTSET:
-            logger.setLevel(logging.WARNING)
-
-
-_STORES: dict[tuple, S3Storage] = {}
-_STORES_LOCK = threading.Lock()
-_ALL_STORES: "weakref.WeakSet[S3Storage]" = weakref.WeakSet()
-_INHERITED_CLIENTS: list = []  # a forked child's copies of its parent's clients, never closed
-
-
-def _after_fork() -> None:
-    """In a forked child: set the parent's clients aside, alive and with their finalizers detached.
-
-    Collecting one would run s3fs's finaliser, which closes its connections through the parent's
-    event loop, unregistering the parent's sockets from the epoll instance both processes share
-    (see the module docstring). Locks held by the parent's threads at the fork are replaced.
-    """
-    global _STORES_LOCK
-    _STORES_LOCK = threading.Lock()
-    inherited = []
-    for store in list(_ALL_STORES):
-        store._fs_lock = threading.Lock()
-        if store._fs is not None and store._fs_pid != os.getpid():
-            inherited.append(store._fs)
-            store._fs = None
-    if not inherited:
-        return
-    _INHERITED_CLIENTS.extend(inherited)
-    ids = {id(fs) for fs in inherited}
-    for finalizer, info in list(getattr(weakref.finalize, "_registry", {}).items()):
-        if id(info.weakref()) in ids:
-            finalizer.detach()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork)
-
-
-def _options_key(scheme: str, options) -> tuple:
-    # A digest, not the options themselves: the cache key must not keep credentials readable.
-    text = repr((scheme, options.endpoint_url, sorted((str(k), repr(v)) for k, v in (options.options or {}).items())))
-    return (scheme, hashlib.sha256(text.encode()).hexdigest())
 
 
 def remote_storage(url: str, options) -> S3Storage:
@@ -512,10 +418,5 @@ def remote_storage(url: str, options) -> S3Storage:
     if scheme not in S3_SCHEMES:
         raise StorageError(f"{shorten(strip_userinfo(url))}: {scheme}:// is not supported "
                            f"(object stores are reached as s3://bucket/prefix)")
-    key = _options_key(scheme, options)
-    with _STORES_LOCK:
-        store = _STORES.get(key)
-        if store is None:
-            store = _STORES[key] = S3Storage(scheme, endpoint_url=options.endpoint_url,
-                                             options=dict(options.options or {}))
-        return store
+    return shared_store(options_key(scheme, options),
+                        lambda: S3Storage(scheme, endpoint_url=options.endpoint_url, options=dict(options.options or {})))

@@ -41,7 +41,7 @@ from typing import Any, Callable
 from reshard_job.errors import OutputError
 from reshard_job.jsonchunks import plain
 from reshard_job.lineage.file_records import FileRecord
-from reshard_job.storage import storage_for
+from reshard_job.storage import LOCAL, storage_for
 from reshard_job.execute.tasks import RankResult
 from reshard_job.text import rank_ranges
 from reshard_job.job.output.journal import JournalEntry
@@ -183,7 +183,7 @@ def _remove_listed(out_dir: str, manifest: dict) -> None:
         path = os.path.join(out_dir, OutputDir._rel_listed(f))
         if _inside(os.path.dirname(path), out_dir):
             try:
-                os.unlink(path)
+                LOCAL.remove(path)
             except OSError:
                 pass
 

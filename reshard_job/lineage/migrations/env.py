@@ -28,6 +28,7 @@ from alembic import context
 from reshard_job.lineage.database import URL_ENV_VAR, create_lineage_engine, writer
 from reshard_job.lineage.migrate import check_foreign_keys, schema_lock, sqlite_foreign_keys_off
 from reshard_job.lineage.models import Base
+from reshard_job.storage.local_files import make_folder
 
 config = context.config
 target_metadata = Base.metadata
@@ -86,7 +87,7 @@ def run_migrations_online() -> None:
 
         database_file = sqlite_file(normalize_url(url))
         if database_file:
-            os.makedirs(os.path.dirname(database_file), exist_ok=True)
+            make_folder(os.path.dirname(database_file))
     engine = create_lineage_engine(url)
     try:
         with writer(engine).connect() as connection, schema_lock(connection):
