@@ -22,7 +22,6 @@ WRITE_FLAGS = {"O_WRONLY", "O_RDWR", "O_CREAT", "O_TRUNC", "O_APPEND"}
 NOT_YET = {
     "__main__.py",  # result.json, the job's log file
     "execute/export.py",  # the export's output folder
-    "job/stages/record.py",  # the lineage database's folder (``storage.local_files.make_folder``)
 }
 
 

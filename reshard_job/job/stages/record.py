@@ -36,12 +36,13 @@ class LineageRecorder:
     # ------------------------------------------------------------------------------ opening
     def _open(self):
         from reshard_job.lineage import LineageError, LineageStore
+        from reshard_job.storage.local_files import make_folder
 
         logging.getLogger("alembic").setLevel(logging.WARNING)  # migration chatter is not the job's news
         if self.url.startswith("sqlite:///"):
             db_dir = os.path.dirname(self.url[len("sqlite:///"):]) or "."
             try:
-                os.makedirs(db_dir, exist_ok=True)
+                make_folder(db_dir)
             except OSError as e:
                 raise LineageError(f"lineage database {mask_url(self.url)}: cannot create {db_dir} ({e.strerror}); "
                                    "lineage.enabled=false runs without recording") from None
