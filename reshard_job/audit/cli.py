@@ -33,6 +33,7 @@ import json
 import os
 import signal
 import sys
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -277,14 +278,48 @@ def _save(path: str, text: str) -> None:
         raise LineageError(f"{os.path.abspath(path)}: cannot write ({exc.strerror or exc})") from None
 
 
+# Traces, graphs and their JSON follow a chain of conversions hop by hop (the JSON nests a level per
+# hop, and json's encoder recurses too): an auditor's chain of thousands of conversions needs more
+# than the interpreter's default 1,000 frames. The command runs in a thread with a stack sized for
+# it (address space only; pages are touched as the walk goes deep).
+DEEP_STACK_BYTES = 512 << 20
+DEEP_RECURSION_LIMIT = 200_000
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
-        return _main(argv)
+        return _in_deep_stack(_main, argv)
     except _PipeClosed:
         return EXIT_BROKEN_PIPE
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+
+
+def _in_deep_stack(function, *args):
+    """`function(*args)` in a thread whose stack and recursion limit fit a long chain of hops;
+    its exception, if any, is raised here (Ctrl-C still reaches this thread's ``join``)."""
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = function(*args)
+        except BaseException as exc:  # noqa: BLE001 - handed to the calling thread as it was
+            outcome["error"] = exc
+
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, DEEP_RECURSION_LIMIT))
+    previous = threading.stack_size(DEEP_STACK_BYTES)
+    try:
+        worker = threading.Thread(target=run, name="reshard-audit", daemon=True)
+        worker.start()
+    finally:
+        threading.stack_size(previous)
+    worker.join()
+    sys.setrecursionlimit(limit)
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
 
 
 def _main(argv: list[str] | None) -> int:

@@ -444,3 +444,39 @@ def test_a_closed_pipe_stops_the_audit_quietly(tmp_path):
         assert result.stdout.startswith("RUN ID ") and result.stdout.count("\n") == 1
         assert (tmp_path / "err").read_text() == ""
         assert (tmp_path / "status").read_text().strip() in ("0", "141")
+
+
+HOPS = 300
+
+
+@pytest.mark.parametrize("command", [["trace", "LAST"], ["trace", "LAST", "--json"], ["trace", "FIRST", "--descendants"],
+                                     ["trace", "FIRST", "--descendants", "--json"], ["graph", "LAST", "--format", "dot"],
+                                     ["graph", "FIRST", "--descendants", "--format", "svg"]])
+def test_a_chain_of_hundreds_of_conversions_is_an_ordinary_input(tmp_path, make_file, command, capsys):
+    """300 successive conversions, each reading the last one's output: the walk reaches the first
+    file from the last (and back) without running out of interpreter stack."""
+    from reshard_job.lineage import LineageStore
+
+    url = f"sqlite:///{tmp_path / 'chain.db'}"
+    store = LineageStore(url)
+    store.ensure_schema()
+    files = [make_file(tmp_path / "hop_0.ckpt", b"hop 0", "source_checkpoint", 0)]
+    for hop in range(1, HOPS + 1):
+        run = store.start_run(config={}, overrides=[], tool_version="0.1.0", output_dir=str(tmp_path),
+                              source_devices=1, target_devices=1)
+        store.record_inputs(run, [files[-1]])
+        files.append(make_file(tmp_path / f"hop_{hop}.ckpt", f"hop {hop}".encode(), "target_checkpoint", 0))
+        store.complete_run(run, outputs=[files[-1]], plan={"ranks": []})
+    store.close()
+    argv = [{"FIRST": files[0].path, "LAST": files[-1].path}.get(a, a) for a in command]
+    assert main(["--db", url, *argv]) == 0
+    out = capsys.readouterr().out
+    far_end = files[0] if "LAST" in command else files[-1]
+    assert far_end.sha256 in out or os.path.basename(far_end.path) in out, out[-2000:]
+    if "--json" in command:  # nested a level per hop: parsed with room for the nesting
+        limit = sys.getrecursionlimit()
+        sys.setrecursionlimit(20_000)
+        try:
+            assert json.dumps(json.loads(out)).count('"run_id"') >= HOPS
+        finally:
+            sys.setrecursionlimit(limit)
