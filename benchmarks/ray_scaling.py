@@ -317,7 +317,7 @@ def main(argv=None) -> int:
     ap.add_argument("--data", default=str(HERE / "data"), help="where sources and outputs go")
     ap.add_argument("--results-dir", default=str(HERE / "results"))
     a = ap.parse_args(argv)
-    from reshard_job.job.run.progress import parse_bytes
+    from reshard_job.core.sizes import parse_size as parse_bytes
 
     a.max_memory_bytes = parse_bytes(a.max_memory)
     meta = gen.generate(gen.data_dir_for(a.data, a.size_gb, a.dtype), a.size_gb, a.dtype, sources=("src",),

@@ -53,6 +53,7 @@ from reshard_job.core.topology import OPTIMIZER_PREFIXES
 from reshard_job.plan.planner import ParamPlan, RankPlan
 from reshard_job.storage import StorageError, StorageOptions, absolute, storage_for
 from reshard_job.storage.atomic import write_bytes_atomic
+from reshard_job.core.sizes import parse_size
 
 INDEX_FILE = "model.safetensors.index.json"
 MAX_INDEX_BYTES = 1024**3  # an index larger than this is not one
@@ -69,25 +70,18 @@ TRAINING_STATE_NAMES = frozenset({
     "current_iterator_step", "last_overflow_iterator_step", "beta1_power", "beta2_power",
 })
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b|b)?\s*$", re.I)
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
 # ========================================================================================= pure
 
 
 def parse_shard_size(value: int | str) -> int:
-    """Bytes from an int or ``"5GB"`` / ``"500MB"`` (powers of 10) / ``"4GiB"`` (powers of 2)."""
-    if isinstance(value, bool):
-        raise ConfigError(f"target.max_shard_size must be a size such as 5GB, got {value!r}")
-    if isinstance(value, int):
-        size = value
-    else:
-        m = _SIZE.match(str(value))
-        if not m:
-            raise ConfigError(f"target.max_shard_size {value!r} is not a size (e.g. 5GB, 500MB, 4GiB or bytes)")
-        size = int(float(m.group(1)) * _UNITS[(m.group(2) or "b").lower()])
+    """Bytes from an int or a size text (``core.sizes``: ``"5GB"`` powers of 10 as ``transformers``
+    counts, ``"4GiB"`` powers of 2)."""
+    try:
+        size = parse_size(value)
+    except ValueError:
+        raise ConfigError(f"target.max_shard_size {value!r} is not a size (e.g. 5GB, 500MB, 4GiB or bytes)") from None
     if size < 1:
         raise ConfigError(f"target.max_shard_size must be at least 1 byte, got {value!r}")
     return size

@@ -118,3 +118,17 @@ def test_default_workers_follow_cpus_ranks_and_bytes(monkeypatch):
     assert executors.default_workers(8, 300 * mib) == 2
     assert executors.default_workers(8, 2070 * mib) == 8
     assert executors.default_workers(4, 0) == 1
+
+
+@pytest.mark.parametrize("key", ["job.max_memory", "target.max_shard_size"])
+@pytest.mark.parametrize("text,size", [("512M", 512 * 2**20), ("512MiB", 512 * 2**20), ("5GB", 5 * 10**9),
+                                       ("4GiB", 4 * 2**30), ("64k", 64 * 2**10), ("1.5GiB", 3 * 2**29)])
+def test_every_size_setting_takes_the_same_units(key, text, size):
+    """One parser for every size: what job.max_memory accepts, target.max_shard_size accepts too."""
+    from reshard_job.core.sizes import parse_size
+
+    assert parse_size(text) == size
+    if key == "target.max_shard_size":
+        from reshard_job.execute.export import parse_shard_size
+
+        assert parse_shard_size(text) == size

@@ -214,7 +214,7 @@ def _run(j: schema.JobConfig) -> RunSpec:
 
 
 def _ray(r: schema.RayConfig) -> RaySpec:
-    from reshard_job.job.run.ray.executor import parse_address  # pure; Ray itself is imported only when a job uses it
+    from reshard_job.job.config.ray_address import parse_address  # pure; Ray itself is imported only when a job uses it
 
     try:
         parse_address(r.address)
@@ -250,10 +250,10 @@ def _check_placement(output: OutputSpec, target: TargetSpec, run: RunSpec) -> No
 
 
 def _max_memory(value: Any) -> int:
-    from reshard_job.job.run.progress import parse_bytes
+    from reshard_job.core.sizes import parse_size
 
     try:
-        size = parse_bytes(value)
+        size = parse_size(value)
     except (ValueError, OverflowError) as e:
         raise ConfigError(f"job.max_memory: {e}") from None
     if not MIN_MEMORY <= size <= MAX_MEMORY:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import shutil
 import sys
 import time
@@ -73,23 +72,3 @@ class Progress:
             self._bar.close()
             self._bar = None
         self._redirect.close()
-
-
-def parse_bytes(value) -> int:
-    """'256MiB', '1GB', '512k', 1048576 -> bytes."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    text = str(value).strip().replace(" ", "")
-    units = {"": 1, "b": 1, "k": 1024, "kb": 1000, "kib": 1024, "m": 1024**2, "mb": 1000**2, "mib": 1024**2,
-             "g": 1024**3, "gb": 1000**3, "gib": 1024**3, "t": 1024**4, "tb": 1000**4, "tib": 1024**4}
-    num = text.rstrip("bBkKmMgGtTiI")
-    unit = text[len(num):].lower()
-    try:
-        value = float(num)
-    except ValueError:
-        raise ValueError(f"not a size: {text!r} (try e.g. 512MiB)") from None
-    if not math.isfinite(value):
-        raise ValueError(f"not a finite size: {text!r} (try e.g. 512MiB)")
-    if unit not in units:
-        raise ValueError(f"unknown size unit in {text!r} (use KiB, MiB, GiB)")
-    return int(value * units[unit])
