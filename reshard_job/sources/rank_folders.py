@@ -22,7 +22,6 @@ all its shards. Those two are local folders only (their readers use the file sys
 from __future__ import annotations
 
 import fnmatch
-import os
 import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -193,33 +192,6 @@ def discover_mindformers(src_dir: str, iteration: int | None = None,
         files[rank] = tuple(paths)
         identities[rank] = tuple(tuple(i.identity) if i is not None else () for i in infos)
     return RankFiles(source.root, files, "safetensors", {}, identities), source
-
-
-def is_export_source(src_dir: str | None, storage_options: StorageOptions | None = None) -> bool:
-    """Whether `src_dir` (a folder, or a prefix in a bucket) holds safetensors shards with
-    ``model.safetensors.index.json``."""
-    from reshard_job.execute.export import INDEX_FILE
-
-    if src_dir is None:
-        return False
-    src_dir = absolute(src_dir)
-    where = storage_for(src_dir, storage_options)
-    try:
-        info = where.info(where.join(src_dir, INDEX_FILE))
-    except (OSError, StorageError):
-        return False
-    return info is not None and info.is_file
-
-
-def discover_export(src_dir: str, storage_options: StorageOptions | None = None) -> RankFiles:
-    """An export folder as one unsharded source rank: rank 0 is every shard its index names."""
-    from reshard_job.execute.export import export_files
-
-    src_dir = absolute(src_dir)
-    files = export_files(src_dir, storage_options)
-    storage = storage_for(src_dir, storage_options)
-    identities = tuple(tuple(i.identity) if (i := storage.info(f)) is not None else () for f in files)
-    return RankFiles(storage.parent(files[0]), {0: files}, "safetensors", {}, {0: identities})
 
 
 @dataclass(frozen=True)

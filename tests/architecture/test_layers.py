@@ -32,7 +32,8 @@ LAYERS = [
     ["reshard_job.job.output"],
     ["reshard_job.job.run"],
     ["reshard_job.job.stages"],
-    ["reshard_job.job", "reshard_job.job.cli"],  # reshard_job.job: the runner
+    ["reshard_job.job"],  # the runner
+    ["reshard_job.job.cli"],  # the Hydra entry point over the runner
     ["reshard_job.api", "reshard_job.__main__"],
 ]
 RANK = {room: i for i, rooms in enumerate(LAYERS) for room in rooms}

@@ -21,10 +21,10 @@ from safetensors.numpy import load_file
 from reshard_job.errors import ConfigError, FormatError, PlanError
 from reshard_job.sources.open_files import SourceFiles
 from reshard_job.execute.rank_task import execute_rank
-from reshard_job.execute.export import (
-    INDEX_FILE, export_safetensors, is_training_state, natural_key, open_export, parse_shard_size, plan_export,
-    read_index, shard_file_name,
-)
+from reshard_job.execute.export import export_safetensors
+from reshard_job.formats.hf_index import INDEX_FILE
+from reshard_job.plan.export_shards import is_training_state, natural_key, parse_shard_size, plan_export, shard_file_name
+from reshard_job.sources.export_folder import open_export, read_index
 from reshard_job.formats.ckpt import CheckpointReader
 from reshard_job.sources.mindformers import load_mindformers
 from reshard_job.formats.strategy import read_strategy

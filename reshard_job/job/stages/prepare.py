@@ -33,8 +33,8 @@ from reshard_job.formats.tensorfile import KIND_TENSOR
 from reshard_job.sources.file_digests import HashCache, default_cache_path
 from reshard_job.sources.index_cache import IndexCache
 from reshard_job.plan.planner import Plan, Planner, TensorMeta, identical_mismatch, source_ranks_for
-from reshard_job.sources.rank_folders import (LoadedStrategy, RankFiles, discover, discover_export, discover_mindformers, is_export_source,
-                       is_mindformers_source, load_strategy)
+from reshard_job.sources.export_folder import discover_export, is_export_source
+from reshard_job.sources.rank_folders import (LoadedStrategy, RankFiles, discover, discover_mindformers, is_mindformers_source, load_strategy)
 from reshard_job.storage import StorageOptions, storage_for
 from reshard_job.execute.tasks import FORMAT_SAFETENSORS_INDEX, files_of
 from reshard_job.text import shorten

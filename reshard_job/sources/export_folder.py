@@ -1,0 +1,74 @@
+"""Export folders as sources: safetensors shards named by ``model.safetensors.index.json``, read
+back as one unsharded source rank (rank 0 is every shard the index names)."""
+
+from __future__ import annotations
+
+import os
+
+from reshard_job.errors import FormatError
+from reshard_job.formats.hf_index import INDEX_FILE, MAX_INDEX_BYTES, check_against_index, parse_index
+from reshard_job.formats.multifile import MultiFileSources
+from reshard_job.sources.rank_folders import RankFiles
+from reshard_job.storage import StorageError, StorageOptions, absolute, storage_for
+
+
+def read_index(out_dir: str | os.PathLike, storage: StorageOptions | None = None) -> dict[str, str]:
+    """The weight map of an export folder's index (tensor -> shard file), checked for shape."""
+    out_dir = absolute(out_dir)
+    where = storage_for(out_dir, storage)
+    path = where.join(out_dir, INDEX_FILE)
+    try:
+        data = where.read_bytes(path, MAX_INDEX_BYTES)
+    except FileNotFoundError:
+        raise FormatError(path, "index not found (not a safetensors export folder, or an incomplete one)") from None
+    except (OSError, StorageError) as e:
+        raise FormatError(path, f"cannot be read as JSON ({e})") from None
+    return parse_index(data, path)
+
+
+def export_files(out_dir: str | os.PathLike, storage: StorageOptions | None = None) -> tuple[str, ...]:
+    """The shard files an export folder's index names (absolute, sorted); FormatError if one is absent."""
+    out_dir = absolute(out_dir)
+    where = storage_for(out_dir, storage)
+    present = {e.name for e in where.listdir(out_dir) if e.is_file}
+    names = sorted(set(read_index(out_dir, storage).values()))
+    for name in names:
+        if name not in present:
+            raise FormatError(where.join(out_dir, INDEX_FILE), f"names {name}, which is not in the folder")
+    return tuple(where.join(out_dir, name) for name in names)
+
+
+def open_export(out_dir: str | os.PathLike, *, verify_crc: bool = True) -> MultiFileSources:
+    """An export folder as one unsharded source rank (rank 0), its files checked against the index."""
+    out_dir = os.path.abspath(os.fspath(out_dir))
+    weight_map = read_index(out_dir)
+    sources = MultiFileSources({0: export_files(out_dir)}, verify_crc=verify_crc)
+    try:
+        check_against_index(sources.reader(0), weight_map, os.path.join(out_dir, INDEX_FILE))
+    except BaseException:
+        sources.close()
+        raise
+    return sources
+
+
+def is_export_source(src_dir: str | None, storage_options: StorageOptions | None = None) -> bool:
+    """Whether `src_dir` (a folder, or a prefix in a bucket) holds safetensors shards with
+    ``model.safetensors.index.json``."""
+    if src_dir is None:
+        return False
+    src_dir = absolute(src_dir)
+    where = storage_for(src_dir, storage_options)
+    try:
+        info = where.info(where.join(src_dir, INDEX_FILE))
+    except (OSError, StorageError):
+        return False
+    return info is not None and info.is_file
+
+
+def discover_export(src_dir: str, storage_options: StorageOptions | None = None) -> RankFiles:
+    """An export folder as one unsharded source rank: rank 0 is every shard its index names."""
+    src_dir = absolute(src_dir)
+    files = export_files(src_dir, storage_options)
+    storage = storage_for(src_dir, storage_options)
+    identities = tuple(tuple(i.identity) if (i := storage.info(f)) is not None else () for f in files)
+    return RankFiles(storage.parent(files[0]), {0: files}, "safetensors", {}, {0: identities})
