@@ -50,15 +50,19 @@ def temp_name_for(path: str) -> str:
     return os.path.join(head, f".{tail}.{uuid.uuid4().hex[:12]}{TMP_SUFFIX}")
 
 
+# file systems that cannot sync a directory say so with these; anything else (EIO, EROFS after a
+# remount) means the rename may not survive a crash, and a run must not report success then
+_DIR_SYNC_UNSUPPORTED = {errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP}
+
+
 def fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path or ".", os.O_RDONLY)
-    except OSError:
-        return
+    """Make a rename into `path` durable; OSError when the file system failed to."""
+    fd = os.open(path or ".", os.O_RDONLY)
     try:
         os.fsync(fd)
-    except OSError:
-        pass
+    except OSError as e:
+        if e.errno not in _DIR_SYNC_UNSUPPORTED:
+            raise
     finally:
         os.close(fd)
 
@@ -96,7 +100,11 @@ class SealedFile:
             self.abort()
             raise _write_error(self.path, e) from None
         if self.fsync:
-            fsync_dir(os.path.dirname(self.path))
+            try:
+                fsync_dir(os.path.dirname(self.path))
+            except OSError as e:  # published, but not durably: the run has failed
+                raise OutputError(f"{self.path}: written, but its folder could not be made durable "
+                                  f"({e.strerror or e}); the file may not survive a crash") from None
 
     def abort(self) -> None:
         try:

@@ -4,6 +4,7 @@ of exactly those bytes, however the ranges fall across staging blocks."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import random
@@ -99,3 +100,29 @@ def test_reserved_space_filled_in_place_lands_between_writes(tmp_path, seed):
     assert (tmp_path / "out.bin").read_bytes() == whole and size == len(whole)
     assert digest == hashlib.sha256(whole).hexdigest()
     assert h.hexdigest() == hashlib.sha256(b"".join(tapped)).hexdigest()
+
+
+@pytest.mark.parametrize("code,fails", [(errno.EIO, True), (errno.EROFS, True), (errno.EINVAL, False)])
+def test_a_folder_that_cannot_be_made_durable_fails_the_write(tmp_path, monkeypatch, code, fails):
+    """The rename is durable only once its folder is synced: an I/O error there (a disk remounted
+    read-only) fails the write in one line; a file system that cannot sync folders (EINVAL) does not."""
+    import stat
+
+    from reshard_job.errors import OutputError
+    from reshard_job.storage import atomic as atomic_module
+
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(code, os.strerror(code))
+        return real_fsync(fd)
+
+    monkeypatch.setattr(atomic_module.os, "fsync", fsync)
+    target = tmp_path / "manifest.json"
+    if fails:
+        with pytest.raises(OutputError, match=r"manifest.json: written, but its folder could not be made durable"):
+            atomic_module.write_bytes_atomic(target, b"{}\n")
+    else:
+        atomic_module.write_bytes_atomic(target, b"{}\n")
+    assert target.read_bytes() == b"{}\n"
