@@ -238,7 +238,7 @@ def _open_store(url: str):
     if database_file is not None and not os.path.exists(database_file):
         raise LineageError(f"no lineage database at {database_file} (no job has recorded there yet; "
                            "use --db or $RESHARD_LINEAGE_URL)")
-    return LineageStore(url)
+    return LineageStore(url, read_only=True)
 
 
 class _PipeClosed(Exception):

@@ -34,6 +34,7 @@ URL_ENV_VAR = "RESHARD_LINEAGE_URL"
 DEFAULT_SQLITE_PATH = os.path.join("runs", "lineage.db")
 
 SQLITE_BUSY_TIMEOUT_S = 30.0
+POSTGRES_CONNECT_TIMEOUT_S = 10
 # Options on a connection that will write; read by the "begin" hook below.
 WRITE_OPTION = "reshard_lineage_write"
 
@@ -90,18 +91,50 @@ def json_text(value) -> str:
     return json.dumps(value)
 
 
-def create_lineage_engine(url: str | URL) -> Engine:
-    """An engine for `url` with the per-backend settings described in the module docstring."""
+def create_lineage_engine(url: str | URL, *, read_only: bool = False) -> Engine:
+    """An engine for `url` with the per-backend settings described in the module docstring;
+    `read_only` opens an SQLite file without writing to it (see ``_sqlite_read_only``)."""
     parsed = normalize_url(url)
     kwargs: dict = {"future": True, "json_serializer": json_text}
     if parsed.get_backend_name() == "sqlite":
         kwargs["connect_args"] = {"timeout": SQLITE_BUSY_TIMEOUT_S}
+        database_file = sqlite_file(parsed)
+        if read_only and database_file is not None:
+            return _sqlite_read_only(database_file, kwargs)
     elif parsed.get_backend_name() == "postgresql":
-        # A connection that died with its server (restarts, failovers) is replaced silently.
+        # A connection that died with its server (restarts, failovers) is replaced silently;
+        # an unreachable server is reported after a bounded wait, not the driver's minutes.
         kwargs["pool_pre_ping"] = True
+        kwargs["connect_args"] = {"connect_timeout": POSTGRES_CONNECT_TIMEOUT_S}
     engine = create_engine(parsed, **kwargs)
     if parsed.get_backend_name() == "sqlite":
         _configure_sqlite(engine)
+    return engine
+
+
+def _sqlite_read_only(database_file: str, kwargs: dict) -> Engine:
+    """An SQLite file opened for reading only (``mode=ro``; ``immutable=1`` where the file or its
+    folder cannot be written, since a WAL database otherwise needs to create its index file).
+    No pragma that writes (journal mode) is issued."""
+    import sqlite3
+    from urllib.parse import quote
+
+    writable = os.access(database_file, os.W_OK) and os.access(os.path.dirname(database_file) or ".", os.W_OK)
+    uri = f"file:{quote(os.path.abspath(database_file))}?mode=ro" + ("" if writable else "&immutable=1")
+    timeout = kwargs["connect_args"]["timeout"]
+    engine = create_engine("sqlite://", creator=lambda: sqlite3.connect(uri, uri=True, timeout=timeout,
+                                                                       check_same_thread=False),
+                           future=True, json_serializer=json_text)
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection, _record):
+        dbapi_connection.isolation_level = None
+        dbapi_connection.execute(f"PRAGMA busy_timeout = {int(SQLITE_BUSY_TIMEOUT_S * 1000)}")
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(connection):
+        connection.exec_driver_sql("BEGIN")
+
     return engine
 
 

@@ -54,9 +54,11 @@ def utc_now() -> dt.datetime:
 class LineageStore:
     """Records runs, their input and output files, and their plans in a lineage database."""
 
-    def __init__(self, url: str | None = None):
+    def __init__(self, url: str | None = None, *, read_only: bool = False):
+        """`read_only`: for reading only (the audit): a database file nobody may write (a copy an
+        auditor was given, a read-only mount) opens as it is, and nothing is ever written to it."""
         self.url = normalize_url(url or default_url())
-        self.engine = create_lineage_engine(self.url)
+        self.engine = create_lineage_engine(self.url, read_only=read_only)
         self._reader = sessionmaker(self.engine, expire_on_commit=False)
         self._writer = sessionmaker(writer(self.engine), expire_on_commit=False)
 

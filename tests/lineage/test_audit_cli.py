@@ -480,3 +480,51 @@ def test_a_chain_of_hundreds_of_conversions_is_an_ordinary_input(tmp_path, make_
             assert json.dumps(json.loads(out)).count('"run_id"') >= HOPS
         finally:
             sys.setrecursionlimit(limit)
+
+
+def _obey_permission_bits():
+    """preexec_fn: root without CAP_DAC_OVERRIDE/READ_SEARCH, so a 0444 file is read-only to it."""
+    if os.geteuid() != 0:
+        return None
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def drop() -> None:
+        for cap in (1, 2):
+            if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
+                raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+    return drop
+
+
+def test_a_read_only_copy_of_the_database_is_audited(tmp_path, make_file):
+    """An auditor's read-only copy (file 0444 in a 0555 folder, WAL mode): every command reads it, and
+    nothing is written beside it."""
+    from reshard_job.lineage import LineageStore
+
+    db = tmp_path / "given" / "lineage.db"
+    store = LineageStore(f"sqlite:///{db}")
+    store.ensure_schema()
+    source = make_file(tmp_path / "src.ckpt", b"source", "source_checkpoint", 0)
+    run = store.start_run(config={}, overrides=[], tool_version="0.1.0", output_dir=str(tmp_path),
+                          source_devices=1, target_devices=1)
+    store.record_inputs(run, [source])
+    output = make_file(tmp_path / "out.ckpt", b"output", "target_checkpoint", 0)
+    store.complete_run(run, outputs=[output], plan={"ranks": []})
+    store.close()
+    for extra in db.parent.glob("lineage.db-*"):
+        extra.unlink()
+    db.chmod(0o444)
+    db.parent.chmod(0o555)
+    try:
+        before = sorted(p.name for p in db.parent.iterdir())
+        for args in (["runs"], ["show", run[:8]], ["trace", output.path], ["trace", source.path, "--descendants"]):
+            res = subprocess.run([sys.executable, "-m", "reshard_job.audit", "--db", f"sqlite:///{db}", *args],
+                                 capture_output=True, text=True, cwd=tmp_path, preexec_fn=_obey_permission_bits(),
+                                 env=_environment())
+            assert res.returncode == 0, (args, res.stderr)
+            assert run[:8] in res.stdout or os.path.basename(source.path) in res.stdout, res.stdout
+        assert sorted(p.name for p in db.parent.iterdir()) == before
+    finally:
+        db.parent.chmod(0o755)
