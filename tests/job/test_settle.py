@@ -120,15 +120,47 @@ def test_default_workers_follow_cpus_ranks_and_bytes(monkeypatch):
     assert executors.default_workers(4, 0) == 1
 
 
-@pytest.mark.parametrize("key", ["job.max_memory", "target.max_shard_size"])
+SIZE_KEYS = ["job.max_memory", "target.max_shard_size"]
+
+
+@pytest.mark.parametrize("key", SIZE_KEYS)
 @pytest.mark.parametrize("text,size", [("512M", 512 * 2**20), ("512MiB", 512 * 2**20), ("5GB", 5 * 10**9),
-                                       ("4GiB", 4 * 2**30), ("64k", 64 * 2**10), ("1.5GiB", 3 * 2**29)])
-def test_every_size_setting_takes_the_same_units(key, text, size):
+                                       ("4GiB", 4 * 2**30), ("64k", 64 * 2**10), ("1.5GiB", 3 * 2**29),
+                                       ("2048", 2048), ("100KB", 100_000)])
+def test_every_size_setting_takes_the_same_units(tmp_path, key, text, size):
     """One parser for every size: what job.max_memory accepts, target.max_shard_size accepts too."""
+    overrides = (f"{key}={text}",)
+    spec = settle(_compose(*overrides), _ctx(tmp_path, *overrides))
+    assert (spec.run.max_memory if key == "job.max_memory" else spec.target.max_shard_size) == size
+
+
+@pytest.mark.parametrize("key", SIZE_KEYS)
+@pytest.mark.parametrize("text", ["lots", "5XB", "inf", "12Mo"])
+def test_a_size_that_is_not_one_is_refused_naming_the_key(tmp_path, key, text):
+    overrides = (f"{key}={text}",)
+    with pytest.raises(ConfigError) as err:
+        settle(_compose(*overrides), _ctx(tmp_path, *overrides))
+    assert str(err.value).startswith(key) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("text,size", [
+    # what job.max_memory accepted (single letters and their B/iB forms, any case, spaces, fractions)
+    ("1k", 2**10), ("1K", 2**10), ("1m", 2**20), ("1G", 2**30), ("1t", 2**40), ("1kb", 10**3), ("1KiB", 2**10),
+    ("1 GiB", 2**30), ("0.5M", 2**19), ("100b", 100), ("100", 100), (100, 100),
+    # what target.max_shard_size accepted (decimal and binary units with B)
+    ("5GB", 5 * 10**9), ("500MB", 500 * 10**6), ("2TB", 2 * 10**12), ("4GiB", 4 * 2**30), ("1TiB", 2**40),
+    ("1.5GB", 1_500_000_000), (" 5 GB ", 5 * 10**9), ("10B", 10),
+])
+def test_the_size_parser_keeps_every_spelling_either_setting_took(text, size):
+    from reshard_job.core.sizes import parse_size
+    from reshard_job.execute.export import parse_shard_size
+
+    assert parse_size(text) == size == parse_shard_size(text)
+
+
+@pytest.mark.parametrize("value", [True, "lots", "1e400", "nan", "5XB", "GB", ""])
+def test_the_size_parser_refuses_what_is_not_a_size(value):
     from reshard_job.core.sizes import parse_size
 
-    assert parse_size(text) == size
-    if key == "target.max_shard_size":
-        from reshard_job.execute.export import parse_shard_size
-
-        assert parse_shard_size(text) == size
+    with pytest.raises(ValueError):
+        parse_size(value)

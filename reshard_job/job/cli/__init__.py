@@ -1,1 +1,2 @@
-"""The Hydra entry point's helpers: one-line configuration errors, the sweep summary."""
+"""The Hydra entry point (``python -m reshard_job``): the app (``app``), its task function (``task``),
+exit statuses, result.json, one-line errors, the sweep summary."""

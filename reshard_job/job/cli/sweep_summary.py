@@ -14,9 +14,9 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from reshard_job.job.cli.result_file import RESULT_FILE
 from reshard_job.text import table
 
-RESULT_FILE = "result.json"
 FAILED = []  # job numbers that failed in this process's sweep, for the exit status
 
 
