@@ -60,7 +60,8 @@ if _REPO not in sys.path:  # allow running from a checkout without installing
     sys.path.insert(0, _REPO)
 
 from reshard_job.formats.ckpt import CheckpointWriter  # noqa: E402
-from reshard_job.formats.strategy import ParamLayout, StrategyFile, StrategyItem, write_strategy  # noqa: E402
+from reshard_job.core.strategy_model import ParamLayout, StrategyFile, StrategyItem  # noqa: E402
+from reshard_job.formats.strategy import write_strategy
 
 GENERATOR_VERSION = 1
 DEFAULT_SEED = 20240601

@@ -40,7 +40,7 @@ import tracemalloc
 def build(per_rank: int, target_devices: int):
     """(source topology, target topology, index) of a MoE model with `per_rank` entries per rank."""
     from reshard_job.core.strategy_model import ParamLayout, StrategyFile, StrategyItem
-    from reshard_job.plan.planner import TensorMeta
+    from reshard_job.core.tensor_meta import TensorMeta
     from reshard_job.core.topology import Topology
 
     hidden, ffn = 128, 256

@@ -24,7 +24,7 @@ from reshard_job.core.boxes import Box, box_shape, intersect, split_rows
 from reshard_job.formats.tensor_digests import TensorDigests
 from reshard_job.formats.registry import open_writer
 from reshard_job.formats.tensorfile import KIND_MAP, KIND_STR, KIND_TENSOR, Scratch
-from reshard_job.plan.planner import ACTION_COPY, ParamPlan, ParamPlans, RankPlan
+from reshard_job.plan.model import ACTION_COPY, ParamPlan, ParamPlans, RankPlan
 from reshard_job.execute.read_ahead import announce
 from reshard_job.sources.open_files import SourceFiles
 from reshard_job.execute.tasks import FORMAT_CKPT, RankResult, RankTask

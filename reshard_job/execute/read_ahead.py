@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING, Mapping
 
 import reshard_job.core.dtypes as dtypes
 from reshard_job.formats.tensorfile import KIND_TENSOR
-from reshard_job.plan.planner import ACTION_COPY
+from reshard_job.plan.model import ACTION_COPY
 
 if TYPE_CHECKING:
     from reshard_job.formats.tensorfile import TensorEntry
-    from reshard_job.plan.planner import RankPlan
+    from reshard_job.plan.model import RankPlan
 
 MIN_BUDGET = 1024 * 1024
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from reshard_job.plan.planner import RankPlan
+from reshard_job.plan.model import RankPlan
 from reshard_job.sources.open_files import files_of  # noqa: F401 (a task names its files through it)
 from reshard_job.storage import StorageOptions
 

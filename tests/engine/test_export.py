@@ -28,7 +28,8 @@ from reshard_job.sources.export_folder import open_export, read_index
 from reshard_job.formats.ckpt import CheckpointReader
 from reshard_job.sources.mindformers import load_mindformers
 from reshard_job.formats.strategy import read_strategy
-from reshard_job.plan.planner import ParamPlan, Planner, RankPlan
+from reshard_job.plan.model import ParamPlan, RankPlan
+from reshard_job.plan.planner import Planner
 from reshard_job.core.topology import Topology
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"

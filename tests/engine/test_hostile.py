@@ -17,10 +17,14 @@ import pytest
 
 from reshard_job.errors import LayoutError, MissingRankError, PlanError, ReshardError, StrategyFormatError
 from reshard_job.formats import wire
-from reshard_job.formats.strategy import (MAX_AXES, MAX_DEVICES, ParamLayout, StrategyFile, StrategyItem, read_strategy,
-                                          write_strategy)
+from reshard_job.core.strategy_model import MAX_AXES, MAX_DEVICES, ParamLayout, StrategyFile, StrategyItem
+from reshard_job.formats.strategy import read_strategy, write_strategy
 from reshard_job.core.layout import Layout
-from reshard_job.plan.planner import MISSING_SAMPLE, ParamPlans, Planner, TensorMeta, needed_local_ranks, source_ranks_for
+from reshard_job.plan.planner import MISSING_SAMPLE, Planner
+from reshard_job.plan.model import ParamPlans
+from reshard_job.core.tensor_meta import TensorMeta
+from reshard_job.plan.patterns import needed_local_ranks
+from reshard_job.plan.rank_list import source_ranks_for
 from reshard_job.core.topology import Topology
 
 ITEMS = [StrategyItem("op", 0, ())]
@@ -216,7 +220,7 @@ def test_planning_memory_is_small_per_parameter_and_linear():
 
 
 def test_plan_json_is_compact_and_round_trips():
-    from reshard_job.plan.planner import Plan
+    from reshard_job.plan.model import Plan
 
     _, plan = planning_peak(2000)
     doc = json.dumps(plan.to_json())

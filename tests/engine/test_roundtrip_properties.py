@@ -27,7 +27,10 @@ from reshard_job.formats.ckpt import CheckpointReader, CheckpointWriter
 from reshard_job.formats.strategy import write_strategy
 from reshard_job.core.strategy_model import ParamLayout, StrategyFile, StrategyItem
 from reshard_job.core.layout import Layout, unflatten
-from reshard_job.plan.planner import ACTION_RESHARD, Planner, TensorMeta, source_ranks_for
+from reshard_job.plan.model import ACTION_RESHARD
+from reshard_job.plan.planner import Planner
+from reshard_job.core.tensor_meta import TensorMeta
+from reshard_job.plan.rank_list import source_ranks_for
 from reshard_job.core.topology import Topology
 
 from .reference import dev_matrices, divisors, lcm, param_layouts, reference_box

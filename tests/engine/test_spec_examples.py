@@ -18,7 +18,8 @@ from reshard_job.formats.ckpt import CheckpointReader, CheckpointWriter
 from reshard_job.formats.strategy import write_strategy
 from reshard_job.core.strategy_model import ParamLayout, StrategyFile, StrategyItem
 from reshard_job.core.layout import Layout
-from reshard_job.plan.planner import Planner, TensorMeta
+from reshard_job.plan.planner import Planner
+from reshard_job.core.tensor_meta import TensorMeta
 from reshard_job.core.topology import Topology
 
 RANK_CODE = 16

@@ -20,10 +20,11 @@ import pytest
 from reshard_job.errors import PlanError, ReshardError, StrategyFormatError
 from reshard_job.sources.open_files import SourceFiles
 from reshard_job.formats.ckpt import CheckpointReader
-from reshard_job.formats.strategy import (StrategyFile, StrategyItem, merge_strategy_files, read_strategy,
-                                          to_json_bytes, write_strategy)
-from reshard_job.plan.planner import (CHECK_IDENTICAL, CHECK_OPTIMIZER, CHECK_STAGES, Plan, Planner,
-                              identical_mismatch)
+from reshard_job.core.strategy_model import StrategyFile, StrategyItem
+from reshard_job.formats.strategy import merge_strategy_files, read_strategy, to_json_bytes, write_strategy
+from reshard_job.plan.checks import CHECK_IDENTICAL, CHECK_OPTIMIZER, CHECK_STAGES, identical_mismatch
+from reshard_job.plan.model import Plan
+from reshard_job.plan.planner import Planner
 from reshard_job.sources.rank_folders import discover, load_strategy
 from reshard_job.core.topology import Topology, optimizer_base
 

@@ -153,7 +153,7 @@ def test_a_size_that_is_not_one_is_refused_naming_the_key(tmp_path, key, text):
 ])
 def test_the_size_parser_keeps_every_spelling_either_setting_took(text, size):
     from reshard_job.core.sizes import parse_size
-    from reshard_job.execute.export import parse_shard_size
+    from reshard_job.plan.export_shards import parse_shard_size
 
     assert parse_size(text) == size == parse_shard_size(text)
 

@@ -26,8 +26,8 @@ from reshard_job.errors import ConfigError, ReshardError  # noqa: E402
 from reshard_job.sources.open_files import SourceFiles  # noqa: E402
 from reshard_job.execute.rank_task import run_rank_task
 from reshard_job.core.placement import per_node_placement  # noqa: E402
-from reshard_job.job.run.ray.executor import (RankTaskError, RayConnectionError, RayExecutor,  # noqa: E402
-                                          RayExecutorError, memory_per_task)
+from reshard_job.job.run.ray.errors import RankTaskError, RayConnectionError, RayExecutorError
+from reshard_job.job.run.ray.executor import RayExecutor, memory_per_task
 from reshard_job.plan.planner import Planner  # noqa: E402
 from reshard_job.sources.rank_folders import discover, load_strategy  # noqa: E402
 from reshard_job.execute.tasks import RankTask  # noqa: E402

@@ -22,9 +22,10 @@ from reshard_job.execute.tasks import FORMAT_SAFETENSORS_INDEX, TARGET_FORMATS
 import reshard_job.job.config.schema as schema
 from reshard_job.secrets import mask_config
 from reshard_job.core.placement import devices_per_node_for
-from reshard_job.job.config.spec import (EXECUTOR_LOCAL, EXECUTOR_RAY, MODE_CONVERT, MODE_PLAN, PLACEMENT_PER_NODE, PLACEMENT_SHARED,
-                   ClusterSpec, JobContext, JobSpec, LineageSpec, OutputSpec, RaySpec, RunSpec, SourceSpec,
-                   TargetSpec)
+from reshard_job.job.config.spec import (EXECUTOR_LOCAL, EXECUTOR_RAY, MODE_CONVERT, MODE_PLAN, ClusterSpec,
+                                         JobContext, JobSpec, LineageSpec, OutputSpec, RaySpec, RunSpec,
+                                         SourceSpec, TargetSpec)
+from reshard_job.core.placement import PLACEMENT_PER_NODE, PLACEMENT_SHARED
 
 MAX_DEVICES = 1 << 20  # documented ceiling on device counts and rank ids
 MAX_WORKERS = 1024
@@ -149,7 +150,7 @@ def _target(t: schema.TargetConfig, ctx: JobContext) -> TargetSpec:
 def _export_options(t: schema.TargetConfig, strategy: str | None, layout: dict | None,
                     devices: int | None) -> tuple[int, str]:
     """target.max_shard_size in bytes and target.include; an export is one full model, never sharded."""
-    from reshard_job.execute.export import INCLUDE_CHOICES, parse_shard_size
+    from reshard_job.plan.export_shards import INCLUDE_CHOICES, parse_shard_size
 
     size = parse_shard_size(t.max_shard_size)
     if t.include not in INCLUDE_CHOICES:

@@ -23,10 +23,10 @@ from dataclasses import dataclass, field, replace
 
 from reshard_job import __version__
 from reshard_job.sources.open_files import current_identity, same_identity
-from reshard_job.execute.export import EXPORT_METADATA, INDEX_FILE
+from reshard_job.formats.hf_index import EXPORT_METADATA, INDEX_FILE
 from reshard_job.formats.registry import suffix_of
 from reshard_job.lineage.file_records import FileRecord
-from reshard_job.plan.planner import Plan
+from reshard_job.plan.model import Plan
 from reshard_job.storage import SourceChangedError
 from reshard_job.execute.tasks import FORMAT_CKPT, FORMAT_SAFETENSORS, FORMAT_SAFETENSORS_INDEX, RankResult, RankTask, WriteOptions
 from reshard_job.text import human_size
@@ -40,7 +40,8 @@ from reshard_job.job.output.directory import COMPLETE, FRESH, PARTIAL, OutputDir
 from reshard_job.job.stages.prepare import Prepared
 from reshard_job.job.run.progress import Progress
 from reshard_job.job.stages.record import LineageRecorder, NoRecorder
-from reshard_job.job.config.spec import PLACEMENT_PER_NODE, JobSpec
+from reshard_job.core.placement import PLACEMENT_PER_NODE
+from reshard_job.job.config.spec import JobSpec
 
 log = logging.getLogger("reshard_job")
 

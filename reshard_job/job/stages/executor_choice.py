@@ -25,7 +25,8 @@ from reshard_job.job.output.node_outputs import NodeOutputs, SharedOutputs
 from reshard_job.job.output.directory import OutputDir
 from reshard_job.core.placement import Placement, devices_per_node_for, per_node_placement
 from reshard_job.job.stages.prepare import Prepared
-from reshard_job.job.config.spec import EXECUTOR_RAY, PLACEMENT_PER_NODE, JobSpec
+from reshard_job.job.config.spec import EXECUTOR_RAY, JobSpec
+from reshard_job.core.placement import PLACEMENT_PER_NODE
 
 
 @dataclass
@@ -76,7 +77,7 @@ def _leave_other_cluster(address: str) -> None:
     global _kept_address
     if _kept_address is None or _kept_address == address:
         return
-    from reshard_job.job.run.ray.executor import import_ray
+    from reshard_job.job.run.ray.connect import import_ray
 
     ray = import_ray()
     if ray.is_initialized():

@@ -21,7 +21,7 @@ from reshard_job.formats.multifile import MultiFileReader
 from reshard_job.formats.safetensors import SafetensorsReader
 from reshard_job.sources.file_digests import FileDigest, HashCache, HashRequest, default_cache_path, digest_files, usable_digest
 from reshard_job.storage import StorageOptions
-from reshard_job.plan.planner import identical_mismatch
+from reshard_job.plan.checks import identical_mismatch
 from reshard_job.job.stages.prepare import IDENTICAL_CHECKED, Prepared, identical_to_check
 from reshard_job.job.run.progress import Progress
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from reshard_job.plan.planner import Plan
+from reshard_job.plan.model import Plan
 from reshard_job.text import human_size, rank_ranges, table
 from reshard_job.formats.manifest_file import MANIFEST_FILE
 
