@@ -154,3 +154,28 @@ def test_fingerprint_is_stable_and_manifest_digest_covers_everything_but_itself(
     assert m["manifest_sha256"] == manifest_digest(m) and m["checks"] == ["c"] and m["digest_algorithm"] == "sha256"
     m["run_id"] = "other"
     assert m["manifest_sha256"] != manifest_digest(m)
+
+
+@pytest.mark.parametrize("filler", [b"x" * 1000 + b"\n", b"y" * (1 << 20)])
+def test_a_huge_journal_is_read_in_blocks(tmp_path, filler):
+    """A journal grown to tens of MB (or replaced by one endless line) costs memory for its valid
+    entries only, not for its size; the valid entry among the junk still counts."""
+    import tracemalloc
+
+    out = _out(tmp_path)
+    out.journal.start("fp", keep=False)
+    path = tmp_path / "out" / "rank_0" / "c0.ckpt"
+    e = _file(path, b"abc")
+    out.journal.append(e)
+    with open(tmp_path / "out" / ".reshard_job" / "journal.jsonl", "ab") as f:
+        for _ in range((48 << 20) // len(filler)):
+            f.write(filler)
+        f.write(b"\n")
+    tracemalloc.start()
+    try:
+        fingerprint, entries = out.journal.read()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert fingerprint == "fp" and [x.rank for x in entries] == [0]
+    assert peak < 8 << 20, peak

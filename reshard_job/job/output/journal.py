@@ -29,6 +29,8 @@ STATE_DIR = ".reshard_job"
 JOURNAL_FILE = "journal.jsonl"
 TENSORS_DIR = "tensors"
 MAX_JOURNAL_BYTES = 1 << 30
+READ_BLOCK = 1 << 20
+MAX_LINE_BYTES = 1 << 16  # a journal line is a few hundred bytes
 MAX_TENSORS_BYTES = 1 << 31
 
 
@@ -78,27 +80,50 @@ class Journal:
         return self.storage.join(self.state_dir, TENSORS_DIR, f"rank_{rank}.json")
 
     def read(self) -> tuple[str | None, list[JournalEntry]]:
-        """(fingerprint, entries), or (None, []) when there is no journal; lines cut short by a crash are skipped."""
-        try:
-            text = self.storage.read_bytes(self.path, MAX_JOURNAL_BYTES).decode("utf-8", "replace")
-        except FileNotFoundError:
-            return None, []
+        """(fingerprint, entries), or (None, []) when there is no journal; lines cut short by a crash,
+        damaged or edited are skipped. Read a block at a time: memory follows the entries, not the
+        file (a journal grown huge, or replaced by something else, is not read whole)."""
         fingerprint = None
         entries: dict[int, JournalEntry] = {}
-        for i, line in enumerate(text.splitlines()):
-            try:
-                obj = json.loads(line)
-            except ValueError:
-                continue
-            if i == 0 and isinstance(obj, dict):
-                fingerprint = obj.get("fingerprint")
-            elif isinstance(obj, dict) and isinstance(obj.get("rank"), int):
-                entry = JournalEntry.from_line(obj)
-                if entry is not None:
-                    entries[entry.rank] = entry
-                else:  # damaged or edited: the rank is not done (a later good line may still say it is)
-                    entries.pop(obj["rank"], None)
+        try:
+            lines = self._lines()
+            for i, line in enumerate(lines):
+                try:
+                    obj = json.loads(line)
+                except (ValueError, RecursionError):
+                    continue
+                if i == 0 and isinstance(obj, dict):
+                    fingerprint = obj.get("fingerprint") if isinstance(obj.get("fingerprint"), str) else None
+                elif isinstance(obj, dict) and isinstance(obj.get("rank"), int):
+                    entry = JournalEntry.from_line(obj)
+                    if entry is not None:
+                        entries[entry.rank] = entry
+                    else:  # damaged or edited: the rank is not done (a later good line may still say it is)
+                        entries.pop(obj["rank"], None)
+        except FileNotFoundError:
+            return None, []
         return fingerprint, list(entries.values())
+
+    def _lines(self):
+        """The journal's lines, a block at a time; a line longer than MAX_LINE_BYTES is skipped."""
+        f = self.storage.open_read(self.path)
+        try:
+            block = bytearray(READ_BLOCK)
+            carry = b""
+            offset = 0
+            while offset < min(f.size, MAX_JOURNAL_BYTES):
+                n = f.pread_into(offset, memoryview(block))
+                if n <= 0:
+                    break
+                offset += n
+                *complete, carry = (carry + bytes(block[:n])).split(b"\n")
+                yield from (line.decode("utf-8", "replace") for line in complete)
+                if len(carry) > MAX_LINE_BYTES:
+                    carry = b""  # no journal line is this long: not ours, skipped
+            if carry:
+                yield carry.decode("utf-8", "replace")
+        finally:
+            f.close()
 
     def start(self, fingerprint: str, keep: bool) -> None:
         """Begin (or, with `keep`, continue) the journal of files written for this conversion."""
