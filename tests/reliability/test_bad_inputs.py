@@ -315,6 +315,14 @@ def target_strategy_of_another_network(d: Path) -> Setup:
                   "it is the strategy of another network"], [ckpts])
 
 
+def lineage_database_not_a_database(d: Path) -> Setup:
+    """lineage.url names a text file: one line naming the database, no extra log line before it."""
+    ckpts, src, dst, args = _s1(d)
+    notes = d / "notes.db"
+    notes.write_text("not a database\n" * 100)
+    return Setup(args + [f"lineage.url=sqlite:///{notes}"], [f"{notes}"], [ckpts, notes])
+
+
 def pipeline_buffers_left_out(d: Path) -> Setup:
     """S3's pipeline sources to 4 ranks: the 30 accu_grads buffers are left out, said in one warning."""
     d.mkdir(parents=True, exist_ok=True)
@@ -463,6 +471,7 @@ CASES = [Case(f.__name__, f) for f in [
     strategy_random_bytes, strategy_truncated, strategy_empty, strategy_protobuf_named_json, strategy_json_named_ckpt,
     strategy_json_truncated, strategy_json_wrong_shape, strategy_json_layout_lacks_key, strategy_file_missing,
     target_strategy_corrupt, target_strategy_of_another_network, pipeline_buffers_left_out,
+    lineage_database_not_a_database,
     parameter_missing_from_one_rank, local_shape_not_a_slice_of_global,
     local_shape_differs_across_ranks, global_shape_indivisible_by_target, dtype_differs_across_ranks,
     pipeline_first_stage_missing, pipeline_last_stage_missing, pipeline_two_files_claim_one_stage,
@@ -533,7 +542,8 @@ def test_bad_input(case: Case, outcomes):
         error = the_error(res)
         for e in o.setup.expect:
             assert e in error, f"{e!r} not in {error!r}"
-        assert not log_lines(res.stdout + res.stderr, "WARNING"), "a refused run prints its one line only"
+        noise = log_lines(res.stdout + res.stderr, "WARNING") + log_lines(res.stdout + res.stderr, "ERROR")
+        assert not noise, f"a refused run prints its one line only: {noise}"
         assert_nothing_recorded(o.dir / "out", o.dir / "runs" / "lineage.db", error)
     assert o.after == o.before, "source files changed"
 

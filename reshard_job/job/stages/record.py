@@ -113,8 +113,9 @@ class LineageRecorder:
         try:
             store, run_id = self._opened.result()
         except BaseException as le:
-            if not isinstance(error, type(le)) or le is not error:
-                log.error("could not record the run in the lineage database: %s", self.translate(le))
+            told = self.translate(le)
+            if le is not error and str(told) != str(error):  # the job's own error line already says it
+                log.error("could not record the run in the lineage database: %s", told)
             return
         reason = _error_text(error)
         try:
