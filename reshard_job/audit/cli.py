@@ -31,6 +31,7 @@ import argparse
 import datetime as dt
 import json
 import os
+import re
 import signal
 import sys
 import threading
@@ -255,8 +256,23 @@ def _silence_stdout() -> None:
         pass
 
 
+# Recorded paths, errors, host and user names, and the command's own arguments are anyone's text:
+# control characters (ESC sequences set titles, clear screens, hide lines) are shown, not obeyed.
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    """`text` with control characters (except newline and tab) written as ``\\xNN``."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
+def _complain(text: str) -> None:
+    print(printable(text), file=sys.stderr)
+
+
 def _write(text: str, stream=None) -> None:
     stream = stream or sys.stdout
+    text = printable(text)
     try:
         try:
             stream.write(text + "\n")
@@ -347,14 +363,14 @@ def _main(argv: list[str] | None) -> int:
         if getattr(args, "output", None):
             _save(args.output, text + "\n")
     except (ReshardError, _UsageError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        _complain(f"error: {exc}")
         return EXIT_ERROR
     except ArgumentError as exc:
-        print(f"error: invalid database URL {url!r}: {exc}", file=sys.stderr)
+        _complain(f"error: invalid database URL {url!r}: {exc}")
         return EXIT_ERROR
     except SQLAlchemyError as exc:
         detail = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
-        print(f"error: cannot read the lineage database: {detail}", file=sys.stderr)
+        _complain(f"error: cannot read the lineage database: {detail}")
         return EXIT_ERROR
     finally:
         if store is not None:
@@ -365,7 +381,7 @@ def _main(argv: list[str] | None) -> int:
     if answer.code == EXIT_MISMATCH:
         # Scripts that only look at stderr still learn which files are at fault.
         bad = "; ".join(f"{f.path} {f.state}" for f in answer.result.problems)
-        print(f"verify failed: {bad}", file=sys.stderr)
+        _complain(f"verify failed: {bad}")
     return answer.code
 
 

@@ -528,3 +528,26 @@ def test_a_read_only_copy_of_the_database_is_audited(tmp_path, make_file):
         assert sorted(p.name for p in db.parent.iterdir()) == before
     finally:
         db.parent.chmod(0o755)
+
+
+def test_control_characters_from_the_database_and_arguments_are_shown_not_obeyed(tmp_path, make_file, capsys):
+    """A recorded path, error or argument holding terminal escapes (set title, clear screen) reaches
+    the terminal as visible text; JSON escapes them as JSON does."""
+    from reshard_job.lineage import LineageStore
+
+    url = f"sqlite:///{tmp_path / 'esc.db'}"
+    store = LineageStore(url)
+    store.ensure_schema()
+    hostile = tmp_path / "\x1b]0;owned\x07\x1b[2J"
+    source = make_file(hostile / "src.ckpt", b"source", "source_checkpoint", 0)
+    run = store.start_run(config={}, overrides=["a=\x1b[31mred"], tool_version="0.1.0", output_dir=str(hostile),
+                          source_devices=1, target_devices=1)
+    store.record_inputs(run, [source])
+    store.fail_run(run, "boom \x1b[2J\x9b")
+    store.close()
+    for argv in (["runs"], ["show", run[:8]], ["trace", source.path, "--descendants"],
+                 ["trace", str(tmp_path / "\x1b[2Jnothing")], ["show", run[:8], "--json"]):
+        main(["--db", url, *argv])
+        out, err = capsys.readouterr()
+        assert "\x1b" not in out + err and "\x9b" not in out + err and "\x07" not in out + err, (argv, out, err)
+        assert "\\x1b" in out + err or "\\u001b" in out + err, (argv, out, err)
