@@ -84,12 +84,46 @@ class UTCDateTime(TypeDecorator[dt.datetime]):
         # between stored values and bound parameters consistent.
         return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
 
+    def result_processor(self, dialect, coltype):
+        parse = super().result_processor(dialect, coltype)
+        if parse is None:
+            return None
+
+        def tolerant(value):
+            try:
+                return parse(value)
+            except (ValueError, TypeError):  # a row written by hand or by another tool: shown, not fatal
+                return UNREADABLE_TIME
+        return tolerant
+
     def process_result_value(self, value: dt.datetime | None, dialect) -> dt.datetime | None:
         if value is None:
             return None
         if value.tzinfo is None:
             return value.replace(tzinfo=dt.timezone.utc)
         return value.astimezone(dt.timezone.utc)
+
+
+# what an unreadable stored timestamp reads as: the earliest time, so it sorts first and shows as odd
+UNREADABLE_TIME = dt.datetime.min.replace(tzinfo=dt.timezone.utc)
+
+
+class TolerantJSON(TypeDecorator):
+    """JSON whose unreadable stored text (edited by hand, written by another tool) reads as
+    ``{"unreadable": <the text's start>}`` instead of failing every query that touches the row."""
+
+    impl = JSON
+    cache_ok = True
+
+    def result_processor(self, dialect, coltype):
+        parse = self.impl_instance.result_processor(dialect, coltype)
+
+        def tolerant(value):
+            try:
+                return parse(value) if parse is not None else value
+            except (ValueError, TypeError, RecursionError):
+                return {"unreadable": str(value)[:200]}
+        return tolerant
 
 
 class RunStatusColumn(TypeDecorator[RunStatus]):
@@ -111,7 +145,7 @@ class RunStatusColumn(TypeDecorator[RunStatus]):
 
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
-    type_annotation_map = {dt.datetime: UTCDateTime(), dict[str, Any]: JSON(), list[Any]: JSON()}
+    type_annotation_map = {dt.datetime: UTCDateTime(), dict[str, Any]: TolerantJSON(), list[Any]: TolerantJSON()}
 
 
 class Run(Base):

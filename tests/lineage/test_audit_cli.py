@@ -551,3 +551,31 @@ def test_control_characters_from_the_database_and_arguments_are_shown_not_obeyed
         out, err = capsys.readouterr()
         assert "\x1b" not in out + err and "\x9b" not in out + err and "\x07" not in out + err, (argv, out, err)
         assert "\\x1b" in out + err or "\\u001b" in out + err, (argv, out, err)
+
+
+def test_rows_that_do_not_parse_are_shown_not_fatal(tmp_path, capsys):
+    """A run row edited by hand (a config that is not JSON, a start time that is not a time) is
+    listed and shown as unreadable; the other runs are unaffected."""
+    import sqlite3
+
+    from reshard_job.lineage import LineageStore
+
+    db = tmp_path / "damaged.db"
+    store = LineageStore(f"sqlite:///{db}")
+    store.ensure_schema()
+    runs = []
+    for _ in range(3):
+        runs.append(store.start_run(config={"fine": 1}, overrides=[], tool_version="0.1.0", output_dir=str(tmp_path),
+                                    source_devices=1, target_devices=1))
+        store.fail_run(runs[-1], "x")
+    store.close()
+    with sqlite3.connect(db) as con:
+        con.execute("UPDATE runs SET config = '{not json' WHERE id = ?", (runs[0],))
+        con.execute("UPDATE runs SET started_at = 'yesterday-ish' WHERE id = ?", (runs[1],))
+    assert main(["--db", f"sqlite:///{db}", "runs"]) == 0
+    listed = capsys.readouterr().out
+    assert all(run in listed for run in runs) and "0001-01-01" in listed
+    assert main(["--db", f"sqlite:///{db}", "show", runs[0]]) == 0
+    assert '"unreadable": "{not json"' in capsys.readouterr().out
+    assert main(["--db", f"sqlite:///{db}", "show", runs[2], "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["config"] == {"fine": 1}
