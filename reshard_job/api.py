@@ -28,17 +28,19 @@ state out, ``include="all"`` keeps it.
 from __future__ import annotations
 
 import os
-from dataclasses import replace
 from typing import Mapping
 
 from reshard_job.errors import ConfigError, MissingRankError
 from reshard_job.execute.rank_task import DEFAULT_MAX_MEMORY
-from reshard_job.execute.export import DEFAULT_MAX_SHARD_SIZE, INCLUDE_WEIGHTS, parse_shard_size
+from reshard_job.plan.export_shards import DEFAULT_MAX_SHARD_SIZE, INCLUDE_WEIGHTS, parse_shard_size
 from reshard_job.formats.base import WrittenFile
 from reshard_job.formats.registry import kind_of
 from reshard_job.formats.strategy import merge_pipeline_strategies, merge_pipeline_strategys  # noqa: F401 (re-export)
 from reshard_job.plan.planner import UNMAPPED_OMIT, Plan, source_ranks_for
-from reshard_job.sources.rank_folders import RankFiles, discover_mindformers, is_mindformers_source, load_strategy
+from reshard_job.formats.mindformers_metadata import METADATA_FILE
+from reshard_job.sources.base import reader_for, reader_for_files
+from reshard_job.sources.mindformers import MindFormersFolder, discover_mindformers
+from reshard_job.sources.rank_folders import load_strategy
 from reshard_job.storage import absolute, storage_for
 from reshard_job.execute.tasks import FORMAT_CKPT, FORMAT_SAFETENSORS_INDEX, TARGET_FORMATS, RankResult, WriteOptions, files_of
 
@@ -159,7 +161,7 @@ def transform_checkpoint_by_rank(rank_id, checkpoint_files_map: Mapping[int, str
     The output format follows the file name (``.ckpt`` or ``.safetensors``). For a MindFormers
     save, a rank maps to a file or a tuple of files of one iteration folder (module docstring).
     """
-    from reshard_job.job.stages.prepare import prepare_files
+    from reshard_job.job.stages.prepare import prepare_from
 
     if not isinstance(rank_id, int) or isinstance(rank_id, bool):
         raise TypeError("rank_id must be an int")
@@ -175,53 +177,13 @@ def transform_checkpoint_by_rank(rank_id, checkpoint_files_map: Mapping[int, str
             info = storage_for(p).info(p)
             if info is None or not info.is_file:
                 raise ConfigError(f"checkpoint file of source rank {r} not found: {p}")
-    folder = _mindformers_folder(files, src_strategy_file)
-    if folder is not None:
-        return _by_rank_mindformers(rank_id, files, folder, name, fmt, dst_strategy_file, unmapped, max_memory)
-    if any(len(paths) != 1 for paths in files.values()):
-        raise ConfigError("checkpoint_files_map gives several files for a rank, which only a MindFormers save "
-                          "(an iteration folder with metadata.json) has")
-    kinds = {kind_of(paths[0]) or FORMAT_CKPT for paths in files.values()}
-    source, target = _specs(src_strategy_file, dst_strategy_file, unmapped=unmapped, verify_replicas=verify_replicas)
-    found = RankFiles(os.path.dirname(os.path.commonprefix([p[0] for p in files.values()])) or "/",
-                      {r: p[0] for r, p in files.items()}, kinds.pop() if len(kinds) == 1 else FORMAT_CKPT)
-    with prepare_files(found, source, target, ranks=(rank_id,)) as prepared:
-        return _run(prepared, {rank_id: name}, WriteOptions(fmt, max_memory))[rank_id]
-
-
-def _mindformers_folder(files: dict[int, tuple[str, ...]], src_strategy_file) -> str | None:
-    """The iteration folder when the files are a MindFormers save's (all in one folder holding
-    metadata.json); src_strategy_file must then be None or that metadata.json."""
-    folders = {os.path.dirname(os.path.realpath(p)) for paths in files.values() for p in paths}
-    if len(folders) != 1:
-        return None
-    folder = folders.pop()
-    metadata = os.path.join(folder, "metadata.json")
-    if not os.path.isfile(metadata):
-        return None
-    if src_strategy_file is not None and os.path.realpath(absolute(src_strategy_file)) != metadata:
-        raise ConfigError(f"the checkpoint files are a MindFormers save ({folder}), whose layouts come from its "
-                          f"metadata.json: give src_strategy_file=None or {metadata}")
-    return folder
-
-
-def _by_rank_mindformers(rank_id: int, files: dict[int, tuple[str, ...]], folder: str, name: str, fmt: str,
-                         dst_strategy_file, unmapped: str, max_memory: int) -> WrittenFile:
-    from reshard_job.job.stages.prepare import prepare_mindformers
-
-    found, save = discover_mindformers(folder)
-    given: dict[int, tuple[str, ...]] = {}
-    for r, paths in sorted(files.items()):
-        own = {os.path.basename(p): p for p in save.rank_files.get(r, ())}
-        stray = [p for p in paths if os.path.basename(p) not in own]
-        if stray:
-            raise ConfigError(f"{stray[0]}: not a file of source rank {r} in {folder} (metadata.json gives it "
-                              f"{', '.join(sorted(own)) or 'no file'}); see mindformers_rank_files")
-        given[r] = tuple(own[os.path.basename(p)] for p in paths)
-    identities = {r: tuple(found.identities[r][save.rank_files[r].index(p)] for p in given[r]) for r in given}
-    found = replace(found, files=given, identities=identities)
-    source, target = _specs(None, dst_strategy_file, src_dir=folder, unmapped=unmapped)
-    with prepare_mindformers(source, target, ranks=(rank_id,), found=found, save=save) as prepared:
+    reader = reader_for_files(files, src_strategy_file)
+    if isinstance(reader, MindFormersFolder):  # its layouts come from its metadata.json
+        source, target = _specs(None, dst_strategy_file, src_dir=reader.root, unmapped=unmapped)
+    else:
+        source, target = _specs(src_strategy_file, dst_strategy_file, unmapped=unmapped,
+                                verify_replicas=verify_replicas)
+    with prepare_from(reader, reader.discover(source), source, target, ranks=(rank_id,)) as prepared:
         return _run(prepared, {rank_id: name}, WriteOptions(fmt, max_memory))[rank_id]
 
 
@@ -249,9 +211,9 @@ def rank_list_for_transform(rank_id, src_strategy_file=None, dst_strategy_file=N
 
 def _source_topology(src_strategy: str):
     """A strategy file's (or per-stage folder's) topology; a MindFormers folder's or metadata.json's layouts."""
-    if os.path.basename(src_strategy) == "metadata.json" and os.path.isfile(src_strategy):
-        return discover_mindformers(os.path.dirname(src_strategy))[1].topology
-    if is_mindformers_source(src_strategy):
-        return discover_mindformers(src_strategy)[1].topology
-    return load_strategy(src_strategy).topology
+    if os.path.basename(src_strategy) == METADATA_FILE and os.path.isfile(src_strategy):
+        return MindFormersFolder(os.path.dirname(src_strategy)).layouts().topology
+    # the strategy file named is read as the source it describes: a MindFormers folder is its own
+    source, _ = _specs(src_strategy, None, src_dir=src_strategy)
+    return reader_for(source).layouts(source.strategy).topology
 

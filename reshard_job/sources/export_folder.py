@@ -1,14 +1,15 @@
 """Export folders as sources: safetensors shards named by ``model.safetensors.index.json``, read
-back as one unsharded source rank (rank 0 is every shard the index names)."""
+back as one unsharded source rank (rank 0 is every shard the index names): ``ExportFolder``."""
 
 from __future__ import annotations
 
 import os
 
-from reshard_job.errors import FormatError
+from reshard_job.errors import ConfigError, FormatError
 from reshard_job.formats.hf_index import INDEX_FILE, MAX_INDEX_BYTES, check_against_index, parse_index
 from reshard_job.formats.multifile import MultiFileSources
-from reshard_job.sources.rank_folders import RankFiles
+from reshard_job.sources.open_files import SourceFiles
+from reshard_job.sources.rank_folders import LoadedStrategy, RankFiles, check_no_iteration, load_strategy
 from reshard_job.storage import StorageError, StorageOptions, absolute, storage_for
 
 
@@ -72,3 +73,35 @@ def discover_export(src_dir: str, storage_options: StorageOptions | None = None)
     storage = storage_for(src_dir, storage_options)
     identities = tuple(tuple(i.identity) if (i := storage.info(f)) is not None else () for f in files)
     return RankFiles(storage.parent(files[0]), {0: files}, "safetensors", {}, {0: identities})
+
+
+class ExportFolder:
+    """An export for inference (shards + index) as a ``SourceReader``: the full model, so no source
+    strategy; its files are checked against the index once they are opened."""
+
+    def __init__(self, root: str, storage: StorageOptions | None = None):
+        self.root = root
+        self.storage = storage
+
+    @classmethod
+    def detect(cls, path: str | None, storage: StorageOptions | None = None) -> bool:
+        return is_export_source(path, storage)
+
+    def check(self, source) -> None:
+        check_no_iteration(source)
+        if source.strategy is not None:
+            raise ConfigError(f"{source.checkpoints} holds {INDEX_FILE}: an export of the full model, which has no "
+                              f"source strategy; set source.strategy=null (got {source.strategy})")
+
+    def discover(self, source) -> RankFiles:
+        return discover_export(self.root, self.storage)
+
+    def layouts(self, strategy: str | None) -> LoadedStrategy:
+        return load_strategy(strategy, self.storage)
+
+    def verify(self, found: RankFiles, files: SourceFiles) -> list[str]:
+        """Every tensor of the opened shards is where the index says, and the index lists no other."""
+        folder = found.root
+        check_against_index(files.reader(0), read_index(folder, self.storage),
+                            storage_for(folder, self.storage).join(folder, INDEX_FILE))
+        return [f"every tensor is in the shard {INDEX_FILE} names"]

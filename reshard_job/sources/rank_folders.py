@@ -11,12 +11,10 @@ too) and takes the highest (epoch, step); ranks whose chosen saves are of differ
 refused, since their shards do not belong together. Any other value is a glob pattern matched
 against file names (the last match, lexicographically, wins).
 
-MindFormers 2.x saves (``latest_checkpointed_iteration.txt`` + ``iteration_XXXXXXXX/`` holding
-``metadata.json`` and ``-model-``/``-opt-`` safetensors files) are a second kind of source folder:
-``is_mindformers_source`` tells them apart and ``discover_mindformers`` reads one iteration, giving
-every rank the tuple of files it wrote. An export for inference (``model.safetensors.index.json``
-with its shards, as this tool or ``transformers`` writes it) is a third: one unsharded rank made of
-all its shards. Those two are local folders only (their readers use the file system).
+Rank folders are one kind of source folder (``RankFolders``, the kind a folder is when it is no
+other: ``sources.base``); MindFormers 2.x saves (``sources.mindformers``) and exports for inference
+(``sources.export_folder``) are the others. Single checkpoint files given by rank (the API's
+per-rank conversion) are read as rank folders' files.
 """
 
 from __future__ import annotations
@@ -27,12 +25,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from reshard_job.errors import ConfigError, PlanError
-from reshard_job.formats.registry import CHECKPOINT_SUFFIXES, kind_of
-from reshard_job.storage import StorageError, StorageOptions, absolute, storage_for
+from reshard_job.formats.registry import CHECKPOINT_SUFFIXES, CKPT, kind_of
+from reshard_job.storage import StorageOptions, absolute, storage_for
 from reshard_job.text import shorten
 
 if TYPE_CHECKING:
-    from reshard_job.sources.mindformers import MindFormersSource
     from reshard_job.core.strategy_model import StrategyFile
     from reshard_job.core.topology import Topology
 
@@ -161,39 +158,6 @@ def _check_same_step(found: RankFiles, storage) -> None:
     )
 
 
-def is_mindformers_source(src_dir: str | None, storage_options: StorageOptions | None = None) -> bool:
-    """Whether `src_dir` (a folder, or a prefix in a bucket) is a MindFormers 2.x save (its root or
-    one iteration folder), not rank folders."""
-    if src_dir is None:
-        return False
-    from reshard_job.sources.mindformers import looks_like_mindformers
-
-    src_dir = absolute(src_dir)
-    try:
-        listing = storage_for(src_dir, storage_options).listdir(src_dir)
-    except (OSError, StorageError):
-        return False
-    # a folder of rank_<r>/ directories is MindSpore's layout, whatever else it holds
-    return looks_like_mindformers(listing) and not any(RANK_DIR.match(e.name) and e.is_dir for e in listing)
-
-
-def discover_mindformers(src_dir: str, iteration: int | None = None,
-                         storage_options: StorageOptions | None = None) -> tuple[RankFiles, "MindFormersSource"]:
-    """One iteration of a MindFormers save: every storage rank's files (model file, opt file), with
-    their identities, and the parsed save (layouts from metadata.json, every file's header checked)."""
-    from reshard_job.sources.mindformers import load_mindformers
-
-    source = load_mindformers(absolute(src_dir), iteration, storage_options)
-    storage = storage_for(source.folder, storage_options)
-    files: dict[int, str | tuple[str, ...]] = {}
-    identities: dict[int, tuple] = {}
-    for rank, paths in sorted(source.rank_files.items()):
-        infos = [storage.info(p) for p in paths]
-        files[rank] = tuple(paths)
-        identities[rank] = tuple(tuple(i.identity) if i is not None else () for i in infos)
-    return RankFiles(source.root, files, "safetensors", {}, identities), source
-
-
 @dataclass(frozen=True)
 class LoadedStrategy:
     """A strategy as given by the user: a file, a directory of per-stage files (merged here), or none."""
@@ -271,3 +235,56 @@ def load_strategy(spec, storage_options: StorageOptions | None = None) -> Loaded
         return LoadedStrategy(Topology.from_strategy(sf), sf, tuple(files))
     sf = read_strategy_file(spec, storage_options)
     return LoadedStrategy(Topology.from_strategy(sf), sf, (spec,))
+
+
+def check_no_iteration(source) -> None:
+    """``source.iteration`` picks an iteration of a MindFormers save, and of nothing else."""
+    if source.iteration is not None:
+        raise ConfigError(f"source.iteration={source.iteration} picks an iteration of a MindFormers checkpoint folder, "
+                          f"but {source.checkpoints} holds no MindFormers save (set source.iteration=null)")
+
+
+class RankFolders:
+    """MindSpore's ``rank_<r>/`` folders as a ``SourceReader``: one file per rank (``source.select``),
+    laid out by the user's strategy file. It is the kind a folder is when it is no other, so that
+    ``discover`` names what is wrong with a folder of no kind.
+
+    `given` (rank -> a tuple of one file) are single checkpoint files given by rank instead (the
+    API's per-rank conversion), `root` then being the folder they share."""
+
+    def __init__(self, root: str, storage: StorageOptions | None = None, *,
+                 given: dict[int, tuple[str, ...]] | None = None):
+        self.root = root
+        self.storage = storage
+        self.given = given
+
+    @classmethod
+    def detect(cls, path: str | None, storage: StorageOptions | None = None) -> bool:
+        return True
+
+    def check(self, source) -> None:
+        check_no_iteration(source)
+
+    def discover(self, source) -> RankFiles:
+        if self.given is None:
+            return discover(self.root, source.select, self.storage)
+        if any(len(paths) != 1 for paths in self.given.values()):
+            raise ConfigError("checkpoint_files_map gives several files for a rank, which only a MindFormers save "
+                              "(an iteration folder with metadata.json) has")
+        kinds = {kind_of(paths[0]) or CKPT for paths in self.given.values()}
+        return RankFiles(self.root, {r: p[0] for r, p in self.given.items()}, kinds.pop() if len(kinds) == 1 else CKPT)
+
+    def layouts(self, strategy: str | None) -> LoadedStrategy:
+        return load_strategy(strategy, self.storage)
+
+    def verify(self, found: RankFiles, files) -> list[str]:
+        return []  # rank folders say nothing of themselves: the cross-checks (job.stages.prepare) compare them
+
+
+def __getattr__(name: str):
+    """Names moved to ``sources.mindformers``, which imports this module (hence not imported at the top)."""
+    if name in ("is_mindformers_source", "discover_mindformers"):
+        import reshard_job.sources.mindformers as moved
+
+        return getattr(moved, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

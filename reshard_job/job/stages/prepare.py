@@ -5,16 +5,14 @@ cross-checks run before any output exists, so inputs that disagree (a strategy o
 network, rank folders that are shards of a model but come without its strategy, ranks beyond
 the strategy that hold parameters no other rank has) end the job here with one line.
 
-Two kinds of source folder: MindSpore's ``rank_<r>/`` folders with a strategy file, and a
-MindFormers 2.x save, detected from the folder itself, whose ``metadata.json`` takes the place of
-the strategy file (it is hashed and recorded like one). A MindFormers rank is the tuple of files
-it wrote, and its index lists exactly what those files hold: a rank that stored nothing (a
-redundancy-removed save) is in the index with nothing, so the planner sees which rank holds which
-slice instead of taking the rank's file for missing.
+Which kind of source folder it is (MindSpore's ``rank_<r>/`` folders with a strategy file, a
+MindFormers 2.x save, an export for inference) is the reader's business (``sources.base``): here
+every kind is found, laid out and verified through one ``SourceReader``. A MindFormers save is the
+one planned before its files open: its headers were read when it was loaded.
 
 An export for inference (``target.format=safetensors_index``) is planned as one full target rank,
-then split into shards here (``export.plan_export``), so the plan report, the checks and the job's
-output bookkeeping know every shard before anything is written.
+then split into shards here (``plan.export_shards.plan_export``), so the plan report, the checks
+and the job's output bookkeeping know every shard before anything is written.
 """
 
 from __future__ import annotations
@@ -22,19 +20,20 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from reshard_job.sources.demo import ensure_demo
 from reshard_job.errors import ConfigError, PlanError, ReshardError
 from reshard_job.sources.open_files import SourceFiles
-from reshard_job.execute.export import INDEX_FILE, ExportLayout, check_against_index, plan_export, read_index
-from reshard_job.sources.mindformers import MindFormersSource
+from reshard_job.formats.hf_index import INDEX_FILE
+from reshard_job.plan.export_shards import ExportLayout, plan_export
+from reshard_job.sources.mindformers import MindFormersFolder, MindFormersSource
 from reshard_job.formats.tensorfile import KIND_TENSOR
 from reshard_job.sources.file_digests import HashCache, default_cache_path
 from reshard_job.sources.index_cache import IndexCache
 from reshard_job.plan.planner import Plan, Planner, TensorMeta, identical_mismatch, source_ranks_for
-from reshard_job.sources.export_folder import discover_export, is_export_source
-from reshard_job.sources.rank_folders import (LoadedStrategy, RankFiles, discover, discover_mindformers, is_mindformers_source, load_strategy)
+from reshard_job.sources.base import SourceReader, reader_for
+from reshard_job.sources.rank_folders import LoadedStrategy, RankFiles
 from reshard_job.storage import StorageOptions, storage_for
 from reshard_job.execute.tasks import FORMAT_SAFETENSORS_INDEX, files_of
 from reshard_job.text import shorten
@@ -102,41 +101,33 @@ def prepare(source: SourceSpec, target: TargetSpec, *, ranks: tuple[int, ...] | 
     With `hashing`, remote sources the plan will read are hashed while they are indexed; with
     `index_cache`, local `.ckpt` files it knows unchanged are not walked again."""
     source = _with_demo(source, demo_root)
-    if is_mindformers_source(source.checkpoints, storage):
-        return prepare_mindformers(source, target, ranks=ranks, storage=storage)
-    if source.iteration is not None:
-        raise ConfigError(f"source.iteration={source.iteration} picks an iteration of a MindFormers checkpoint folder, "
-                          f"but {source.checkpoints} holds no MindFormers save (set source.iteration=null)")
-    if is_export_source(source.checkpoints, storage):
-        return _prepare_export_folder(source, target, ranks=ranks, storage=storage, hashing=hashing)
-    found = discover(source.checkpoints, source.select, storage)
-    return prepare_files(found, source, target, ranks=ranks, storage=storage, hashing=hashing,
-                         index_cache=index_cache)
+    reader = reader_for(source, storage)
+    reader.check(source)
+    return prepare_from(reader, reader.discover(source), source, target, ranks=ranks, storage=storage,
+                        hashing=hashing, index_cache=index_cache)
 
 
-def _prepare_export_folder(source: SourceSpec, target: TargetSpec, *, ranks, storage, hashing) -> Prepared:
-    """An export for inference (shards + index) read back as one unsharded rank."""
-    if source.strategy is not None:
-        raise ConfigError(f"{source.checkpoints} holds {INDEX_FILE}: an export of the full model, which has no "
-                          f"source strategy; set source.strategy=null (got {source.strategy})")
-    prepared = prepare_files(discover_export(source.checkpoints, storage), source, target, ranks=ranks, storage=storage,
-                             hashing=hashing)
+def prepare_from(reader: SourceReader, found: RankFiles, source: SourceSpec, target: TargetSpec, *,
+                 ranks: tuple[int, ...] | None = None, storage: StorageOptions | None = None,
+                 hashing: HashWhileIndexing | None = None, index_cache: IndexCache | None = None) -> Prepared:
+    """Like ``prepare``, for the files `reader` found: every rank's, or those the API's per-rank
+    conversion was given (then some of a rank's files only, for a MindFormers save)."""
+    if isinstance(reader, MindFormersFolder):
+        return _prepare_mindformers(reader, found, source, target, ranks=ranks, storage=storage)
+    prepared = _prepare_files(found, reader.layouts(source.strategy), source, target, ranks=ranks, storage=storage,
+                              hashing=hashing, index_cache=index_cache)
     try:
-        folder = prepared.found.root
-        check_against_index(prepared.readers.reader(0), read_index(folder, storage),
-                            storage_for(folder, storage).join(folder, INDEX_FILE))
+        prepared.checks += reader.verify(prepared.found, prepared.readers)
     except BaseException:
         prepared.close()
         raise
-    prepared.checks.append(f"every tensor is in the shard {INDEX_FILE} names")
     return prepared
 
 
-def prepare_files(found: RankFiles, source: SourceSpec, target: TargetSpec, *, ranks: tuple[int, ...] | None = None,
-                  storage: StorageOptions | None = None, hashing: HashWhileIndexing | None = None,
-                  index_cache: IndexCache | None = None) -> Prepared:
-    """Like ``prepare``, for source files already chosen (rank -> file)."""
-    strategy = load_strategy(source.strategy, storage)
+def _prepare_files(found: RankFiles, strategy: LoadedStrategy, source: SourceSpec, target: TargetSpec, *,
+                   ranks: tuple[int, ...] | None, storage: StorageOptions | None, hashing: HashWhileIndexing | None,
+                   index_cache: IndexCache | None) -> Prepared:
+    """Open and index the source files (rank -> file), cross-check them, settle the target, plan."""
     paths = _usable_ranks(found, strategy, source)
     remote = _remote_ranks(paths, storage) if hashing is not None else set()
     # the target strategy, read now to foresee the reads (and not read again for the plan)
@@ -202,83 +193,36 @@ def ranks_likely_read(strategy: LoadedStrategy, source: SourceSpec, target: Targ
     return read
 
 
-def prepare_mindformers(source: SourceSpec, target: TargetSpec, *, ranks: tuple[int, ...] | None = None,
-                        storage: StorageOptions | None = None, found: RankFiles | None = None,
-                        save: MindFormersSource | None = None) -> Prepared:
-    """Like ``prepare``, for a MindFormers save: layouts from its metadata.json, no strategy file.
+def _prepare_mindformers(reader: MindFormersFolder, found: RankFiles, source: SourceSpec, target: TargetSpec, *,
+                         ranks: tuple[int, ...] | None, storage: StorageOptions | None) -> Prepared:
+    """A MindFormers save: layouts from its metadata.json, no strategy file.
 
-    `found` and `save` (from ``sources.discover_mindformers``) may be given to convert only some
-    ranks' files (the API's per-rank path); by default every rank of the iteration is used. The
-    headers were read and checked when the save was loaded, so the plan is made before any reader
-    opens, and each rank keeps only the files the plan reads (an export of the weights or a target
-    without optimizer states reads, hashes and records no opt file).
+    The headers were read and checked when the save was loaded, so the plan is made before any
+    reader opens, and each rank keeps only the files the plan reads (an export of the weights or a
+    target without optimizer states reads, hashes and records no opt file).
     """
-    if source.strategy is not None:
-        raise ConfigError(f"{source.checkpoints} is a MindFormers checkpoint folder, whose layouts come from its "
-                          f"metadata.json; set source.strategy=null (got {source.strategy})")
-    if found is None or save is None:
-        found, save = discover_mindformers(source.checkpoints, source.iteration, storage)
-    _log_mindformers(save)
-    strategy = LoadedStrategy(save.topology, save.strategy, (save.metadata_path,) if save.params else ())
-    index = mindformers_index(save, found)
+    reader.log_found()
+    strategy = reader.layouts()
+    index = reader.index(found)
     tgt = settle_target(target, strategy, index, storage)
     try:
         plan, missing = _plan(strategy, tgt, target, index, ranks)
     except PlanError as e:
-        if not save.deduplicated:
+        if not reader.save.deduplicated:
             raise
         raise PlanError(f"{e}; this MindFormers save was written with redundancy removal (each shard stored by one "
                         "rank), which cannot be planned yet") from None
     export = _export_layout(target, plan)
     _warn_omitted(plan, missing)
-    found = _files_read(found, save, plan)
+    found = reader.files_read(found, plan)
     readers = SourceFiles(found.files, verify_crc=False, identities=found.identities, storage=storage)
     try:
         checks = ["MindFormers metadata.json agrees with every file's header (dtypes, shapes, placement)"]
         checks += list(plan.checks)
-        return Prepared(source, found, strategy, readers, index, tgt, plan, missing, checks, save, export)
+        return Prepared(source, found, strategy, readers, index, tgt, plan, missing, checks, reader.save, export)
     except BaseException:
         readers.close()
         raise
-
-
-def mindformers_index(save: MindFormersSource, found: RankFiles) -> dict[int, dict[str, TensorMeta]]:
-    """What each rank's files in `found` hold (from the headers read when the save was loaded); a rank
-    of the layouts that wrote no file at all holds nothing. Ranks not in `found` are missing."""
-    index: dict[int, dict[str, TensorMeta]] = {r: {} for r in range(save.devices) if r not in save.rank_files}
-    for rank, files in found.files.items():
-        index[rank] = {name: meta for f in files_of(files) for name, meta in save.file_tensors[f].items()}
-    return dict(sorted(index.items()))
-
-
-def _files_read(found: RankFiles, save: MindFormersSource, plan: Plan) -> RankFiles:
-    """`found` narrowed to the ranks the plan reads and, per rank, to the files holding what it reads."""
-    names: dict[int, set[str]] = {}
-    for rp in plan.ranks:
-        for p in rp.params:
-            for c in p.copies:
-                names.setdefault(c.source_rank, set()).add(p.name)
-    files, identities = {}, {}
-    for rank, needed in sorted(names.items()):
-        if rank not in found.files:
-            continue  # missing: reported by the plan
-        keep = [i for i, f in enumerate(found.files[rank]) if needed & set(save.file_tensors[f])]
-        files[rank] = tuple(found.files[rank][i] for i in keep)
-        if rank in found.identities:
-            identities[rank] = tuple(found.identities[rank][i] for i in keep)
-    return replace(found, files=files, identities=identities)
-
-
-def _log_mindformers(save: MindFormersSource) -> None:
-    where = f"iteration {save.iteration}" if save.iteration is not None else "the folder itself"
-    log.info("MindFormers checkpoint: %s (%s), %d rank(s), %d parameter(s) in metadata.json%s", save.folder, where,
-             len(save.rank_files), len(save.params), ", redundancy removed" if save.deduplicated else "")
-    extras = save.extras()
-    if extras:
-        log.info("tensors outside metadata.json, copied whole as MindSpore does: %s", ", ".join(sorted(extras)[:8]))
-    if save.unreferenced:
-        log.warning("%s: %d .safetensors file(s) that metadata.json never names are ignored: %s", save.folder,
-                    len(save.unreferenced), ", ".join(os.path.basename(f) for f in save.unreferenced[:4]))
 
 
 def _settle_and_plan(source: SourceSpec, found: RankFiles, strategy: LoadedStrategy, readers: SourceFiles, index,

@@ -1,0 +1,304 @@
+"""One iteration of a MindFormers 2.x save read and checked: which iteration, ``metadata.json``,
+and the header of every file it names (``MindFormersSource``).
+
+A save is a folder with ``latest_checkpointed_iteration.txt`` and ``iteration_<8 digits>/``
+subfolders, each holding ``metadata.json`` (parsed by ``formats.mindformers_metadata``),
+``common.json`` and ``<prefix>-model|opt-<idx>-<total>.safetensors`` files of local slices.
+
+What is checked before anything is read: every part of ``metadata.json``, and the header of every
+file ``storage_data`` names (present, holding each shard with the dtype and shape the metadata
+gives, and nothing ``metadata.json`` places elsewhere). Only headers are read, so this costs one
+small read per file, not the checkpoint's size.
+
+Redundancy-removed saves (``save_remove_redundancy: True``) store each shard once, so file
+numbers are not ranks and most ranks hold only some of a parameter's shards; ``storage_data`` is
+the only map. They are described exactly here (``holders``, ``stored_by``, ``deduplicated``), but
+the planner still expects every rank of a stage to hold its own slice: it refuses such a source
+with a ``PlanError`` naming a rank that lacks a parameter, never a wrong output.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+
+from reshard_job.core.tensor_meta import TensorMeta
+from reshard_job.core.topology import Topology
+from reshard_job.core.strategy_model import StrategyFile
+from reshard_job.formats.mindformers_metadata import (MAX_METADATA_BYTES, METADATA_FILE, SHARD_FILE,
+                                                      MindFormersFormatError, ParamMetadata, brief, is_int,
+                                                      parse_metadata, short_name)
+from reshard_job.formats.multifile import MultiFileReader, MultiFileSources
+from reshard_job.formats.safetensors import SafetensorsReader
+from reshard_job.sources.mindformers_layouts import synthesize_strategy
+from reshard_job.storage import StorageError, StorageOptions, absolute, storage_for
+
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+COMMON_FILE = "common.json"
+ITERATION_DIR = re.compile(r"^iteration_(\d{8})$")
+SAFETENSORS_SUFFIX = ".safetensors"
+
+
+def iteration_folder_name(iteration: int) -> str:
+    return f"iteration_{iteration:08d}"
+
+
+def available_iterations(root: str, storage: StorageOptions | None = None) -> list[int]:
+    try:
+        listing = storage_for(root, storage).listdir(root)
+    except (OSError, StorageError):
+        return []
+    return sorted(int(m.group(1)) for e in listing if (m := ITERATION_DIR.match(e.name)) and e.is_dir)
+
+
+def _why(e: Exception) -> str:
+    """What went wrong reading: the OS's words for a local file, the storage's line otherwise."""
+    return getattr(e, "strerror", None) or str(e)
+
+
+def _is_dir(path: str, storage: StorageOptions | None) -> bool:
+    info = storage_for(path, storage).info(path)
+    return info is not None and info.is_dir
+
+
+def resolve_iteration(root: str | os.PathLike, iteration: int | None = None,
+                      storage: StorageOptions | None = None) -> tuple[str, int | None]:
+    """The iteration folder to read and its number (None when `root` is taken as the folder itself).
+
+    The tracker file's iteration by default; `iteration` picks another. Without a tracker, a
+    folder holding metadata.json or shard files is itself the iteration folder (spec §1).
+    """
+    root = absolute(root)
+    where = storage_for(root, storage)
+    if not _is_dir(root, storage):
+        raise MindFormersFormatError(root, "not a directory (expected a MindFormers checkpoint folder)")
+    tracker = where.join(root, TRACKER_FILE)
+    if iteration is not None:
+        if not is_int(iteration) or iteration < 0:
+            raise MindFormersFormatError(root, f"iteration must be a non-negative integer, got {brief(iteration)}")
+        folder = where.join(root, iteration_folder_name(iteration))
+        if not _is_dir(folder, storage):
+            found = available_iterations(root, storage)
+            raise MindFormersFormatError(
+                root, f"iteration {iteration} does not exist (no {iteration_folder_name(iteration)}/; "
+                      f"available: {found or 'none'})")
+        return folder, iteration
+    info = where.info(tracker)
+    if info is not None and info.is_file:
+        try:
+            with where.open_read(tracker) as f:
+                head = bytearray(min(64, f.size))
+                text = bytes(head[:f.pread_into(0, memoryview(head))])
+        except (OSError, StorageError) as e:
+            raise MindFormersFormatError(tracker, f"cannot read ({_why(e)})") from None
+        value = text.decode("ascii", "replace").strip()
+        if not value.isdigit() or not value.isascii():
+            raise MindFormersFormatError(tracker, f"expected a decimal iteration number, got {brief(value)}")
+        number = int(value)
+        folder = where.join(root, iteration_folder_name(number))
+        if not _is_dir(folder, storage):
+            found = available_iterations(root, storage)
+            raise MindFormersFormatError(
+                tracker, f"names iteration {number}, but {iteration_folder_name(number)}/ is missing "
+                         f"(available: {found or 'none'}; choose one with source.iteration)")
+        return folder, number
+    found = available_iterations(root, storage)
+    if found:
+        raise MindFormersFormatError(
+            root, f"no {TRACKER_FILE} to say which iteration to read; choose one of {found} with source.iteration")
+    return root, None
+
+
+@dataclass
+class MindFormersSource:
+    """One iteration of a MindFormers save, as the planner and the executor need it."""
+
+    root: str  # the folder the user named
+    folder: str  # the iteration folder read
+    iteration: int | None
+    params: dict[str, ParamMetadata]  # metadata.json, in its order ({} for a single-rank save)
+    strategy: StrategyFile | None  # the layouts as a strategy file; None when nothing is sharded
+    rank_files: dict[int, tuple[str, ...]]  # storage rank -> its files (absolute paths)
+    file_tensors: dict[str, dict[str, TensorMeta]]  # file -> what its header lists
+    unreferenced: tuple[str, ...] = ()  # .safetensors files in the folder that storage_data never names
+    storage: StorageOptions | None = None  # how the folder is reached (a bucket's endpoint and options)
+
+    @property
+    def metadata_path(self) -> str:
+        return storage_for(self.folder, self.storage).join(self.folder, METADATA_FILE)
+
+    @property
+    def topology(self) -> Topology:
+        return Topology.unsharded() if self.strategy is None else Topology.from_strategy(self.strategy)
+
+    @property
+    def devices(self) -> int:
+        return self.topology.devices
+
+    @property
+    def deduplicated(self) -> bool:
+        """True for a redundancy-removed save: some shard held by several ranks is stored by fewer."""
+        return any(len(locs) < len(locs[0].rank_group)
+                   for p in self.params.values() for locs in p.locations.values())
+
+    def index(self) -> dict[int, dict[str, TensorMeta]]:
+        """What each storage rank's files hold (rank -> name -> TensorMeta), from the headers."""
+        out = {}
+        for rank, files in sorted(self.rank_files.items()):
+            merged: dict[str, TensorMeta] = {}
+            for f in files:
+                merged.update(self.file_tensors[f])
+            out[rank] = merged
+        return out
+
+    def holders(self, name: str) -> dict[int, tuple[int, ...]]:
+        """Shard index -> the storage ranks whose files hold that shard of parameter `name`."""
+        p = self.params[name]
+        return {k: p.holders(k) for k in range(p.shard_count)}
+
+    def stored_by(self, rank: int) -> dict[str, int]:
+        """The shards storage rank `rank` wrote: parameter name -> shard index."""
+        out = {}
+        for p in self.params.values():
+            for k, locs in p.locations.items():
+                if any(loc.storage_rank == rank for loc in locs):
+                    out[p.name] = k
+        return out
+
+    def extras(self) -> dict[str, list[int]]:
+        """Tensors in the files that metadata.json does not describe (``global_step``, ``learning_rate``)."""
+        out: dict[str, list[int]] = {}
+        for rank, names in self.index().items():
+            for name in names:
+                if name not in self.params:
+                    out.setdefault(name, []).append(rank)
+        return out
+
+    def reader(self, rank: int, *, verify_crc: bool = True) -> MultiFileReader:
+        return MultiFileReader(self.rank_files[rank], verify_crc=verify_crc)
+
+    def sources(self, *, verify_crc: bool = True) -> MultiFileSources:
+        """The storage ranks' files as ``execute.execute_rank`` reads them."""
+        return MultiFileSources(self.rank_files, verify_crc=verify_crc)
+
+    def read_common(self) -> dict | None:
+        """common.json (epoch, step, global_step, ...), or None when the folder has none."""
+        where = storage_for(self.folder, self.storage)
+        path = where.join(self.folder, COMMON_FILE)
+        info = where.info(path)
+        if info is None or not info.is_file:
+            return None
+        try:
+            doc = json.loads(where.read_bytes(path, MAX_METADATA_BYTES).decode("utf-8"))
+        except (OSError, StorageError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+            raise MindFormersFormatError(path, f"cannot be read as JSON ({e})") from None
+        if not isinstance(doc, dict):
+            raise MindFormersFormatError(path, "expected a JSON object")
+        return doc
+
+
+def load_mindformers(path: str | os.PathLike, iteration: int | None = None,
+                     storage: StorageOptions | None = None) -> MindFormersSource:
+    """Read one iteration of a MindFormers save (a folder, or a prefix in a bucket): metadata,
+    layouts, and every file's header, all checked."""
+    root = absolute(path)
+    folder, number = resolve_iteration(root, iteration, storage)
+    where = storage_for(folder, storage)
+    metadata_path = where.join(folder, METADATA_FILE)
+    try:
+        listing = where.listdir(folder)
+    except (OSError, StorageError) as e:
+        raise MindFormersFormatError(folder, f"cannot list the folder ({_why(e)})") from None
+    present = {e.name for e in listing if e.name.endswith(SAFETENSORS_SUFFIX) and e.is_file}
+    if not any(e.name == METADATA_FILE and e.is_file for e in listing):
+        return _single_rank_save(root, folder, number, sorted(present), storage)
+    try:
+        data = where.read_bytes(metadata_path, MAX_METADATA_BYTES)
+    except (OSError, StorageError) as e:
+        raise MindFormersFormatError(metadata_path, f"cannot read ({_why(e)})") from None
+    if not data.strip():
+        raise MindFormersFormatError(metadata_path, "is empty (expected MindFormers' metadata JSON)")
+    params = parse_metadata(data, metadata_path)
+    strategy = synthesize_strategy(params, metadata_path)
+
+    rank_names: dict[int, set[str]] = {}
+    for p in params.values():
+        for k, locs in p.locations.items():
+            for loc in locs:
+                if loc.file_name not in present:
+                    raise MindFormersFormatError(
+                        where.join(folder, loc.file_name),
+                        f"file not found; metadata.json places shard {k} of parameter {short_name(p.name)!r} "
+                        f"(rank {loc.storage_rank}) there")
+                rank_names.setdefault(loc.storage_rank, set()).add(loc.file_name)
+    named = sorted(set().union(*rank_names.values()))
+    file_tensors = {where.join(folder, n): _header(where.join(folder, n), storage) for n in named}
+    _check_files_against_metadata(params, folder, file_tensors, where)
+    rank_files = {r: tuple(where.join(folder, n) for n in sorted(names)) for r, names in sorted(rank_names.items())}
+    _check_no_name_twice_per_rank(rank_files, file_tensors)
+    return MindFormersSource(root, folder, number, params, strategy, rank_files, file_tensors,
+                             tuple(where.join(folder, n) for n in sorted(present - set(named))), storage)
+
+
+def _single_rank_save(root: str, folder: str, number: int | None, files: list[str],
+                      storage: StorageOptions | None = None) -> MindFormersSource:
+    """No metadata.json: a single-rank job wrote full tensors (spec §1), unless the names say otherwise."""
+    where = storage_for(folder, storage)
+    if not files:
+        raise MindFormersFormatError(
+            where.join(folder, METADATA_FILE), "not found, and the folder holds no .safetensors files "
+                                                 "(not a MindFormers checkpoint iteration)")
+    totals = {int(m.group("total")) for n in files if (m := SHARD_FILE.match(n))}
+    if any(t > 1 for t in totals):
+        raise MindFormersFormatError(
+            where.join(folder, METADATA_FILE),
+            f"not found, but the file names say {max(totals)} ranks wrote this save; without it the "
+            f"shards cannot be placed (copy metadata.json back from the save)")
+    paths = tuple(where.join(folder, n) for n in files)
+    file_tensors = {p: _header(p, storage) for p in paths}
+    _check_no_name_twice_per_rank({0: paths}, file_tensors)
+    return MindFormersSource(root, folder, number, {}, None, {0: paths}, file_tensors, (), storage)
+
+
+def _header(path: str, storage: StorageOptions | None = None) -> dict[str, TensorMeta]:
+    with SafetensorsReader(storage_for(path, storage).open_read(path), verify_crc=False) as reader:
+        return {name: TensorMeta(e.dtype, tuple(e.shape), "tensor", e.nbytes) for name, e in reader.entries.items()}
+
+
+def _check_files_against_metadata(params: dict[str, ParamMetadata], folder: str,
+                                  file_tensors: dict[str, dict[str, TensorMeta]], where) -> None:
+    expected: dict[str, set[str]] = {}
+    for p in params.values():
+        for k, locs in p.locations.items():
+            for loc in locs:
+                path = where.join(folder, loc.file_name)
+                expected.setdefault(path, set()).add(p.name)
+                meta = file_tensors[path].get(p.name)
+                if meta is None:
+                    raise MindFormersFormatError(
+                        path, f"lacks parameter {short_name(p.name)!r}, whose shard {k} metadata.json places there")
+                want = p.shard_shapes[k]
+                if meta.dtype != p.dtype or meta.shape != want:
+                    raise MindFormersFormatError(
+                        path, f"parameter {short_name(p.name)!r} is {meta.dtype} {list(meta.shape)} in the file, "
+                              f"but metadata.json says shard {k} is {p.dtype} {list(want)}")
+    for path, tensors in file_tensors.items():
+        stray = [n for n in tensors if n in params and n not in expected.get(path, ())]
+        if stray:
+            raise MindFormersFormatError(
+                path, f"holds parameter {short_name(stray[0])!r}, but metadata.json places none of its shards in this file")
+
+
+def _check_no_name_twice_per_rank(rank_files: dict[int, tuple[str, ...]],
+                                  file_tensors: dict[str, dict[str, TensorMeta]]) -> None:
+    for rank, files in rank_files.items():
+        seen: dict[str, str] = {}
+        for f in files:
+            for name in file_tensors[f]:
+                if name in seen:
+                    raise MindFormersFormatError(
+                        f, f"tensor {short_name(name)!r} is also in {os.path.basename(seen[name])}; "
+                           f"rank {rank}'s files must not hold it twice")
+                seen[name] = f
