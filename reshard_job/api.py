@@ -36,13 +36,16 @@ from reshard_job.plan.export_shards import DEFAULT_MAX_SHARD_SIZE, INCLUDE_WEIGH
 from reshard_job.formats.base import WrittenFile
 from reshard_job.formats.registry import kind_of
 from reshard_job.formats.strategy import merge_pipeline_strategies, merge_pipeline_strategys  # noqa: F401 (re-export)
-from reshard_job.plan.planner import UNMAPPED_OMIT, Plan, source_ranks_for
+from reshard_job.plan.model import UNMAPPED_OMIT, Plan
+from reshard_job.plan.rank_list import source_ranks_for
 from reshard_job.formats.mindformers_metadata import METADATA_FILE
 from reshard_job.sources.base import reader_for, reader_for_files
 from reshard_job.sources.mindformers import MindFormersFolder, discover_mindformers
 from reshard_job.sources.rank_folders import load_strategy
 from reshard_job.storage import absolute, storage_for
-from reshard_job.execute.tasks import FORMAT_CKPT, FORMAT_SAFETENSORS_INDEX, TARGET_FORMATS, RankResult, WriteOptions, files_of
+from reshard_job.execute.tasks import (FORMAT_CKPT, FORMAT_SAFETENSORS_INDEX, TARGET_FORMATS, RankResult,
+                                       WriteOptions)
+from reshard_job.sources.open_files import files_of
 
 __all__ = [
     "transform_checkpoints",

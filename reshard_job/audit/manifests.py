@@ -19,8 +19,6 @@ import posixpath
 from dataclasses import dataclass, replace
 
 from reshard_job.formats.manifest_file import MANIFEST_FILE, is_node_manifest_name
-from reshard_job.formats.manifest_file import MANIFEST_FILE as MANIFEST_NAME  # noqa: F401 (moved)
-from reshard_job.formats.manifest_file import NODE_MANIFEST_PREFIX  # noqa: F401 (moved)
 from reshard_job.lineage.hash_names import looks_like_sha256
 from reshard_job.lineage.errors import LineageError
 from reshard_job.audit.reading import absolute, dirname, join, read_small_file, relative_to

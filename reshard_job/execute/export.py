@@ -28,13 +28,9 @@ from reshard_job.errors import PlanError
 from reshard_job.execute.rank_task import DEFAULT_MAX_MEMORY, Progress, execute_rank
 from reshard_job.execute.tasks import FORMAT_SAFETENSORS
 from reshard_job.formats.ckpt import WrittenFile
-from reshard_job.formats.hf_index import EXPORT_METADATA, INDEX_FILE, SHARD_FILE  # noqa: F401 (moved)
-from reshard_job.plan.export_shards import (DEFAULT_MAX_SHARD_SIZE, INCLUDE_ALL, INCLUDE_CHOICES,  # noqa: F401 (moved)
-                                            INCLUDE_WEIGHTS, TRAINING_STATE_NAMES, ExportLayout, ExportShard,
-                                            is_training_state, natural_key, parse_shard_size, plan_export)
+from reshard_job.formats.hf_index import EXPORT_METADATA, INDEX_FILE
+from reshard_job.plan.export_shards import DEFAULT_MAX_SHARD_SIZE, INCLUDE_WEIGHTS, ExportLayout, plan_export
 from reshard_job.plan.model import RankPlan
-from reshard_job.sources.export_folder import export_files, open_export, read_index  # noqa: F401 (moved)
-from reshard_job.formats.hf_index import check_against_index  # noqa: F401 (moved)
 from reshard_job.storage import storage_for
 from reshard_job.storage.atomic import write_bytes_atomic
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from reshard_job.plan.model import RankPlan
-from reshard_job.sources.open_files import files_of  # noqa: F401 (a task names its files through it)
 from reshard_job.storage import StorageOptions
 
 FORMAT_CKPT = "ckpt"

@@ -35,16 +35,6 @@ from reshard_job.plan.resolve import ParamSource, Resolver, SourceIndex
 from reshard_job.text import quoted, shorten
 
 # The names other code imports from here, now at home in the modules above.
-from reshard_job.core.tensor_meta import TensorMeta  # noqa: F401 (moved)
-from reshard_job.plan.checks import (  # noqa: F401 (moved)
-    CHECK_COMPLETE, CHECK_NAMES, CHECK_OPTIMIZER, CHECK_SHAPES, CHECK_STAGES, CHECK_TENSOR_SHAPE, CHECK_WHOLE, REMEDY,
-    identical_mismatch,
-)
-from reshard_job.plan.model import (  # noqa: F401 (moved)
-    BUFFER_PREFIXES, PLAN_VERSION, UNMAPPED_CHOICES, UNMAPPED_DROP, UNMAPPED_FULL, ParamPlan,
-)
-from reshard_job.plan.patterns import Pattern, needed_local_ranks  # noqa: F401 (moved)
-from reshard_job.plan.rank_list import source_ranks_for  # noqa: F401 (moved)
 
 # Missing source ranks listed per (parameter, target rank) once a copy pattern is known to need
 # more source ranks than the stage has files: the rest is counted, not listed.

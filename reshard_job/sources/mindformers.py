@@ -28,14 +28,9 @@ from dataclasses import replace
 
 from reshard_job.core.tensor_meta import TensorMeta
 from reshard_job.errors import ConfigError
-from reshard_job.formats.mindformers_metadata import (MAX_METADATA_BYTES, METADATA_FILE, SHARD_FILE,  # noqa: F401 (moved)
-                                                      MetadataLayout, MindFormersFormatError, ParamMetadata,
-                                                      ShardLocation, parse_metadata)
+from reshard_job.formats.mindformers_metadata import METADATA_FILE, SHARD_FILE
 from reshard_job.plan.model import Plan
-from reshard_job.sources.mindformers_layouts import synthesize_strategy  # noqa: F401 (moved)
-from reshard_job.sources.mindformers_save import (COMMON_FILE, ITERATION_DIR, TRACKER_FILE,  # noqa: F401 (moved)
-                                                  MindFormersSource, available_iterations, iteration_folder_name,
-                                                  load_mindformers, resolve_iteration)
+from reshard_job.sources.mindformers_save import ITERATION_DIR, TRACKER_FILE, MindFormersSource, load_mindformers
 from reshard_job.sources.open_files import SourceFiles, files_of
 from reshard_job.sources.rank_folders import RANK_DIR, LoadedStrategy, RankFiles
 from reshard_job.storage import StorageError, StorageOptions, absolute, storage_for

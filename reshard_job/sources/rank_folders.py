@@ -279,12 +279,3 @@ class RankFolders:
 
     def verify(self, found: RankFiles, files) -> list[str]:
         return []  # rank folders say nothing of themselves: the cross-checks (job.stages.prepare) compare them
-
-
-def __getattr__(name: str):
-    """Names moved to ``sources.mindformers``, which imports this module (hence not imported at the top)."""
-    if name in ("is_mindformers_source", "discover_mindformers"):
-        import reshard_job.sources.mindformers as moved
-
-        return getattr(moved, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -30,8 +30,7 @@ import threading
 from typing import Any, Iterable
 
 from reshard_job.storage.base import KIND_DIR, KIND_FILE, FileInfo, SourceChangedError, StorageError
-from reshard_job.storage.s3client import (CHATTY_LOGGERS, CONNECT_TIMEOUT_SECONDS, DEFAULT_RETRIES,  # noqa: F401 (moved)
-                                          READ_TIMEOUT_SECONDS, make_s3fs, options_key, shared_store, track_store)
+from reshard_job.storage.s3client import make_s3fs, options_key, shared_store, track_store
 from reshard_job.storage.s3errors import error_code, is_absent, is_precondition_failed, shorten, storage_error, strip_userinfo
 
 S3_SCHEMES = ("s3", "s3a")

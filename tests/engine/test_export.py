@@ -26,7 +26,7 @@ from reshard_job.formats.hf_index import INDEX_FILE
 from reshard_job.plan.export_shards import is_training_state, natural_key, parse_shard_size, plan_export, shard_file_name
 from reshard_job.sources.export_folder import open_export, read_index
 from reshard_job.formats.ckpt import CheckpointReader
-from reshard_job.sources.mindformers import load_mindformers
+from reshard_job.sources.mindformers_save import load_mindformers
 from reshard_job.formats.strategy import read_strategy
 from reshard_job.plan.model import ParamPlan, RankPlan
 from reshard_job.plan.planner import Planner

@@ -18,7 +18,7 @@ from reshard_job.execute.tasks import FORMAT_CKPT, FORMAT_SAFETENSORS
 
 from reshard_job.execute.rank_task import execute_rank
 from reshard_job.formats.ckpt import CheckpointReader
-from reshard_job.sources.mindformers import load_mindformers
+from reshard_job.sources.mindformers_save import load_mindformers
 from reshard_job.formats.strategy import read_strategy
 from reshard_job.plan.planner import Planner
 from reshard_job.core.topology import Topology

@@ -24,10 +24,10 @@ from hypothesis import strategies as st
 from reshard_job.errors import FormatError, PlanError, ReshardError
 from reshard_job.execute.rank_task import execute_rank
 from reshard_job.formats.ckpt import CheckpointReader
-from reshard_job.sources.mindformers import (
-    MindFormersFormatError, is_mindformers_checkpoint, load_mindformers, parse_metadata, resolve_iteration,
-    synthesize_strategy,
-)
+from reshard_job.formats.mindformers_metadata import MindFormersFormatError, parse_metadata
+from reshard_job.sources.mindformers import is_mindformers_checkpoint
+from reshard_job.sources.mindformers_save import load_mindformers, resolve_iteration
+from reshard_job.sources.mindformers_layouts import synthesize_strategy
 from reshard_job.formats.multifile import MultiFileReader, MultiFileSources
 from reshard_job.formats.safetensors import save_file
 from reshard_job.core.strategy_model import ParamLayout
@@ -537,20 +537,17 @@ def test_redundancy_removed_save_is_described_by_storage_data(tmp_path):
         assert np.array_equal(reassemble(src, name), array), name
 
 
-def test_redundancy_removed_save_is_never_converted_wrongly(tmp_path):
-    """Until the planner plans from whichever rank holds a slice, such a source must be refused
-    with a clean error; once it does, the result must be the original tensors."""
+def test_redundancy_removed_save_converts_to_the_saved_tensors(tmp_path):
+    """A redundancy-removed save (each shard stored by one rank only) is planned from whichever rank
+    holds each slice, and the full checkpoint holds exactly the saved tensors."""
     params = dedup_params()
     write_mf_save(tmp_path / "mf", params, stored_by=dedup_writer, world=4)
     src = load_mindformers(tmp_path / "mf")
-    try:
-        plan = Planner(src.topology, None, src.index()).plan()
-    except ReshardError as e:
-        assert "\n" not in str(e) and "missing from the checkpoint of source rank" in str(e)
-        return
+    plan = Planner(src.topology, None, src.index()).plan()
     with src.sources() as sources:
         written = execute_rank(plan.ranks[0], sources, str(tmp_path / "full.ckpt"))
     with CheckpointReader(written.path) as r:
+        assert sorted(r.names()) == sorted(params)
         for name, (array, *_rest) in params.items():
             assert np.array_equal(r.read(name), array), name
 

@@ -21,7 +21,7 @@ from safetensors import safe_open
 from safetensors.numpy import load_file
 
 from reshard_job.formats.ckpt import CheckpointReader
-from reshard_job.sources.mindformers import load_mindformers
+from reshard_job.sources.mindformers_save import load_mindformers
 
 GOLDEN = Path(__file__).parents[1] / "golden"
 M1A = GOLDEN / "M1a_mf_llama_dp2mp2os_bf16_to_mp4"

@@ -13,11 +13,11 @@ import pytest
 from reshard_job.sources.open_files import SourceFiles, current_identity
 
 from reshard_job.execute.rank_task import run_rank_task
-from reshard_job.sources.mindformers import load_mindformers
+from reshard_job.sources.mindformers_save import load_mindformers
 from reshard_job.formats.multifile import MultiFileReader
 from reshard_job.formats.safetensors import SafetensorsReader
 from reshard_job.plan.planner import Planner
-from reshard_job.sources.rank_folders import discover_mindformers
+from reshard_job.sources.mindformers import discover_mindformers
 from reshard_job.storage import SourceChangedError
 from reshard_job.execute.tasks import RankTask, WriteOptions
 

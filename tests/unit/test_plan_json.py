@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from reshard_job.api import build_plan
-from reshard_job.plan.planner import Plan
+from reshard_job.plan.model import Plan
 
 S3 = Path(__file__).parents[1] / "golden" / "S3_pipeline2x4opt_to_4"
 

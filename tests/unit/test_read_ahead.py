@@ -45,7 +45,7 @@ def test_ranges_follow_a_tensor_across_its_records():
 
 
 def test_a_plan_announces_per_source_rank_in_plan_order():
-    from reshard_job.plan.planner import ACTION_RESHARD, Copy, ParamPlan, RankPlan
+    from reshard_job.plan.model import ACTION_RESHARD, Copy, ParamPlan, RankPlan
 
     entries = {0: {"a": TensorEntry("a", "Float32", (4, 4), 64, pieces=[(100, 64)]).finish()},
                1: {"a": TensorEntry("a", "Float32", (4, 4), 64, pieces=[(500, 64)]).finish(),

@@ -14,7 +14,7 @@ from typing import Any
 
 from reshard_job.storage import StorageOptions
 from reshard_job.execute.tasks import FORMAT_CKPT
-from reshard_job.core.placement import DEFAULT_NODE_RESOURCE_PREFIX, PLACEMENT_PER_NODE, PLACEMENT_SHARED  # noqa: F401
+from reshard_job.core.placement import DEFAULT_NODE_RESOURCE_PREFIX, PLACEMENT_SHARED
 
 MODE_CONVERT = "convert"
 MODE_PLAN = "plan"

@@ -14,7 +14,6 @@ import shutil
 import sys
 import time
 
-from reshard_job.core.sizes import parse_size as parse_bytes  # noqa: F401 (moved: one parser for every size)
 from reshard_job.text import human_size
 
 log = logging.getLogger("reshard_job")

@@ -27,15 +27,21 @@ from reshard_job.errors import ConfigError, PlanError, ReshardError
 from reshard_job.sources.open_files import SourceFiles
 from reshard_job.formats.hf_index import INDEX_FILE
 from reshard_job.plan.export_shards import ExportLayout, plan_export
-from reshard_job.sources.mindformers import MindFormersFolder, MindFormersSource
+from reshard_job.sources.mindformers import MindFormersFolder
+from reshard_job.sources.mindformers_save import MindFormersSource
 from reshard_job.formats.tensorfile import KIND_TENSOR
 from reshard_job.sources.file_digests import HashCache, default_cache_path
 from reshard_job.sources.index_cache import IndexCache
-from reshard_job.plan.planner import Plan, Planner, TensorMeta, identical_mismatch, source_ranks_for
+from reshard_job.plan.model import Plan
+from reshard_job.plan.planner import Planner
+from reshard_job.core.tensor_meta import TensorMeta
+from reshard_job.plan.checks import identical_mismatch
+from reshard_job.plan.rank_list import source_ranks_for
 from reshard_job.sources.base import SourceReader, reader_for
 from reshard_job.sources.rank_folders import LoadedStrategy, RankFiles
 from reshard_job.storage import StorageOptions, storage_for
-from reshard_job.execute.tasks import FORMAT_SAFETENSORS_INDEX, files_of
+from reshard_job.execute.tasks import FORMAT_SAFETENSORS_INDEX
+from reshard_job.sources.open_files import files_of
 from reshard_job.text import shorten
 from reshard_job.job.run.progress import Progress
 from reshard_job.job.config.spec import SourceSpec, TargetSpec

@@ -16,7 +16,7 @@ import reshard_job.core.dtypes as dtypes
 from reshard_job.formats.strategy import format_for, to_protobuf_bytes
 from reshard_job.core.strategy_model import FORMAT_JSON
 from reshard_job.core.layout import Layout
-from reshard_job.plan.planner import TensorMeta
+from reshard_job.core.tensor_meta import TensorMeta
 from reshard_job.sources.rank_folders import LoadedStrategy, load_strategy, read_strategy_bytes
 from reshard_job.storage import StorageOptions, storage_for
 from reshard_job.core.topology import Topology
