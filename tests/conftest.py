@@ -25,6 +25,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+# the lineage store fixtures (SQLite and a throw-away PostgreSQL), for the lineage, audit and e2e tests
+pytest_plugins = ["lineage_fixtures"]
+
 GOLDEN_DIR = Path(__file__).parent / "golden"
 
 
