@@ -23,7 +23,7 @@ per node, the ranks it wrote, bytes read and written, and its tasks' CPU seconds
 Where the cluster comes from:
 
 - ``--local-cluster`` (default): a throw-away cluster of n nodes on this machine's loopback, each
-  with ``--cpus-per-node`` CPUs (the tests' fixture, ``tests/ray/local_cluster.py``). All nodes
+  with ``--cpus-per-node`` CPUs (the tests' fixture, ``tests/backends/ray/local_cluster.py``). All nodes
   share this machine's cores and disk: it shows how the work spreads and what Ray adds, and on a
   many-core machine how far more nodes help before the disk is the limit.
 - ``--address HOST:PORT`` or ``ray://HOST:10001``: an existing cluster whose nodes carry
@@ -53,7 +53,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-for path in (str(REPO), str(HERE), str(REPO / "tests" / "ray")):
+for path in (str(REPO), str(HERE), str(REPO / "tests" / "backends" / "ray")):
     if path not in sys.path:  # run from a checkout without installing
         sys.path.insert(0, path)
 
