@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import itertools
 from math import prod
-from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import reshard_job.core.dtypes as dtypes
 from reshard_job.core.layout import Layout
@@ -29,11 +29,9 @@ from reshard_job.core.strategy_model import ParamLayout
 from reshard_job.core.tensor_meta import TensorMeta
 from reshard_job.core.topology import Topology, optimizer_base
 from reshard_job.errors import PlanError
-from reshard_job.plan.model import BUFFER_PREFIXES
+from reshard_job.plan.model import BUFFER_PREFIXES, ParamSource
 from reshard_job.text import bounded_list, quoted, rank_ranges, shorten
 
-if TYPE_CHECKING:
-    from reshard_job.plan.resolve import ParamSource
 
 # What the planner checks before any output (recorded in ``Plan.checks``, and so in the manifest).
 CHECK_NAMES = "the source strategy lays out parameters the checkpoints hold"

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, NamedTuple, Sequence
+from typing import Iterable, Iterator, Mapping, NamedTuple, Sequence
 
 import reshard_job.core.dtypes as dtypes
 from reshard_job.core.boxes import Box, box_size
+from reshard_job.core.layout import Layout
+from reshard_job.core.strategy_model import ParamLayout
+from reshard_job.core.tensor_meta import TensorMeta
 from reshard_job.jsonchunks import LazyList
 
 ACTION_RESHARD = "reshard"
@@ -348,3 +351,29 @@ def _rank_tables(rank_plans: Sequence[RankPlan], lazy: bool) -> tuple[list[Tenso
                       "bytes_written": rp.bytes_written, "largest_slice": rp.largest_slice,
                       "params": LazyList(pairs.__iter__) if lazy else pairs.tolist()})
     return order, slices, ranks
+
+
+# ------------------------------------------------------------------ phase 1's records (plan.resolve)
+
+
+@dataclass(slots=True, eq=False)
+class ParamSource:
+    """How one parameter is read, and where it goes."""
+
+    name: str
+    meta: TensorMeta | None  # None: no available file holds it (its stages' files are all missing)
+    layout: Layout | None  # sharded source layout; None when the source holds it whole
+    stage: int  # the source stage it is read from
+    global_shape: tuple[int, ...]
+    in_src: bool
+    holders: tuple[int, ...] = ()  # source ranks holding it, ascending
+    dst_layouts: Mapping[int, ParamLayout] | None = None  # target stage -> layout; None: not in the target strategy
+    reshard: bool = True  # False: copied unchanged (pass-through)
+    follows: str | None = None  # laid out like this parameter (an optimizer state the strategy leaves out)
+    tensor: TensorFacts | None = None  # shared by its ParamPlans (given in phase 2)
+    group: int = -1  # parameters of one group are planned alike (same layouts, shape, holders)
+    partial: bool = False  # laid out, but not every rank of its stages holds it (redundancy removed)
+
+    @property
+    def in_dst(self) -> bool:
+        return self.dst_layouts is not None

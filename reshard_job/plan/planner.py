@@ -29,9 +29,10 @@ from reshard_job.errors import MissingRankError, PlanError
 from reshard_job.plan.checks import CHECK_IDENTICAL, CHECK_TARGET, show_block
 from reshard_job.plan.model import (
     ACTION_COPY, ACTION_FULL, ACTION_RESHARD, UNMAPPED_OMIT, Copy, ParamPlans, Plan, RankPlan, RankSummary, TensorFacts,
+    ParamSource,
 )
 from reshard_job.plan.patterns import chunk_copy_pattern, copy_pattern, scale_pattern
-from reshard_job.plan.resolve import ParamSource, Resolver, SourceIndex
+from reshard_job.plan.resolve import Resolver, SourceIndex
 from reshard_job.text import quoted, shorten
 
 # The names other code imports from here, now at home in the modules above.

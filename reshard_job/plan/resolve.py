@@ -13,7 +13,6 @@ pipeline stages is one record, read from the lowest stage with files at hand.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import cached_property
 from typing import Mapping, Sequence
 
@@ -28,33 +27,10 @@ from reshard_job.plan.checks import (
     check_coverage, check_names_overlap, check_optimizer_states, check_placement, check_same_metas,
     check_shared_layout, check_sliceable, check_source_ranks, check_target_network, check_tensor_shape,
 )
-from reshard_job.plan.model import BUFFER_PREFIXES, UNMAPPED_CHOICES, UNMAPPED_DROP, UNMAPPED_FULL, TensorFacts
+from reshard_job.plan.model import BUFFER_PREFIXES, UNMAPPED_CHOICES, UNMAPPED_DROP, UNMAPPED_FULL, ParamSource
 from reshard_job.text import quoted, shorten
 
 SourceIndex = Mapping[int, Mapping[str, TensorMeta]]  # global source rank -> name -> meta
-
-
-@dataclass(slots=True, eq=False)
-class ParamSource:
-    """How one parameter is read, and where it goes."""
-
-    name: str
-    meta: TensorMeta | None  # None: no available file holds it (its stages' files are all missing)
-    layout: Layout | None  # sharded source layout; None when the source holds it whole
-    stage: int  # the source stage it is read from
-    global_shape: tuple[int, ...]
-    in_src: bool
-    holders: tuple[int, ...] = ()  # source ranks holding it, ascending
-    dst_layouts: Mapping[int, ParamLayout] | None = None  # target stage -> layout; None: not in the target strategy
-    reshard: bool = True  # False: copied unchanged (pass-through)
-    follows: str | None = None  # laid out like this parameter (an optimizer state the strategy leaves out)
-    tensor: TensorFacts | None = None  # shared by its ParamPlans (given in phase 2)
-    group: int = -1  # parameters of one group are planned alike (same layouts, shape, holders)
-    partial: bool = False  # laid out, but not every rank of its stages holds it (redundancy removed)
-
-    @property
-    def in_dst(self) -> bool:
-        return self.dst_layouts is not None
 
 
 class Resolver:
