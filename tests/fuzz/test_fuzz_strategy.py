@@ -105,7 +105,9 @@ with open("/proc/self/status") as f:
 cap = vm + 384 * 2**20
 resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
 from reshard_job.errors import ReshardError
-from reshard_job.plan.planner import Planner, TensorMeta, source_ranks_for
+from reshard_job.core.tensor_meta import TensorMeta
+from reshard_job.plan.planner import Planner
+from reshard_job.plan.rank_list import source_ranks_for
 from reshard_job.sources.rank_folders import load_strategy
 
 INDEX = {r: {"w": TensorMeta("Float32", (4, 4), "tensor", 64), "b": TensorMeta("Float32", (4,), "tensor", 16),

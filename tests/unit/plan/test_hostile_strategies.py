@@ -161,7 +161,8 @@ with open("/proc/self/status") as f:
     vm = next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmSize:"))
 resource.setrlimit(resource.RLIMIT_AS, (vm + 512 * 2**20, vm + 512 * 2**20))
 from reshard_job.core.strategy_model import ParamLayout, StrategyFile, StrategyItem
-from reshard_job.plan.planner import Planner, TensorMeta
+from reshard_job.core.tensor_meta import TensorMeta
+from reshard_job.plan.planner import Planner
 from reshard_job.core.topology import Topology
 items = [StrategyItem("op", 0, ())]
 src = Topology.from_strategy(StrategyFile({"w": ParamLayout((2,), (0, -1))}, items))
