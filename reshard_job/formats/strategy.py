@@ -23,8 +23,8 @@ import sys
 
 from reshard_job.errors import StrategyFormatError
 from reshard_job.text import bounded_list, quoted, shorten
-from reshard_job.formats import wire
 import reshard_job.formats.proto_schema as schema
+from reshard_job.formats.strategy_wire import layout_bytes
 from reshard_job.storage.atomic import write_bytes_atomic
 
 from reshard_job.core.strategy_model import (FORMAT_JSON, FORMAT_PROTOBUF, JSON_SUFFIX, MAX_AXES, MAX_DEVICES, missing_stages,
@@ -71,6 +71,13 @@ def parse_protobuf_strategy(data: bytes, path: str | None = None) -> StrategyFil
         ) from None
     if not msg.parallel_layout_item and not msg.parallel_strategy_item:
         raise StrategyFormatError(path, "no parameter layouts or operator strategies: not a strategy file")
+    layouts = _protobuf_layouts(msg.parallel_layout_item, data, path)
+    items = _protobuf_items(msg.parallel_strategy_item, path)
+    return StrategyFile(layouts, items, int(msg.current_stage), FORMAT_PROTOBUF, path)
+
+
+def _protobuf_layouts(items, data: bytes, path) -> dict[str, ParamLayout]:
+    """The layouts of the layout `items` of a protobuf file's `data`, by parameter name."""
     layouts: dict[str, ParamLayout] = {}
     shared: dict[ParamLayout, ParamLayout] = {}
     checked: dict[tuple, ParamLayout] = {}  # raw fields -> their validated layout
@@ -78,8 +85,7 @@ def parse_protobuf_strategy(data: bytes, path: str | None = None) -> StrategyFil
     # parameters has a handful of distinct layouts. So each item's layout is looked up by its
     # encoded bytes and decoded (and validated) only the first time those bytes are seen.
     by_bytes: dict[bytes, ParamLayout] = {}
-    encoded = _layout_bytes(data)
-    items = msg.parallel_layout_item
+    encoded = layout_bytes(data)
     if encoded is None or len(encoded) != len(items):
         encoded = [None] * len(items)
     for item, raw_layout in zip(items, encoded):
@@ -91,94 +97,57 @@ def parse_protobuf_strategy(data: bytes, path: str | None = None) -> StrategyFil
         if layout is not None:
             layouts[name] = layout
             continue
-        pl = item.parallel_layouts
-        if not pl.dev_matrix:
-            raise StrategyFormatError(path, f"parameter {quoted(name)}: layout has no dev_matrix")
-        if not pl.tensor_map:
-            raise StrategyFormatError(path, f"parameter {quoted(name)}: layout has no tensor_map")
-        maps = [tuple(t.dim) for t in pl.tensor_map]
-        if len(maps) == 1:
-            tensor_map: tuple = maps[0]
-        else:  # one TensorMap per dimension (multi-axis); the empty pad entry of 1-D tensors drops out
-            tensor_map = tuple(m for m in maps if m)
-        raw = (tuple(pl.dev_matrix[0].dim), tensor_map, int(pl.opt_weight_shard_step),
-               int(pl.opt_weight_shard_size),
-               tuple(pl.param_split_shape[0].dim) if pl.param_split_shape else (),
-               tuple(pl.indices_offset[0].dim) if pl.indices_offset else (), int(pl.field))
-        layout = checked.get(raw)
-        if layout is None:  # validated once per distinct layout (a bad one fails at its first parameter)
-            layout = checked[raw] = _interned(shared, ParamLayout(
-                dev_matrix=_dev_matrix(raw[0], path, name),
-                tensor_map=_tensor_map(tensor_map, path, name),
-                opt_shard_step=raw[2],
-                opt_shard_size=raw[3],
-                param_split_shape=raw[4],
-                indices_offset=raw[5],
-                field=raw[6],
-            ))
-        layouts[name] = layout
+        layouts[name] = layout = _protobuf_layout(item.parallel_layouts, path, name, checked, shared)
         if raw_layout is not None:
             by_bytes[raw_layout] = layout
-    bad = next((it.node_name for it in msg.parallel_strategy_item if not isinstance(it.node_name, str)), None)
+    return layouts
+
+
+def _protobuf_layout(pl, path, name: str, checked: dict, shared: dict) -> ParamLayout:
+    """One item's ``ParallelLayouts`` message as a layout, validated once per distinct layout
+    (`checked`: raw fields -> their layout; a bad one fails at its first parameter)."""
+    if not pl.dev_matrix:
+        raise StrategyFormatError(path, f"parameter {quoted(name)}: layout has no dev_matrix")
+    if not pl.tensor_map:
+        raise StrategyFormatError(path, f"parameter {quoted(name)}: layout has no tensor_map")
+    maps = [tuple(t.dim) for t in pl.tensor_map]
+    if len(maps) == 1:
+        tensor_map: tuple = maps[0]
+    else:  # one TensorMap per dimension (multi-axis); the empty pad entry of 1-D tensors drops out
+        tensor_map = tuple(m for m in maps if m)
+    raw = (tuple(pl.dev_matrix[0].dim), tensor_map, int(pl.opt_weight_shard_step),
+           int(pl.opt_weight_shard_size),
+           tuple(pl.param_split_shape[0].dim) if pl.param_split_shape else (),
+           tuple(pl.indices_offset[0].dim) if pl.indices_offset else (), int(pl.field))
+    layout = checked.get(raw)
+    if layout is None:
+        layout = checked[raw] = _interned(shared, ParamLayout(
+            dev_matrix=_dev_matrix(raw[0], path, name),
+            tensor_map=_tensor_map(tensor_map, path, name),
+            opt_shard_step=raw[2],
+            opt_shard_size=raw[3],
+            param_split_shape=raw[4],
+            indices_offset=raw[5],
+            field=raw[6],
+        ))
+    return layout
+
+
+def _protobuf_items(strategy_items, path) -> list[StrategyItem]:
+    """The operator strategy items of a protobuf file, their names and stages checked."""
+    bad = next((it.node_name for it in strategy_items if not isinstance(it.node_name, str)), None)
     if bad is not None:
         raise StrategyFormatError(path, f"operator name {quoted(bad)} is not valid UTF-8")
-    for it in msg.parallel_strategy_item:
+    for it in strategy_items:
         _check_stage(int(it.parallel_strategys.stage), path, f"operator {quoted(it.node_name)}")
-    items = [
+    return [
         StrategyItem(
             it.node_name,
             int(it.parallel_strategys.stage),
             tuple(tuple(s.dim) for s in it.parallel_strategys.parallel_strategy),
         )
-        for it in msg.parallel_strategy_item
+        for it in strategy_items
     ]
-    return StrategyFile(layouts, items, int(msg.current_stage), FORMAT_PROTOBUF, path)
-
-
-def _layout_bytes(data: bytes) -> list | None:
-    """The encoded ``parallel_layouts`` of every layout item, in order: an item whose layouts field
-    is absent or repeated (protobuf merges repeated copies) gets None and is read through protobuf.
-    None when the walk meets anything unexpected (protobuf has parsed the file already, so that
-    only means: read every item the slow way)."""
-    out: list = []
-    view = memoryview(data)
-    pos, end = 0, len(data)
-    decode = wire.decode_varint
-    try:
-        while pos < end:
-            key, pos = decode(data, pos, end)
-            field, wire_type = key >> 3, key & 7
-            if field != 3 or wire_type != wire.LEN:
-                pos = wire.skip_field(data, pos, end, wire_type)
-                continue
-            n, pos = decode(data, pos, end)
-            item_end = pos + n
-            if item_end > end:
-                return None
-            # the form every writer produces: name (field 1), then the layouts (field 2) to the end
-            if n >= 2 and data[pos] == 0x0A and data[pos + 1] < 0x80:
-                at = pos + 2 + data[pos + 1]
-                if at + 1 < item_end and data[at] == 0x12 and data[at + 1] < 0x80 and at + 2 + data[at + 1] == item_end:
-                    out.append(data[at + 2:item_end])
-                    pos = item_end
-                    continue
-            found = None
-            count = 0
-            while pos < item_end:
-                key, pos = decode(data, pos, item_end)
-                if key == 0x12:  # field 2, length-delimited: the ParallelLayouts message
-                    n, pos = decode(data, pos, item_end)
-                    if pos + n > item_end:
-                        return None
-                    found = bytes(view[pos:pos + n])
-                    count += 1
-                    pos += n
-                else:
-                    pos = wire.skip_field(data, pos, item_end, key & 7)
-            out.append(found if count == 1 else None)
-    except wire.WireError:
-        return None
-    return out
 
 
 def _interned(shared: dict, layout: ParamLayout) -> ParamLayout:
@@ -232,53 +201,62 @@ def parse_json_strategy(data: bytes, path: str | None = None) -> StrategyFile:
         raise StrategyFormatError(path, "'parallel_layout_item' and 'parallel_strategy_item' must be objects")
     if not raw_layouts and not raw_items:
         raise StrategyFormatError(path, "no parameter layouts or operator strategies: not a strategy file")
-    layouts: dict[str, ParamLayout] = {}
     shared: dict[ParamLayout, ParamLayout] = {}
-    for name, d in raw_layouts.items():
-        where = f"parameter {quoted(name)}"
-        if not isinstance(d, dict):
-            raise StrategyFormatError(path, f"{where}: layout must be an object")
-        for key in ("dev_matrix", "tensor_map", "field", "opt_weight_shard_step", "opt_weight_shard_size"):
-            if key not in d:
-                raise StrategyFormatError(path, f"{where}: layout lacks {key!r}")
-        tm = d["tensor_map"]
-        if not isinstance(tm, list):
-            raise StrategyFormatError(path, f"{where}: tensor_map must be a list")
-        entries: list = []
-        for e in tm:
-            if isinstance(e, list):
-                entries.append(_int_list(e, path, f"{where}: tensor_map entry"))
-            elif isinstance(e, int) and not isinstance(e, bool):
-                entries.append(e)
-            else:
-                raise StrategyFormatError(path, f"{where}: tensor_map entries must be integers, got {shorten(repr(e), 80)}")
-        for key in ("field", "opt_weight_shard_step", "opt_weight_shard_size"):
-            if not isinstance(d[key], int) or isinstance(d[key], bool):
-                raise StrategyFormatError(path, f"{where}: {key} must be an integer, got {shorten(repr(d[key]), 80)}")
-        layouts[name] = _interned(shared, ParamLayout(
-            dev_matrix=_dev_matrix(_int_list(d["dev_matrix"], path, f"{where}: dev_matrix"), path, name),
-            tensor_map=_tensor_map(tuple(entries), path, name),
-            opt_shard_step=d["opt_weight_shard_step"],
-            opt_shard_size=d["opt_weight_shard_size"],
-            param_split_shape=_int_list(d.get("param_split_shape", []), path, f"{where}: param_split_shape"),
-            indices_offset=_int_list(d.get("indices_offset", []), path, f"{where}: indices_offset"),
-            field=d["field"],
-            tensor_shape=_int_list(d["tensor_shape"], path, f"{where}: tensor_shape") if "tensor_shape" in d else None,
-        ))
-    items = []
-    for node, d in raw_items.items():
-        stage = d.get("stage", 0) if isinstance(d, dict) else None
-        if not isinstance(stage, int) or isinstance(stage, bool):
-            raise StrategyFormatError(path, f"operator {quoted(node)}: strategy item must be an object with an integer 'stage'")
-        _check_stage(stage, path, f"operator {quoted(node)}")
-        strategies = d.get("parallel_strategy", [])
-        if not isinstance(strategies, list):
-            raise StrategyFormatError(path, f"operator {quoted(node)}: parallel_strategy must be a list")
-        items.append(
-            StrategyItem(node, stage, tuple(_int_list(s, path, f"operator {quoted(node)}: strategy") for s in strategies))
-        )
+    layouts = {name: _interned(shared, _json_layout(name, d, path)) for name, d in raw_layouts.items()}
+    items = [_json_item(node, d, path) for node, d in raw_items.items()]
     stage = obj.get("current_stage", 1)
     return StrategyFile(layouts, items, stage if isinstance(stage, int) else 1, FORMAT_JSON, path)
+
+
+def _json_layout(name: str, d, path) -> ParamLayout:
+    """One ``parallel_layout_item`` entry as a layout, validated."""
+    where = f"parameter {quoted(name)}"
+    if not isinstance(d, dict):
+        raise StrategyFormatError(path, f"{where}: layout must be an object")
+    for key in ("dev_matrix", "tensor_map", "field", "opt_weight_shard_step", "opt_weight_shard_size"):
+        if key not in d:
+            raise StrategyFormatError(path, f"{where}: layout lacks {key!r}")
+    entries = _json_tensor_map(d["tensor_map"], path, where)
+    for key in ("field", "opt_weight_shard_step", "opt_weight_shard_size"):
+        if not isinstance(d[key], int) or isinstance(d[key], bool):
+            raise StrategyFormatError(path, f"{where}: {key} must be an integer, got {shorten(repr(d[key]), 80)}")
+    return ParamLayout(
+        dev_matrix=_dev_matrix(_int_list(d["dev_matrix"], path, f"{where}: dev_matrix"), path, name),
+        tensor_map=_tensor_map(entries, path, name),
+        opt_shard_step=d["opt_weight_shard_step"],
+        opt_shard_size=d["opt_weight_shard_size"],
+        param_split_shape=_int_list(d.get("param_split_shape", []), path, f"{where}: param_split_shape"),
+        indices_offset=_int_list(d.get("indices_offset", []), path, f"{where}: indices_offset"),
+        field=d["field"],
+        tensor_shape=_int_list(d["tensor_shape"], path, f"{where}: tensor_shape") if "tensor_shape" in d else None,
+    )
+
+
+def _json_tensor_map(tm, path, where: str) -> tuple:
+    """A JSON ``tensor_map``: integers, or lists of integers for multi-axis dimensions."""
+    if not isinstance(tm, list):
+        raise StrategyFormatError(path, f"{where}: tensor_map must be a list")
+    entries: list = []
+    for e in tm:
+        if isinstance(e, list):
+            entries.append(_int_list(e, path, f"{where}: tensor_map entry"))
+        elif isinstance(e, int) and not isinstance(e, bool):
+            entries.append(e)
+        else:
+            raise StrategyFormatError(path, f"{where}: tensor_map entries must be integers, got {shorten(repr(e), 80)}")
+    return tuple(entries)
+
+
+def _json_item(node: str, d, path) -> StrategyItem:
+    """One ``parallel_strategy_item`` entry (an operator's stage and strategies), validated."""
+    stage = d.get("stage", 0) if isinstance(d, dict) else None
+    if not isinstance(stage, int) or isinstance(stage, bool):
+        raise StrategyFormatError(path, f"operator {quoted(node)}: strategy item must be an object with an integer 'stage'")
+    _check_stage(stage, path, f"operator {quoted(node)}")
+    strategies = d.get("parallel_strategy", [])
+    if not isinstance(strategies, list):
+        raise StrategyFormatError(path, f"operator {quoted(node)}: parallel_strategy must be a list")
+    return StrategyItem(node, stage, tuple(_int_list(s, path, f"operator {quoted(node)}: strategy") for s in strategies))
 
 
 # =========================================================================================== write

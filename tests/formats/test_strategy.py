@@ -482,7 +482,7 @@ def test_layouts_shared_by_bytes_read_as_protobuf_reads_them(monkeypatch):
             + wire.len_field(3, len(reversed_order)) + reversed_order
             + _layout_item("w_last", [a]))
     sf = strategy_module.parse_protobuf_strategy(data, "s.ckpt")
-    monkeypatch.setattr(strategy_module, "_layout_bytes", lambda data: None)  # every item through protobuf
+    monkeypatch.setattr(strategy_module, "layout_bytes", lambda data: None)  # every item through protobuf
     reference = strategy_module.parse_protobuf_strategy(data, "s.ckpt")
     assert list(sf.layouts.items()) == list(reference.layouts.items())
     assert sf.layouts["merged"] != sf.layouts["plain_c"]

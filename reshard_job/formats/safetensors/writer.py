@@ -4,11 +4,9 @@ package docstring for the layout rules and how ``crc_num`` gets into a header th
 from __future__ import annotations
 
 import hashlib
-import json
 import operator
 import os
 import zlib
-from dataclasses import dataclass
 from math import prod
 from typing import Sequence
 
@@ -18,51 +16,14 @@ from reshard_job.errors import LayoutError
 import reshard_job.core.dtypes as dtypes
 from reshard_job.formats.base import TensorDecl, WrittenFile
 from reshard_job.formats.crc32 import chain_crc
-from reshard_job.formats.safetensors.header import (CRC_KEY, CRC_WIDTH, DTYPE_RANK, FORMAT_KEY, INT4_MARK, INT4_STORAGE_CODE, MAX_HEADER_BYTES,
-                     METADATA_KEY)
-
-
-@dataclass
-class _Decl:
-    name: str
-    dtype: str  # MindSpore name
-    code: str  # safetensors code written to the header
-    shape: tuple[int, ...]
-    nbytes: int
-
-
-def _resolve_dtype(name: str, dtype: str) -> tuple[str, str, int]:
-    """(MindSpore name, safetensors code, itemsize) for a dtype given by MindSpore name or code."""
-    if dtype == dtypes.STR_TYPE:
-        raise LayoutError(
-            f"parameter {name!r}: str entries cannot be stored in safetensors (MindSpore refuses them too)"
-        )
-    if dtype == INT4_MARK:
-        return INT4_MARK, INT4_STORAGE_CODE, 1
-    dt = dtypes.BY_NAME.get(dtype)
-    if dt is None:
-        try:
-            dt = dtypes.from_safetensors(dtype)
-        except KeyError:
-            raise LayoutError(f"parameter {name!r}: unknown dtype {dtype!r}") from None
-    if dt.safetensors not in DTYPE_RANK:
-        raise LayoutError(
-            f"parameter {name!r}: dtype {dt.name} has no code the safetensors format knows "
-            f"({dt.safetensors or 'none'}), so it cannot be written as safetensors"
-        )
-    return dt.name, dt.safetensors, dt.itemsize
-
-
-def _json_str(s: str) -> str:
-    # ensure_ascii=False: raw UTF-8, only '"', '\\' and control characters escaped (lowercase
-    # \u00xx), which is exactly what serde_json produces
-    return json.dumps(s, ensure_ascii=False)
+from reshard_job.formats.safetensors.header import (CRC_KEY, CRC_WIDTH, DTYPE_RANK, INT4_MARK, MAX_HEADER_BYTES, METADATA_KEY,
+                                                    DeclaredTensor, header_json, header_metadata, resolve_dtype)
 
 
 class TensorSink:
     """Accepts one tensor's bytes in order, in pieces of any size."""
 
-    def __init__(self, writer: "SafetensorsWriter", decl: _Decl):
+    def __init__(self, writer: "SafetensorsWriter", decl: DeclaredTensor):
         self._w = writer
         self.name = decl.name
         self.total = decl.nbytes
@@ -134,7 +95,7 @@ class SafetensorsWriter:
         self.user_metadata = None if metadata is None else dict(metadata)
         self.mindspore = mindspore
         self.crc = crc
-        self._decls: dict[str, _Decl] = {}
+        self._decls: dict[str, DeclaredTensor] = {}
         self._pending: dict[str, tuple[bytes | memoryview, str]] = {}  # added before the header
         self._order: list[str] | None = None  # set when the header is written
         self._next = 0
@@ -174,14 +135,14 @@ class SafetensorsWriter:
         if name == METADATA_KEY:
             raise ValueError(f"{METADATA_KEY!r} is reserved by the format and cannot name a tensor")
         _check_utf8(name, "tensor name")
-        ms_name, code, itemsize = _resolve_dtype(name, dtype)
+        ms_name, code, itemsize = resolve_dtype(name, dtype)
         try:
             shape = tuple(operator.index(d) for d in shape)  # ints only: 2.5 is not a dimension
         except TypeError:
             raise LayoutError(f"parameter {name!r}: shape {shape!r} is not a sequence of integers") from None
         if any(d < 0 for d in shape):
             raise LayoutError(f"parameter {name!r}: negative dimension in shape {list(shape)}")
-        decl = _Decl(name, ms_name, code, shape, prod(shape) * itemsize)
+        decl = DeclaredTensor(name, ms_name, code, shape, prod(shape) * itemsize)
         old = self._decls.get(name)
         if old is not None:
             if (old.dtype, old.shape) != (decl.dtype, decl.shape):
@@ -200,49 +161,9 @@ class SafetensorsWriter:
         return sorted(self._decls, key=lambda n: (-DTYPE_RANK[self._decls[n].code], n))
 
     # --- header ---------------------------------------------------------------------------------
-    def _metadata(self, crc_text: str | None) -> dict[str, str] | None:
-        meta = None if self.user_metadata is None else dict(self.user_metadata)
-        if self._decls:
-            auto: dict[str, str] = {}
-            if self.mindspore:
-                auto[FORMAT_KEY] = "ms"
-            for d in self._decls.values():
-                if d.dtype == INT4_MARK:
-                    auto[d.name] = INT4_MARK
-            if crc_text is not None:
-                auto[CRC_KEY] = crc_text
-            if auto:
-                meta = meta or {}
-                for k, v in auto.items():
-                    if k == FORMAT_KEY:
-                        meta.setdefault(k, v)
-                    else:
-                        meta[k] = v
-        if meta:
-            # a user key that names a tensor would be read back as (or as not) an Int4 marker
-            for k, v in meta.items():
-                d = self._decls.get(k)
-                if d is not None and (v == INT4_MARK) != (d.dtype == INT4_MARK):
-                    raise ValueError(
-                        f"metadata key {k!r} names a {d.dtype} tensor; its value {v!r} would change how it is read"
-                    )
-        return meta
-
     def _header(self, order: list[str], crc_text: str | None) -> bytes:
-        meta = self._metadata(crc_text)
-        parts = []
-        if meta is not None:
-            items = ",".join(f"{_json_str(k)}:{_json_str(v)}" for k, v in sorted(meta.items()))
-            parts.append(f'"{METADATA_KEY}":{{{items}}}')
-        pos = 0
-        for name in order:
-            d = self._decls[name]
-            dims = ",".join(str(x) for x in d.shape)
-            parts.append(
-                f'{_json_str(name)}:{{"dtype":"{d.code}","shape":[{dims}],"data_offsets":[{pos},{pos + d.nbytes}]}}'
-            )
-            pos += d.nbytes
-        return ("{" + ",".join(parts) + "}").encode("utf-8")
+        meta = header_metadata(self.user_metadata, self._decls, mindspore=self.mindspore, crc_text=crc_text)
+        return header_json(meta, self._decls, order)
 
     def _start_data(self) -> None:
         """Fix the layout and write the length prefix and header; from here on only data follows."""
@@ -341,7 +262,7 @@ class SafetensorsWriter:
                 dtype = dtypes.from_numpy(array.dtype).name
             except KeyError:
                 raise LayoutError(f"parameter {name!r}: numpy dtype {array.dtype} has no safetensors dtype") from None
-        ms_name, _, itemsize = _resolve_dtype(name, dtype)
+        ms_name, _, itemsize = resolve_dtype(name, dtype)
         if ms_name != INT4_MARK and array.dtype.itemsize != itemsize:
             raise ValueError(f"parameter {name!r}: array of {array.dtype} cannot hold {ms_name}")
         if array.dtype.byteorder == ">":
@@ -366,7 +287,7 @@ class SafetensorsWriter:
         d = self._decls.get(name)
         if d is None:
             raise RuntimeError(f"parameter {name!r}: cannot add an undeclared tensor after data writing started")
-        if (d.dtype, d.shape) != (_resolve_dtype(name, dtype)[0], tuple(operator.index(x) for x in shape)):
+        if (d.dtype, d.shape) != (resolve_dtype(name, dtype)[0], tuple(operator.index(x) for x in shape)):
             raise ValueError(f"parameter {name!r} was declared as {d.dtype} {list(d.shape)}")
         sink = self.begin(name)
         sink.write(data)
