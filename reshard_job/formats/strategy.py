@@ -27,8 +27,8 @@ import reshard_job.formats.proto_schema as schema
 from reshard_job.formats.strategy_wire import layout_bytes
 from reshard_job.storage.atomic import write_bytes_atomic
 
-from reshard_job.core.strategy_model import (FORMAT_JSON, FORMAT_PROTOBUF, JSON_SUFFIX, MAX_AXES, MAX_DEVICES, missing_stages,
-                                             MAX_STAGES, ParamLayout, StrategyFile, StrategyItem)
+from reshard_job.core.strategy_model import (FORMAT_JSON, FORMAT_PROTOBUF, JSON_SUFFIX, MAX_AXES, MAX_DEVICES,
+                                             missing_stages, MAX_STAGES, ParamLayout, StrategyFile, StrategyItem)
 
 
 def format_for(path: str | os.PathLike) -> str:

@@ -52,14 +52,12 @@ Choices, and how they relate to MindSpore 2.10's converter (spec §5–§7):
 """
 
 from reshard_job.core.tensor_meta import TensorMeta
-from reshard_job.plan.checks import (
-    CHECK_COMPLETE, CHECK_IDENTICAL, CHECK_NAMES, CHECK_OPTIMIZER, CHECK_SHAPES, CHECK_STAGES, CHECK_TARGET,
-    CHECK_TENSOR_SHAPE, CHECK_WHOLE, REMEDY, identical_mismatch,
-)
-from reshard_job.plan.model import (
-    ACTION_COPY, ACTION_FULL, ACTION_RESHARD, BUFFER_PREFIXES, PLAN_VERSION, UNMAPPED_CHOICES, UNMAPPED_DROP,
-    UNMAPPED_FULL, UNMAPPED_OMIT, Copy, ParamPlan, ParamPlans, Plan, RankPlan,
-)
+from reshard_job.plan.checks import (CHECK_COMPLETE, CHECK_IDENTICAL, CHECK_NAMES, CHECK_OPTIMIZER, CHECK_SHAPES,
+                                     CHECK_STAGES, CHECK_TARGET, CHECK_TENSOR_SHAPE, CHECK_WHOLE, REMEDY,
+                                     identical_mismatch)
+from reshard_job.plan.model import (ACTION_COPY, ACTION_FULL, ACTION_RESHARD, BUFFER_PREFIXES, PLAN_VERSION,
+                                    UNMAPPED_CHOICES, UNMAPPED_DROP, UNMAPPED_FULL, UNMAPPED_OMIT, Copy,
+                                    ParamPlan, ParamPlans, Plan, RankPlan)
 from reshard_job.plan.patterns import Pattern, copy_pattern, needed_local_ranks
 from reshard_job.plan.planner import MISSING_SAMPLE, Planner
 from reshard_job.plan.rank_list import source_ranks_for

@@ -27,10 +27,8 @@ from reshard_job.core.layout import Layout, is_flattened, unflatten
 from reshard_job.core.topology import Topology
 from reshard_job.errors import MissingRankError, PlanError
 from reshard_job.plan.checks import CHECK_IDENTICAL, CHECK_TARGET, show_block
-from reshard_job.plan.model import (
-    ACTION_COPY, ACTION_FULL, ACTION_RESHARD, UNMAPPED_OMIT, Copy, ParamPlans, Plan, RankPlan, RankSummary, TensorFacts,
-    ParamSource,
-)
+from reshard_job.plan.model import (ACTION_COPY, ACTION_FULL, ACTION_RESHARD, UNMAPPED_OMIT, Copy, ParamPlans,
+                                    Plan, RankPlan, RankSummary, TensorFacts, ParamSource)
 from reshard_job.plan.patterns import chunk_copy_pattern, copy_pattern, scale_pattern
 from reshard_job.plan.resolve import Resolver, SourceIndex
 from reshard_job.text import quoted, shorten

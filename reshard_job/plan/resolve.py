@@ -22,11 +22,11 @@ from reshard_job.core.strategy_model import ParamLayout
 from reshard_job.core.tensor_meta import TensorMeta
 from reshard_job.core.topology import Topology, optimizer_base
 from reshard_job.errors import PlanError
-from reshard_job.plan.checks import (
-    CHECK_COMPLETE, CHECK_NAMES, CHECK_OPTIMIZER, CHECK_SHAPES, CHECK_STAGES, CHECK_TENSOR_SHAPE, CHECK_WHOLE,
-    check_coverage, check_names_overlap, check_optimizer_states, check_placement, check_same_metas,
-    check_shared_layout, check_sliceable, check_source_ranks, check_target_network, check_tensor_shape,
-)
+from reshard_job.plan.checks import (CHECK_COMPLETE, CHECK_NAMES, CHECK_OPTIMIZER, CHECK_SHAPES, CHECK_STAGES,
+                                     CHECK_TENSOR_SHAPE, CHECK_WHOLE, check_coverage, check_names_overlap,
+                                     check_optimizer_states, check_placement, check_same_metas,
+                                     check_shared_layout, check_sliceable, check_source_ranks,
+                                     check_target_network, check_tensor_shape)
 from reshard_job.plan.model import BUFFER_PREFIXES, UNMAPPED_CHOICES, UNMAPPED_DROP, UNMAPPED_FULL, ParamSource
 from reshard_job.text import quoted, shorten
 

@@ -14,8 +14,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from reshard_job.storage.base import (KIND_DIR, KIND_FILE, KIND_OTHER, AtomicWriter, FileInfo, LockedError, OutputLock, RandomAccess,
-                   SourceChangedError, Storage, StorageError)
+from reshard_job.storage.base import (KIND_DIR, KIND_FILE, KIND_OTHER, AtomicWriter, FileInfo, LockedError,
+                                      OutputLock, RandomAccess, SourceChangedError, Storage, StorageError)
 from reshard_job.storage.local import LocalStorage
 
 __all__ = [

@@ -22,7 +22,6 @@ import reshard_job.core.dtypes as dtypes
 from reshard_job.formats.tensorfile import KIND_MAP, KIND_STR, KIND_TENSOR, PositionedReader, TensorEntry
 from reshard_job.formats.ckpt.records import CRC_TRAILER_LEN, Record
 from reshard_job.formats.ckpt.walk import HEAD, KINDS, RecordWalk, intern_shape
-from reshard_job.formats.ckpt.walk import LARGE_RECORD, SMALL_HEAD, WINDOW  # noqa: F401 (moved)
 
 INDEX_FORMAT = 1  # of ``CheckpointReader.index_document``: a change makes cached documents unused
 _SHARED_NAMES: list = []  # (names, positions) of recently indexed files, shared when equal

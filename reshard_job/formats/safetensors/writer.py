@@ -16,8 +16,9 @@ from reshard_job.errors import LayoutError
 import reshard_job.core.dtypes as dtypes
 from reshard_job.formats.base import TensorDecl, WrittenFile
 from reshard_job.formats.crc32 import chain_crc
-from reshard_job.formats.safetensors.header import (CRC_KEY, CRC_WIDTH, DTYPE_RANK, INT4_MARK, MAX_HEADER_BYTES, METADATA_KEY,
-                                                    DeclaredTensor, header_json, header_metadata, resolve_dtype)
+from reshard_job.formats.safetensors.header import (CRC_KEY, CRC_WIDTH, DTYPE_RANK, INT4_MARK, MAX_HEADER_BYTES,
+                                                    METADATA_KEY, DeclaredTensor, header_json, header_metadata,
+                                                    resolve_dtype)
 
 
 class TensorSink:

@@ -17,8 +17,8 @@ from reshard_job.errors import ConfigError
 import reshard_job.job.config.schema as schema
 from reshard_job.job.stages.executor_choice import cluster_layout
 from reshard_job.job.output.manifest import build_manifest, manifest_digest
-from reshard_job.job.output.node_outputs import (NodeFile, PublishRequest, SurveyRequest, node_manifest_name, publish_node,
-                                          survey_node)
+from reshard_job.job.output.node_outputs import (NodeFile, PublishRequest, SurveyRequest, node_manifest_name,
+                                                 publish_node, survey_node)
 from reshard_job.job.run.ray.worker import with_node_identities
 from reshard_job.job.config.settle import settle
 from reshard_job.job.config.spec import JobContext

@@ -16,13 +16,13 @@ import reshard_job
 from reshard_job.errors import ReshardError, StrategyFormatError
 from reshard_job.formats import wire
 import reshard_job.formats.proto_schema as schema
-from reshard_job.formats.strategy import (FORMAT_JSON, FORMAT_PROTOBUF, ParamLayout, StrategyFile, StrategyItem,
-                                          format_for, merge_pipeline_strategies, merge_pipeline_strategys,
+from reshard_job.core.strategy_model import FORMAT_JSON, FORMAT_PROTOBUF, ParamLayout, StrategyFile, StrategyItem
+from reshard_job.formats.strategy import (format_for, merge_pipeline_strategies, merge_pipeline_strategys,
                                           read_strategy, to_json_bytes, to_protobuf_bytes, write_strategy)
 from reshard_job.core.layout import Layout
 from reshard_job.core.topology import Topology
 
-GOLDEN = Path(__file__).resolve().parents[1] / "golden"
+GOLDEN = Path(__file__).resolve().parents[2] / "golden"
 GOLDEN_STRATEGIES = sorted(p for p in GOLDEN.glob("*/**/*.ckpt") if "checkpoints" not in str(p) and "expected" not in str(p))
 PIPELINE = GOLDEN / "S3_pipeline2x4opt_to_4"
 

@@ -25,7 +25,7 @@ import reshard_job.formats.proto_schema as schema
 from reshard_job.formats.ckpt import CRC_MAGIC, CRC_TRAILER_LEN, CheckpointReader, CheckpointWriter, record_header
 from reshard_job.formats.rewrite import copy_checkpoint
 
-GOLDEN = Path(__file__).resolve().parents[1] / "golden"
+GOLDEN = Path(__file__).resolve().parents[2] / "golden"
 GOLDEN_CKPTS = sorted(GOLDEN.glob("*/*/rank_*/*.ckpt"))
 
 SLICEABLE = sorted(n for n, d in dtypes.BY_NAME.items() if d.storage is not None)
