@@ -50,7 +50,7 @@ def write_export(layout: ExportLayout, sources, out_dir: str | os.PathLike, *,
                  max_memory: int = DEFAULT_MAX_MEMORY, progress: Progress | None = None) -> ExportResult:
     """Write every shard (each by ``execute_rank`` on its sub-plan), then the index, all atomically.
 
-    `sources` is what ``execute_rank`` reads from (``execute.SourceFiles`` or
+    `sources` is what ``execute_rank`` reads from (``sources.open_files.SourceFiles`` or
     ``MultiFileSources``). The index is written last, so a folder without it is incomplete.
     """
     out_dir = os.path.abspath(os.fspath(out_dir))

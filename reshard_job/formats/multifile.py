@@ -151,9 +151,9 @@ class MultiFileReader:
 
 
 class MultiFileSources:
-    """Source ranks each read from several files; what ``execute.execute_rank`` asks ``sources`` for.
+    """Source ranks each read from several files; what ``execute.rank_task.execute_rank`` asks ``sources`` for.
 
-    Offers the same calls as ``execute.SourceFiles`` (``reader(rank)``, ``index()``, ``close()``),
+    Offers the same calls as ``sources.open_files.SourceFiles`` (``reader(rank)``, ``index()``, ``close()``),
     with a tuple of files per rank where that class has one path. Readers open on first use and
     stay open until ``close``.
     """

@@ -3,7 +3,7 @@
 Opening a checkpoint walks its records to learn where every tensor lies (``CheckpointReader``):
 0.13 s for an 8-rank 2 GB model here, paid again by every ``job.mode=plan``, every rerun that finds
 its output complete and every resumed run. The walk's result depends on the file's bytes only, so it is kept,
-like the source digests (``hashing.HashCache``), under the file's identity (device, inode, size,
+like the source digests (``sources.file_digests.HashCache``), under the file's identity (device, inode, size,
 modification and change times): a file that changed in any way gets a new identity and is walked
 again. The same trust as the digest cache, which already lets a rerun skip hashing unchanged files.
 
@@ -17,7 +17,7 @@ One compressed JSON document per source file (zlib's checksum refuses a damaged 
 user's cache folder beside the digests; at most ``MAX_FILES`` documents and ``MAX_BYTES`` are kept
 (the least recently used go). A cache never fails a job: a document that cannot be read, does not match or does not fit the file
 is ignored and the file walked (``CheckpointReader._load_index`` checks every range against the file).
-Only local files: an object's walk is also its hashing read (``hashing.DigestingReader``).
+Only local files: an object's walk is also its hashing read (``sources.file_digests.DigestingReader``).
 """
 
 from __future__ import annotations

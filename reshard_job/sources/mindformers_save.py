@@ -180,7 +180,7 @@ class MindFormersSource:
         return MultiFileReader(self.rank_files[rank], verify_crc=verify_crc)
 
     def sources(self, *, verify_crc: bool = True) -> MultiFileSources:
-        """The storage ranks' files as ``execute.execute_rank`` reads them."""
+        """The storage ranks' files as ``execute.rank_task.execute_rank`` reads them."""
         return MultiFileSources(self.rank_files, verify_crc=verify_crc)
 
     def read_common(self) -> dict | None:

@@ -43,7 +43,7 @@ class SourceFiles:
         self.identities = dict(identities or {})
         self.storage = storage
         # Remote ranks hashed as they are indexed (one read of the object instead of two, see
-        # ``hashing.DigestingReader``): their digests, by path, for the job's hash pass.
+        # ``sources.file_digests.DigestingReader``): their digests, by path, for the job's hash pass.
         # `digest_progress` (``add_bytes(n)``, ``step_done()``) hears of the bytes and files.
         self.digest_ranks = frozenset(digest_ranks)
         self.digest_progress = digest_progress

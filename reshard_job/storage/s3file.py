@@ -135,7 +135,7 @@ class ObjectReader:
 
     def read_into(self, offset: int, view: memoryview) -> int:
         """Fill `view` from `offset` with requests of its own: bytes read once, front to back
-        (``hashing.DigestingReader``), keep no read-ahead window alive after the read."""
+        (``sources.file_digests.DigestingReader``), keep no read-ahead window alive after the read."""
         self._check_open()
         ((offset, n),) = clip_ranges([(offset, len(view))], self.size)
         if n:

@@ -97,7 +97,7 @@ class CheckpointReader(RecordWalk, PositionedReader):
         self._pos: dict[str, int] = {}
         self._head = HEAD
         # a file read front to back for its digests too wants to know where tensor bytes lie
-        # (``hashing.DigestingReader.note_content``)
+        # (``sources.file_digests.DigestingReader.note_content``)
         self._note = getattr(self._file, "note_content", None)
         try:
             self._index(known_index)

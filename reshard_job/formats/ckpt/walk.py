@@ -171,7 +171,7 @@ class RecordWalk:
         fetch = fetch or WINDOW
         self._head = min(HEAD, fetch // 2)  # a record's head then lies in the window just read
         # One window buffer, refilled in place: a fresh one per window is a fresh mapping (large
-        # buffers are mmapped, see job/memory.py) whose pages the kernel must zero on first touch,
+        # buffers are mmapped, see job/run/memory.py) whose pages the kernel must zero on first touch,
         # which cost more than the reads themselves.
         return bytearray(min(fetch, self.size)), bytearray(min(SMALL_HEAD, self.size)), large
 

@@ -87,7 +87,7 @@ class Prepared:
 @dataclass(frozen=True)
 class HashWhileIndexing:
     """A conversion hashes every source it reads: remote ones are then hashed as they are indexed
-    (one read of each object instead of two, ``hashing.DigestingReader``), unless the digest
+    (one read of each object instead of two, ``sources.file_digests.DigestingReader``), unless the digest
     cache already knows them. Which ranks the plan reads is foreseen from the strategies."""
 
     use_cache: bool = True
