@@ -73,11 +73,6 @@ def _places(paths) -> dict[tuple[int, int], str]:
     return out
 
 
-def _source_places(source_dirs, source_files) -> tuple[dict, dict]:
-    """The source files and the source folders, by device and inode."""
-    return _places(source_files), _places(source_dirs)
-
-
 def _source_folder_around(path: str, source_dirs: dict[tuple[int, int], str], seen: dict) -> str | None:
     """The source folder that is `path` or holds it, as its device and inode say (any other name).
     `seen` keeps the answers for folders already walked (the rank folders share their parents)."""
@@ -95,6 +90,20 @@ def _source_folder_around(path: str, source_dirs: dict[tuple[int, int], str], se
     for p in walked:
         seen[p] = found
     return found
+
+
+def still_holds(storage: Storage, path: str, size: int, sha256: str, identity: tuple) -> bool:
+    """Whether the file at `path` still holds what was recorded: the same identity as when written,
+    else the same sha256 read now."""
+    info = storage.info(path)
+    if info is None or not info.is_file or info.size != size:
+        return False
+    if identity and tuple(info.identity) == tuple(identity):
+        return True
+    try:
+        return digest_file(path).sha256 == sha256
+    except Exception:  # noqa: BLE001 - unreadable or changing: it does not verify
+        return False
 
 
 def _url_key(url: str) -> str:
@@ -144,7 +153,7 @@ class OutputDir:
     def _check_not_source_place(self, source_dirs: list[str], source_files: list[str]) -> None:
         """The same refusals by device and inode: output.dir, or a folder above it, is a source under
         another path."""
-        files, dirs = _source_places(source_dirs, source_files)
+        files, dirs = _places(source_files), _places(source_dirs)
         for p in _self_and_ancestors(self.path):
             key = _place(p)
             if key in files:
@@ -186,7 +195,7 @@ class OutputDir:
     def _check_planned_places(self, planned: list[str], source_files: list[str], source_dirs) -> None:
         """No planned file is a source file (a bind mount, a hard link) or lands in a source folder,
         as devices and inodes say."""
-        files, dirs = _source_places(source_dirs, source_files)
+        files, dirs = _places(source_files), _places(source_dirs)
         seen: dict[str, str | None] = {}
         for p in planned:
             rel = self.relative(p)
@@ -347,16 +356,8 @@ class OutputDir:
     # ------------------------------------------------------------------------------ verification
     def verify(self, entry: JournalEntry) -> bool:
         """Whether the file still holds what was recorded: same identity, else the same sha256 re-read."""
-        full = self.storage.join(self.path, entry.path)
-        info = self.storage.info(full)
-        if info is None or not info.is_file or info.size != entry.size:
-            return False
-        if entry.identity and tuple(info.identity) == tuple(entry.identity):
-            return True
-        try:
-            return digest_file(full).sha256 == entry.sha256
-        except Exception:  # noqa: BLE001 - unreadable or changing: it does not verify
-            return False
+        return still_holds(self.storage, self.storage.join(self.path, entry.path), entry.size, entry.sha256,
+                           entry.identity)
 
     def reusable(self, expected_paths: dict[int, str]) -> dict[int, JournalEntry]:
         """Journal entries whose file is where this job would write it and still verifies."""

@@ -45,7 +45,7 @@ from reshard_job.storage import LOCAL, storage_for
 from reshard_job.execute.tasks import RankResult
 from reshard_job.text import rank_ranges
 from reshard_job.job.output.journal import JournalEntry
-from reshard_job.job.output.directory import OutputDir
+from reshard_job.job.output.directory import OutputDir, still_holds
 
 log = logging.getLogger("reshard_job")
 
@@ -190,18 +190,8 @@ def _remove_listed(out_dir: str, manifest: dict) -> None:
 
 def _verifies(out_dir: str, f: NodeFile) -> bool:
     """Same identity as when written, else the same sha256 read now (as ``OutputDir.verify`` does)."""
-    from reshard_job.sources.file_digests import digest_file
-
     full = os.path.join(out_dir, f.path)
-    info = storage_for(full).info(full)
-    if info is None or not info.is_file or info.size != f.size:
-        return False
-    if f.identity and tuple(info.identity) == tuple(f.identity):
-        return True
-    try:
-        return digest_file(full).sha256 == f.sha256
-    except Exception:  # noqa: BLE001 - unreadable or changing: it does not verify
-        return False
+    return still_holds(storage_for(full), full, f.size, f.sha256, f.identity)
 
 
 @dataclass(frozen=True)
