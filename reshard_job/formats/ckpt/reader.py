@@ -22,6 +22,7 @@ import reshard_job.core.dtypes as dtypes
 from reshard_job.formats.tensorfile import KIND_MAP, KIND_STR, KIND_TENSOR, PositionedReader, TensorEntry
 from reshard_job.formats.ckpt.records import CRC_TRAILER_LEN, Record
 from reshard_job.formats.ckpt.walk import HEAD, KINDS, RecordWalk, intern_shape
+from reshard_job.text import quoted
 
 INDEX_FORMAT = 1  # of ``CheckpointReader.index_document``: a change makes cached documents unused
 _SHARED_NAMES: list = []  # (names, positions) of recently indexed files, shared when equal
@@ -250,12 +251,12 @@ class CheckpointReader(RecordWalk, PositionedReader):
     def _tensor_entry(self, tag: str, dtype: str, dims: tuple, stored: int, pieces, extra) -> TensorEntry:
         if dtype == dtypes.STR_TYPE:
             if stored % 4:
-                raise self._error(f"parameter {tag!r}: str content of {stored} bytes is not UTF-32")
+                raise self._error(f"parameter {quoted(tag)}: str content of {stored} bytes is not UTF-32")
             return TensorEntry(tag, dtypes.STR_TYPE, (), stored, pieces, KIND_STR, extra=extra).finish()
         if dtype not in dtypes.BY_NAME:
-            raise self._error(f"parameter {tag!r}: unknown dtype {dtype!r}")
+            raise self._error(f"parameter {quoted(tag)}: unknown dtype {dtype!r}")
         if any(d < 0 for d in dims):
-            raise self._error(f"parameter {tag!r}: negative dimension in dims {list(dims)}")
+            raise self._error(f"parameter {quoted(tag)}: negative dimension in dims {list(dims)}")
         dt = dtypes.BY_NAME[dtype]
         shape = dims
         if dt.storage is None:  # packed Int4: carried, not checked element-wise
@@ -264,7 +265,7 @@ class CheckpointReader(RecordWalk, PositionedReader):
         if shape == (0,) and stored == dt.itemsize:
             shape, want = (), dt.itemsize  # MindSpore reads dims [0] as a scalar
         if stored != want:
-            raise self._error(f"parameter {tag!r}: {stored} bytes of data but dims {list(dims)} of {dtype} need {want}")
+            raise self._error(f"parameter {quoted(tag)}: {stored} bytes of data but dims {list(dims)} of {dtype} need {want}")
         return TensorEntry(tag, dtype, shape, stored, pieces, KIND_TENSOR, extra=extra).finish()
 
     def describe(self, name: str) -> tuple[str, tuple[int, ...], str, int]:

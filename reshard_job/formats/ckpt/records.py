@@ -20,6 +20,9 @@ CRC_TRAILER_LEN = 17
 # A tensor's rank is small in practice (MindSpore tensors have at most 8 dims); a record claiming
 # millions of dims is corrupt and would cost gigabytes to hold.
 MAX_DIMS = 64
+# MindSpore cuts a tensor into records of 512 MiB (or into ceil(size / 512 MiB) pieces): 4096 records
+# are a 2 TiB tensor. A group of more is not a tensor but a file built to make indexing take hours.
+MAX_RECORDS_PER_TENSOR = 4096
 
 
 @dataclass(frozen=True, slots=True)

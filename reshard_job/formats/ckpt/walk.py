@@ -18,7 +18,9 @@ from reshard_job.errors import CheckpointFormatError
 from reshard_job.formats import wire
 import reshard_job.core.dtypes as dtypes
 from reshard_job.formats.tensorfile import KIND_MAP, KIND_STR, KIND_TENSOR
-from reshard_job.formats.ckpt.records import CRC_MAGIC, CRC_TRAILER_LEN, Record, parse_tensor_proto
+from reshard_job.formats.ckpt.records import (CRC_MAGIC, CRC_TRAILER_LEN, MAX_RECORDS_PER_TENSOR, Record,
+                                             parse_tensor_proto)
+from reshard_job.text import quoted
 
 WINDOW = 4 * 1024 * 1024  # bytes fetched per read while walking small records
 HEAD = 64 * 1024  # bytes fetched at the start of a record larger than a window
@@ -159,6 +161,7 @@ class RecordWalk:
             pos = vend
             if tail is not None:
                 pos, typical = self._walk_repeats(window, wstart, pos, typical, tail)
+        self._multi = {i: tuple(recs) for i, recs in self._multi.items()}
 
     def _walk_buffers(self) -> tuple[bytearray, bytearray, int]:
         """The buffers a walk reads windows and record heads into, and the typical record length
@@ -292,13 +295,18 @@ class RecordWalk:
         last = len(self._names) - 1
         if last >= 0 and self._names[last] == tag:
             if (kind == KIND_MAP) != (KINDS[self._kind[last]] == KIND_MAP):
-                raise self._error(f"parameter {tag!r}: consecutive records mix tensor and map-tensor values")
+                raise self._error(f"parameter {quoted(tag)}: consecutive records mix tensor and map-tensor values")
             if kind == KIND_MAP:
-                self._multi[last] = self._multi[last] + (parts,)
+                self._multi[last].append(parts)  # lists while walking (appends, not copies), tuples after
                 self._len[last] += sum(p.content_len for p in parts)
                 return
-            recs = self._multi.get(last) or (self._first_record(last),)
-            self._multi[last] = recs + (rec,)
+            recs = self._multi.get(last)
+            if recs is None:
+                recs = self._multi[last] = [self._first_record(last)]
+            recs.append(rec)
+            if len(recs) > MAX_RECORDS_PER_TENSOR:
+                raise self._error(f"parameter {quoted(tag)}: stored in more than {MAX_RECORDS_PER_TENSOR} consecutive "
+                                  f"records (MindSpore writes one per 512 MiB of a tensor)")
             self._len[last] += rec.content_len
             self._kind[last] = KINDS.index(kind)
             self._dtype[last] = rec.dtype
@@ -308,7 +316,7 @@ class RecordWalk:
         self._names.append(tag)
         self._kind.append(KINDS.index(kind))
         if kind == KIND_MAP:
-            self._multi[i] = (parts,)
+            self._multi[i] = [parts]
             self._dtype.append("map")
             self._shape.append(())
             self._off.append(parts[0].content_offset if parts else 0)
@@ -375,7 +383,7 @@ class RecordWalk:
             kind = KIND_STR if tensor.dtype == dtypes.STR_TYPE else KIND_TENSOR
             return tag, kind, tensor, None
         if len(map_parts) != 1 or len(map_parts[0]) != 3:
-            raise wire.WireError(f"map parameter {tag!r}: expected 3 parts (keys, values, status) per record")
+            raise wire.WireError(f"map parameter {quoted(tag)}: expected 3 parts (keys, values, status) per record")
         return tag, KIND_MAP, None, map_parts[0]
 
     def _parse_map(self, buf, base, start, rec_end, pos, end) -> list[Record]:

@@ -28,6 +28,9 @@ from reshard_job.job.config.spec import (EXECUTOR_LOCAL, EXECUTOR_RAY, MODE_CONV
 from reshard_job.core.placement import PLACEMENT_PER_NODE, PLACEMENT_SHARED
 
 MAX_DEVICES = 1 << 20  # documented ceiling on device counts and rank ids
+# One job writes one file per target rank and plans every rank's slices up front: far above any
+# cluster a checkpoint is converted for, far below a declared matrix that would plan for minutes.
+MAX_TARGET_RANKS = 1 << 16
 MAX_WORKERS = 1024
 MIN_MEMORY, MAX_MEMORY = 1024, 1 << 40
 MAX_PREFIX = 200  # characters; a file name must stay within 255 bytes with the rank and suffix
@@ -122,7 +125,7 @@ def _source(s: schema.SourceConfig, ctx: JobContext) -> SourceSpec:
 
 
 def _target(t: schema.TargetConfig, ctx: JobContext) -> TargetSpec:
-    devices = _bounded_int(t.devices, "target.devices", 1, MAX_DEVICES, optional=True)
+    devices = _bounded_int(t.devices, "target.devices", 1, MAX_TARGET_RANKS, optional=True)
     layout = _layout(t.layout)
     strategy = absolute(t.strategy, ctx.launch_dir) if t.strategy is not None else None
     if strategy is not None:

@@ -87,12 +87,19 @@ def _request(reader, names) -> tuple[HashRequest, list[tuple[str, list[tuple[int
     """One read of the file for its sha256, its format's CRCs, and the CRC of every tensor to be
     compared across ranks (its pieces, in order); returns the request and those tensors' pieces."""
     segments = list(_format_segments(reader))
-    tensors = [(name, list(reader.entries[name].pieces)) for name in names if name in reader.entries]
+    tensors = [(name, _pieces(reader, name)) for name in names if name in reader.entries]
     for _, pieces in tensors:
         segments.extend(pieces)
     # the identity the file had when indexed: one replaced since is refused, not hashed
     seen = tuple(getattr(reader, "identity", ()) or ())
     return HashRequest(reader.path, tuple(segments) if segments else None, seen), tensors
+
+
+def _pieces(reader, name: str) -> list[tuple[int, int]]:
+    """A tensor's byte ranges: from the index columns where it is one record (no entry built for
+    each of a million small tensors), else from its entry."""
+    span = reader.whole_span(name) if hasattr(reader, "whole_span") else None
+    return [(span[2], span[3])] if span is not None else list(reader.entries[name].pieces)
 
 
 def _tensor_spans(reader: SafetensorsReader) -> list[tuple[int, int, str]]:
@@ -119,12 +126,14 @@ def _compare_identical(prepared: Prepared, parts, digests, tensors) -> None:
         return
     seen: dict[tuple[str, int], tuple[int, int]] = {}
     for (r, reader), d, held in zip(parts, digests, tensors):
-        crcs = list(d.crcs or ())[len(_format_segments(reader)):]
+        crcs = iter((d.crcs or ())[len(_format_segments(reader)):])  # the tensors' pieces, in order
         for name, pieces in held:
+            if len(pieces) == 1:  # the common case: one piece, its CRC is the tensor's
+                seen[(name, r)] = (next(crcs, None), pieces[0][1])
+                continue
             crc, total = 0, 0
             for (_, length), piece_crc in zip(pieces, crcs):
                 crc, total = crc32_combine(crc, piece_crc, length), total + length
-            del crcs[:len(pieces)]
             seen[(name, r)] = (crc, total)
     for name, groups in identical.items():
         for group in groups:

@@ -21,6 +21,7 @@ from reshard_job.sources.rank_folders import LoadedStrategy, load_strategy, read
 from reshard_job.storage import StorageOptions, storage_for
 from reshard_job.core.topology import Topology
 from reshard_job.job.config.declarative import compile_layout
+from reshard_job.job.config.settle import MAX_TARGET_RANKS
 from reshard_job.job.config.spec import TargetSpec
 
 LAYOUT_SOURCE = "target.layout"
@@ -61,6 +62,9 @@ def _from_file(spec: TargetSpec, storage_options: StorageOptions | None) -> Targ
         sf, data = read_strategy_bytes(spec.strategy, storage_options)
         name = "strategy.json" if format_for(spec.strategy) == FORMAT_JSON else "strategy.ckpt"
     topology = Topology.from_strategy(sf)
+    if topology.devices > MAX_TARGET_RANKS:
+        raise ConfigError(f"target.strategy {spec.strategy} lays out {topology.devices} devices: more target ranks "
+                          f"than the {MAX_TARGET_RANKS} one job writes (one file each)")
     if spec.devices is not None and spec.devices != topology.devices:
         raise ConfigError(f"target.devices={spec.devices} but target.strategy {spec.strategy} describes "
                           f"{topology.devices} devices")

@@ -13,6 +13,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from reliability_helpers import (ERROR_PREFIX, S1, app_command, app_env, can_drop_dac_override, copy_s1, message_lines,
@@ -165,3 +166,45 @@ def test_the_bounded_runner_sees_a_real_conversion_within_bounds(tmp_path, s1):
     assert code == 0, stderr
     assert rss <= MEMORY_BOUND_MIB
     assert (tmp_path / "out" / "manifest.json").exists() and S1.exists()
+
+
+def test_a_tensor_of_many_chunk_records_in_every_file_is_refused_quickly(tmp_path, s1):
+    """One tensor stored as 50,000 same-name records in each of the 8 files (1,000,000 in
+    benchmarks/hostile_cases.py): refused at the first record past what MindSpore can write, not
+    indexed record by record for minutes."""
+    import shutil
+
+    from reshard_job.formats.ckpt import CheckpointWriter
+
+    ckpts, src, dst = s1
+    count = 50_000
+    chunked = tmp_path / "chunked.ckpt"
+    with CheckpointWriter(chunked, mode=0o644) as w:
+        w.add_bytes("chunked", "Float32", (count,), np.zeros(count, np.float32), chunk_sizes=[4] * count)
+    for r in range(8):
+        path = ckpts / f"rank_{r}" / f"checkpoint_{r}.ckpt"
+        path.unlink()
+        shutil.copy(chunked, path)
+    code, stderr, rss, seconds = run_bounded(tmp_path, *s1_args(ckpts, src, dst, tmp_path / "out"))
+    error = one_error(code, stderr, rss)
+    assert error.endswith("parameter 'chunked': stored in more than 4096 consecutive records "
+                          "(MindSpore writes one per 512 MiB of a tensor)"), error
+    assert "/checkpoint_" in error
+
+
+def test_a_target_strategy_declaring_a_million_devices_is_refused_before_planning(tmp_path, s1):
+    """dev_matrix (1024, 1024), all maps -1: a million target ranks each holding the whole model. One
+    job writes at most 65536 rank files; planning a million of them took minutes and a gigabyte."""
+    from reshard_job.core.strategy_model import ParamLayout, StrategyFile
+    from reshard_job.formats.strategy import read_strategy, write_strategy
+
+    ckpts, src, dst = s1
+    sf = read_strategy(dst)
+    huge = {n: ParamLayout((1024, 1024), tuple(-1 for _ in lay.tensor_map)) for n, lay in sf.layouts.items()}
+    dst.unlink()
+    write_strategy(StrategyFile(huge, sf.items), dst, mode=0o644)
+    out = tmp_path / "out"
+    error = one_error(*run_bounded(tmp_path, *s1_args(ckpts, src, dst, out))[:3])
+    assert error == (f"target.strategy {dst} lays out 1048576 devices: more target ranks than the 65536 one job "
+                     "writes (one file each)")
+    assert not out.exists()

@@ -24,6 +24,7 @@ import reshard_job.core.dtypes as dtypes
 import reshard_job.formats.proto_schema as schema
 from reshard_job.formats.ckpt import CRC_MAGIC, CRC_TRAILER_LEN, CheckpointReader, CheckpointWriter, record_header
 from reshard_job.formats.rewrite import copy_checkpoint
+from reshard_job.formats.ckpt.records import MAX_RECORDS_PER_TENSOR
 
 GOLDEN = Path(__file__).resolve().parents[2] / "golden"
 GOLDEN_CKPTS = sorted(GOLDEN.glob("*/*/rank_*/*.ckpt"))
@@ -258,6 +259,7 @@ def test_read_box_equals_numpy_slicing(tmp_path_factory, t, chunk, min_run, span
     """Across record boundaries and through both read paths (direct runs and in-memory spans)."""
     name, a, box = t
     path = tmp_path_factory.mktemp("box") / "b.ckpt"
+    chunk = max(chunk, -(-a.nbytes // MAX_RECORDS_PER_TENSOR))  # a reader refuses more records than that
     with CheckpointWriter(path, chunk_bytes=chunk) as w:
         w.add("p", a, name)
     want = a[tuple(slice(lo, hi) for lo, hi in box)]
@@ -740,3 +742,24 @@ def test_read_near_gives_the_files_bytes_in_any_order(random_ckpt, reads, in_ord
         for name in ("small.0", "small.1", "small.299"):  # the many-small-tensors path: in file order
             _, _, offset, n = r.whole_span(name)
             assert bytes(r.read_near(offset, n)) == r.read(name).tobytes()
+
+
+def test_a_tensor_in_more_records_than_any_real_file_has_is_refused_at_once(tmp_path):
+    """MindSpore writes one record per 512 MiB of a tensor: 4096 records are a 2 TiB tensor. A file of
+    millions of tiny same-name records is refused at the first record past that, naming file and
+    parameter, instead of indexing (and holding) every one of them."""
+    n = MAX_RECORDS_PER_TENSOR
+    for count, refused in ((n, False), (n + 1, True)):
+        path = tmp_path / f"c{count}.ckpt"
+        data = np.arange(count, dtype=np.float32)
+        with CheckpointWriter(path, mode=0o644) as w:
+            w.add_bytes("chunked", "Float32", (count,), data, chunk_sizes=[4] * count)
+        if refused:
+            with pytest.raises(CheckpointFormatError) as e:
+                CheckpointReader(path)
+            assert str(e.value) == (f"{path}: parameter 'chunked': stored in more than {n} consecutive records "
+                                    "(MindSpore writes one per 512 MiB of a tensor)")
+        else:
+            with CheckpointReader(path) as r:
+                assert np.array_equal(r.read("chunked"), data)
+                assert len(r.entries["chunked"].pieces) == count

@@ -1,0 +1,152 @@
+"""Build hostile inputs and run the job on each as a user would: exit status, wall time, peak RSS.
+
+    python benchmarks/hostile_cases.py [--only NAME ...] [--keep DIR]
+
+Each case is built in a scratch folder from golden scenario S1 (8 -> 4 ranks) and run as
+``python -m reshard_job ...`` in a child of ``benchmarks/measure_child.py`` (so the peak RSS is the
+job's own, children included once they are waited for). Prints one row per case: name, exit
+status, seconds, peak MiB and the first 160 characters of the job's error line (or "ok").
+The bounds the project holds itself to: 10 s and 512 MiB for a refusal, 30 s and 512 MiB for the
+300,000-parameter conversion.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+S1 = ROOT / "tests" / "golden" / "S1_mlp_tutorial_8to4"
+CASES = {}
+
+
+def case(fn):
+    CASES[fn.__name__] = fn
+    return fn
+
+
+def _s1(root: Path) -> tuple[Path, Path, Path]:
+    ckpts = root / "ckpts"
+    shutil.copytree(S1 / "src_checkpoints", ckpts)
+    shutil.copy(S1 / "src_strategy.ckpt", root / "src.ckpt")
+    shutil.copy(S1 / "dst_strategy.ckpt", root / "dst.ckpt")
+    return ckpts, root / "src.ckpt", root / "dst.ckpt"
+
+
+def _args(ckpts, src, dst, out, *extra) -> list[str]:
+    return [f"source.checkpoints={ckpts}", f"source.strategy={src}", "target=strategy", f"target.strategy={dst}",
+            f"output.dir={out}", "lineage.enabled=false", *extra]
+
+
+def _append(path: Path, add) -> None:
+    """Rewrite a .ckpt with its entries, then what `add(writer)` adds."""
+    from reshard_job.formats.ckpt import CheckpointReader, CheckpointWriter
+
+    with CheckpointReader(path) as r:
+        items = [(n, r.read(n), r.entries[n].dtype) for n in r.names()]
+    path.unlink()
+    with CheckpointWriter(path, mode=0o644) as w:
+        for name, array, dtype in items:
+            w.add(name, array, dtype)
+        add(w)
+
+
+@case
+def name_1mb_in_a_rank_file(root: Path) -> list[str]:
+    ckpts, src, dst = _s1(root)
+    _append(ckpts / "rank_3" / "checkpoint_3.ckpt", lambda w: w.add("p" * (1 << 20), np.zeros(2, np.float32)))
+    return _args(ckpts, src, dst, root / "out")
+
+
+@case
+def name_1mb_in_every_rank_file(root: Path) -> list[str]:
+    ckpts, src, dst = _s1(root)
+    for r in range(8):
+        _append(ckpts / f"rank_{r}" / f"checkpoint_{r}.ckpt",
+                lambda w: w.add("p" * (1 << 20), np.zeros(2, np.float32)))
+    return _args(ckpts, src, dst, root / "out", "target.unmapped=full")
+
+
+@case
+def million_chunk_records(root: Path) -> list[str]:
+    ckpts, src, dst = _s1(root)
+    data = np.arange(1_000_000, dtype=np.float32)
+    for r in range(8):
+        _append(ckpts / f"rank_{r}" / f"checkpoint_{r}.ckpt",
+                lambda w: w.add_bytes("chunked", "Float32", (1_000_000,), data, chunk_sizes=[4] * 1_000_000))
+    return _args(ckpts, src, dst, root / "out", "target.unmapped=full")
+
+
+@case
+def target_dev_matrix_1024x1024(root: Path) -> list[str]:
+    from reshard_job.formats.strategy import read_strategy, write_strategy
+    from reshard_job.core.strategy_model import ParamLayout, StrategyFile
+
+    ckpts, src, dst = _s1(root)
+    sf = read_strategy(dst)
+    huge = {n: ParamLayout((1024, 1024), tuple(-1 for _ in lay.tensor_map)) for n, lay in sf.layouts.items()}
+    dst.unlink()
+    write_strategy(StrategyFile(huge, sf.items), dst, mode=0o644)
+    return _args(ckpts, src, dst, root / "out")
+
+
+@case
+def params_300k_outside_the_source_strategy(root: Path, count: int = 300_000) -> list[str]:
+    ckpts, src, dst = _s1(root)
+    values = np.zeros(1, np.float32)
+    names = [f"extra.p{i}" for i in range(count)]
+
+    def add(w):
+        for name in names:
+            w.add(name, values)
+    for r in range(8):
+        _append(ckpts / f"rank_{r}" / f"checkpoint_{r}.ckpt", add)
+    return _args(ckpts, src, dst, root / "out", "target.unmapped=full")
+
+
+def run(name: str, scratch: Path) -> dict:
+    root = scratch / name
+    root.mkdir(parents=True)
+    args = CASES[name](root)
+    result = root / "result.json"
+    cmd = [sys.executable, "-S", str(ROOT / "benchmarks" / "measure_child.py"), str(result), "--",
+           sys.executable, "-m", "reshard_job", *args]
+    env = {k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", "RESHARD_JOB_FULL_ERROR")}
+    try:
+        proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        return {"name": name, "rc": "hung", "wall_s": 300.0, "peak_mib": float("nan"), "line": "(> 300 s)"}
+    measured = json.loads(result.read_text())
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and not ln.startswith("[")]
+    line = lines[0] if len(lines) == 1 else (f"{len(lines)} lines: " + " | ".join(lines[:3]) if lines else "ok")
+    return {"name": name, "rc": measured["rc"], "wall_s": measured["wall_s"],
+            "peak_mib": measured["maxrss_kib"] / 1024, "line": line}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="*", default=None)
+    parser.add_argument("--keep", type=Path, default=None)
+    opts = parser.parse_args()
+    scratch = opts.keep or Path(tempfile.mkdtemp(prefix="hostile-"))
+    try:
+        print(f"{'case':45} {'exit':>4} {'s':>7} {'MiB':>6}  line  ({os.cpu_count()} cores)")
+        for name in opts.only or CASES:
+            r = run(name, scratch)
+            print(f"{r['name']:45} {r['rc']:>4} {r['wall_s']:7.1f} {r['peak_mib']:6.0f}  {r['line'][:160]}", flush=True)
+    finally:
+        if opts.keep is None:
+            shutil.rmtree(scratch, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
