@@ -37,8 +37,9 @@ def hash_sources(prepared: Prepared, *, use_cache: bool = True, progress: bool |
                  storage: StorageOptions | None = None) -> SourceDigests:
     needed = sorted(prepared.plan.source_ranks)
     parts = [(r, reader) for r in needed for reader in _file_readers(prepared.readers.reader(r))]
-    compare = _to_compare(prepared)
-    requests, tensors = zip(*[_request(reader, compare.get(r, ())) for r, reader in parts]) if parts else ((), ())
+    identical = identical_to_check(prepared)
+    compare = _to_compare(identical)
+    requests, held = zip(*[_request(reader, compare.get(r, ())) for r, reader in parts]) if parts else ((), ())
     cache = HashCache(default_cache_path(), storage) if use_cache else None
     known = prepared.readers.digests  # remote sources hashed while they were indexed
     todo = sum(reader.size for (_, reader), q in zip(parts, requests)
@@ -52,7 +53,8 @@ def hash_sources(prepared: Prepared, *, use_cache: bool = True, progress: bool |
             bar.step_done()
     finally:
         bar.close()
-    _compare_identical(prepared, parts, digests, tensors)
+    if identical:
+        _compare_identical(prepared, identical, compare, parts, requests, digests, held)
     strategies = digest_files([HashRequest(p) for p in prepared.strategy.files], threads=1, storage_options=storage)
     if cache is not None:
         cache.save()
@@ -83,16 +85,21 @@ def _format_segments(reader) -> tuple[tuple[int, int], ...]:
     return ()
 
 
-def _request(reader, names) -> tuple[HashRequest, list[tuple[str, list[tuple[int, int]]]]]:
+def _request(reader, names) -> tuple[HashRequest, tuple[list[str], dict[str, int]]]:
     """One read of the file for its sha256, its format's CRCs, and the CRC of every tensor to be
-    compared across ranks (its pieces, in order); returns the request and those tensors' pieces."""
+    compared across ranks (its pieces, in order); returns the request, the names it holds of those
+    and the number of pieces of the ones stored in more than one."""
     segments = list(_format_segments(reader))
-    tensors = [(name, _pieces(reader, name)) for name in names if name in reader.entries]
-    for _, pieces in tensors:
+    several: dict[str, int] = {}
+    names = [name for name in names if name in reader.entries]  # (a rank of several files: in one of them)
+    for name in names:
+        pieces = _pieces(reader, name)
         segments.extend(pieces)
+        if len(pieces) != 1:
+            several[name] = len(pieces)
     # the identity the file had when indexed: one replaced since is refused, not hashed
     seen = tuple(getattr(reader, "identity", ()) or ())
-    return HashRequest(reader.path, tuple(segments) if segments else None, seen), tensors
+    return HashRequest(reader.path, tuple(segments) if segments else None, seen), (names, several)
 
 
 def _pieces(reader, name: str) -> list[tuple[int, int]]:
@@ -108,36 +115,44 @@ def _tensor_spans(reader: SafetensorsReader) -> list[tuple[int, int, str]]:
                   if e.pieces and e.pieces[0][1] > 0)
 
 
-def _to_compare(prepared: Prepared) -> dict[int, list[str]]:
+def _to_compare(identical: dict) -> dict[int, list[str]]:
     """rank -> the tensors it holds that the plan says other ranks hold identically."""
     out: dict[int, list[str]] = {}
-    for name, groups in identical_to_check(prepared).items():
+    for name, groups in identical.items():
         for group in groups:
             for r in group:
                 out.setdefault(r, []).append(name)
     return out
 
 
-def _compare_identical(prepared: Prepared, parts, digests, tensors) -> None:
+def _compare_identical(prepared: Prepared, identical: dict, compare: dict[int, list[str]], parts, requests, digests,
+                       held) -> None:
     """Tensors that must be the same bytes on several ranks, compared by the CRC32 and length taken
-    while hashing: no extra read, and a rank-local slice taken for a whole tensor is refused."""
-    identical = identical_to_check(prepared)
-    if not identical:
-        return
-    seen: dict[tuple[str, int], tuple[int, int]] = {}
-    for (r, reader), d, held in zip(parts, digests, tensors):
-        crcs = iter((d.crcs or ())[len(_format_segments(reader)):])  # the tensors' pieces, in order
-        for name, pieces in held:
-            if len(pieces) == 1:  # the common case: one piece, its CRC is the tensor's
-                seen[(name, r)] = (next(crcs, None), pieces[0][1])
-                continue
+    while hashing: no extra read, and a rank-local slice taken for a whole tensor is refused.
+
+    Each rank's (CRC, length) is compared with the first one read of its group, and only that one
+    is kept: a million replicated small tensors cost one entry each, not one per rank."""
+    hashed = {r for r, _ in parts}
+    for r, names in compare.items():  # a rank of a group without the tensor differs from the rest
+        entries = prepared.readers.reader(r).entries if r in hashed else {}
+        lacking = next((name for name in names if name not in entries), None)
+        if lacking is not None:
+            raise identical_mismatch(lacking, next(g for g in identical[lacking] if r in g), prepared.source.strategy)
+    first: dict = {}  # name, or (name, group) for a tensor of several groups -> (crc, length) of the first read
+    for (r, reader), request, d, (names, several) in zip(parts, requests, digests, held):
+        skip = len(_format_segments(reader))
+        pairs = zip(request.segments[skip:] if request.segments else (), (d.crcs or ())[skip:])
+        for name in names:
+            count = several.get(name, 1)
             crc, total = 0, 0
-            for (_, length), piece_crc in zip(pieces, crcs):
-                crc, total = crc32_combine(crc, piece_crc, length), total + length
-            seen[(name, r)] = (crc, total)
-    for name, groups in identical.items():
-        for group in groups:
-            if len({seen.get((name, r)) for r in group}) > 1:
+            for _ in range(count):
+                (_, length), piece_crc = next(pairs)
+                crc, total = crc32_combine(crc, piece_crc, length) if count > 1 else piece_crc, total + length
+            value = (crc, total)
+            groups = identical[name]
+            group = groups[0] if len(groups) == 1 else next(g for g in groups if r in g)
+            key = name if len(groups) == 1 else (name, group)
+            if first.setdefault(key, value) != value:
                 raise identical_mismatch(name, group, prepared.source.strategy)
     prepared.checks.append(IDENTICAL_CHECKED)
 
