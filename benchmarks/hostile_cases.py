@@ -112,13 +112,54 @@ def params_300k_outside_the_source_strategy(root: Path, count: int = 300_000) ->
     return _args(ckpts, src, dst, root / "out", "target.unmapped=full")
 
 
+
+def _chain(root: Path, hops: int) -> tuple[str, Path, Path]:
+    """A lineage database of `hops` successive conversions, each reading the last one's output."""
+    from reshard_job.lineage import FileRecord, LineageStore
+
+    def record(path: Path, kind: str) -> FileRecord:
+        path.write_bytes(path.name.encode())
+        return FileRecord.from_file(str(path), kind, 0)
+
+    url = f"sqlite:///{root / 'chain.db'}"
+    store = LineageStore(url)
+    store.ensure_schema()
+    files = [record(root / "hop_0.ckpt", "source_checkpoint")]
+    for hop in range(1, hops + 1):
+        run = store.start_run(config={}, overrides=[], tool_version="0", output_dir=str(root), source_devices=1,
+                              target_devices=1)
+        store.record_inputs(run, [files[-1]])
+        files.append(record(root / f"hop_{hop}.ckpt", "target_checkpoint"))
+        store.complete_run(run, outputs=[files[-1]], plan={"ranks": []})
+    store.close()
+    return url, root / "hop_0.ckpt", root / f"hop_{hops}.ckpt"
+
+
+AUDIT = "reshard_job.audit"
+
+
+@case
+def audit_trace_of_1000_successive_conversions(root: Path) -> list[str]:
+    url, first, last = _chain(root, 1000)
+    return [AUDIT, "--db", url, "trace", str(last)]
+
+
+@case
+def audit_descendants_graph_of_1000_successive_conversions(root: Path) -> list[str]:
+    url, first, last = _chain(root, 1000)
+    return [AUDIT, "--db", url, "graph", str(first), "--descendants", "--format", "dot"]
+
+
 def run(name: str, scratch: Path) -> dict:
     root = scratch / name
     root.mkdir(parents=True)
     args = CASES[name](root)
+    module = "reshard_job"
+    if args[0] == AUDIT:
+        module, args = AUDIT, args[1:]
     result = root / "result.json"
     cmd = [sys.executable, "-S", str(ROOT / "benchmarks" / "measure_child.py"), str(result), "--",
-           sys.executable, "-m", "reshard_job", *args]
+           sys.executable, "-m", module, *args]
     env = {k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", "RESHARD_JOB_FULL_ERROR")}
     try:
         proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
@@ -126,6 +167,8 @@ def run(name: str, scratch: Path) -> dict:
         return {"name": name, "rc": "hung", "wall_s": 300.0, "peak_mib": float("nan"), "line": "(> 300 s)"}
     measured = json.loads(result.read_text())
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and not ln.startswith("[")]
+    if module == AUDIT and measured["rc"] == 0:
+        lines = [f"ok, {len(proc.stdout.splitlines())} lines printed"]
     line = lines[0] if len(lines) == 1 else (f"{len(lines)} lines: " + " | ".join(lines[:3]) if lines else "ok")
     return {"name": name, "rc": measured["rc"], "wall_s": measured["wall_s"],
             "peak_mib": measured["maxrss_kib"] / 1024, "line": line}
