@@ -91,22 +91,24 @@ def _request(reader, names) -> tuple[HashRequest, tuple[list[str], dict[str, int
     and the number of pieces of the ones stored in more than one."""
     segments = list(_format_segments(reader))
     several: dict[str, int] = {}
-    names = [name for name in names if name in reader.entries]  # (a rank of several files: in one of them)
+    held: list[str] = []  # (a rank of several files holds each in one of them)
+    # one record's range straight from the index columns: no entry built for each of a million small tensors
+    whole_span = getattr(reader, "whole_span", None)
     for name in names:
-        pieces = _pieces(reader, name)
-        segments.extend(pieces)
-        if len(pieces) != 1:
-            several[name] = len(pieces)
+        span = whole_span(name) if whole_span is not None else None
+        if span is not None:
+            segments.append((span[2], span[3]))
+        elif name in reader.entries:
+            pieces = reader.entries[name].pieces
+            segments.extend(pieces)
+            if len(pieces) != 1:
+                several[name] = len(pieces)
+        else:
+            continue
+        held.append(name)
     # the identity the file had when indexed: one replaced since is refused, not hashed
     seen = tuple(getattr(reader, "identity", ()) or ())
-    return HashRequest(reader.path, tuple(segments) if segments else None, seen), (names, several)
-
-
-def _pieces(reader, name: str) -> list[tuple[int, int]]:
-    """A tensor's byte ranges: from the index columns where it is one record (no entry built for
-    each of a million small tensors), else from its entry."""
-    span = reader.whole_span(name) if hasattr(reader, "whole_span") else None
-    return [(span[2], span[3])] if span is not None else list(reader.entries[name].pieces)
+    return HashRequest(reader.path, tuple(segments) if segments else None, seen), (held, several)
 
 
 def _tensor_spans(reader: SafetensorsReader) -> list[tuple[int, int, str]]:
