@@ -4,7 +4,7 @@
 shard's bound), single letters ``512M``, ``1G`` (powers of 2, as memory is usually meant), a plain
 number or ``B`` for bytes; fractions (``1.5GiB``), any case and spaces are accepted. It is the union
 of what ``job.max_memory`` and ``target.max_shard_size`` each accepted before they shared it, every
-spelling keeping its value. Pure: no I/O.
+spelling keeping its value. Also the bounds on a tensor's shape (``shape_problem``). Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -38,3 +38,35 @@ def parse_size(value) -> int:
     if unit not in UNITS:
         raise ValueError(f"unknown size unit in {text!r} (use KiB, MiB, GiB or KB, MB, GB)")
     return int(amount * UNITS[unit])
+
+
+# ------------------------------------------------------------------------------ tensor shapes
+
+MAX_DIM = 2**63 - 1  # MindSpore's dims are int64 (TensorProto.dims, Tensor.shape)
+MAX_TENSOR_BYTES = 2**63 - 1  # numpy's bound on an array's bytes, counted over its non-zero dims
+
+
+def shape_problem(shape, itemsize: int) -> str | None:
+    """What makes `shape` (of items of `itemsize` bytes) one no array can have, in words, or None.
+
+    Every dimension must be an int from 0 to 2**63-1 (MindSpore's int64 dims), and the product of
+    the non-zero ones times the item size at most 2**63-1 bytes: numpy refuses even a zero-size
+    array beyond that, so a zero-size tensor can keep its declared dims only within it. Python ints
+    throughout (no overflow), stopping at the first dimension past the bound."""
+    total = max(itemsize, 1)
+    for d, n in enumerate(shape):
+        if type(n) is not int or n < 0:
+            return f"dimension {d} ({_brief_dim(n)}) is not a non-negative integer"
+        if n > MAX_DIM:
+            return f"dimension {d} ({_brief_dim(n)}) does not fit an int64 (at most 2**63-1)"
+        if n:
+            total *= n
+            if total > MAX_TENSOR_BYTES:
+                return (f"its non-zero dimensions multiply to more than 2**63-1 bytes "
+                        f"(at dimension {d}), more than any array can hold")
+    return None
+
+
+def _brief_dim(n) -> str:
+    text = repr(n)
+    return text if len(text) <= 24 else text[:20] + "…"

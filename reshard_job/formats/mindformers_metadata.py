@@ -1,35 +1,45 @@
 """MindFormers 2.x ``metadata.json``: bytes <-> values, checked (spec
-``spec/mindformers-checkpoint-format.md``). Pure: no I/O; the folder it lives in is read by
-``sources.mindformers_save``.
+``spec/mindformers-checkpoint-format.md``). Pure: no I/O; ``sources.mindformers_save`` reads the
+folder and hands over a ``read(n)`` function (``read_metadata``), and checks the files it names.
 
 The document gives every parameter's global shape, dtype, layout, shards, and which file holds
-each shard. What is checked here: every part of it (types, layouts against global shapes and
-``axis_fragmentations``, chunks, ``storage_data`` keys and ranks against the layout's shard rule).
-Errors name the file and the parameter.
+each shard. Checked here: every part of it (types, layouts against global shapes and
+``axis_fragmentations``, chunks, ``storage_data`` keys and ranks against the layout's shard
+rule). Errors name the file and the parameter.
+
+A save of hundreds of thousands of parameters has a metadata.json of hundreds of megabytes
+(``json.loads`` of 200 MB held 2.2 GB): it is read with ``jsonchunks.JsonStream``, an entry at a
+time, an entry equal to a recent one not even scanned, into slotted objects that share equal
+shapes, layouts and locations. Integers of over 20 digits are refused as such, and so are dims
+no array can have (``core.sizes.shape_problem``).
 """
 
 from __future__ import annotations
 
 import ast
+import io
 import json
 import re
-from dataclasses import dataclass, field, replace
+import sys
+from dataclasses import dataclass
+from itertools import islice
 from math import prod
 
 import reshard_job.core.dtypes as dtypes
 from reshard_job.core.boxes import Box
 from reshard_job.core.layout import coords, mixed_radix
+from reshard_job.core.sizes import shape_problem
 from reshard_job.core.strategy_model import AxisEntry
 from reshard_job.errors import FormatError
+from reshard_job.jsonchunks import JsonProblem, JsonStream
 
 METADATA_FILE = "metadata.json"
-MAX_METADATA_BYTES = 4 * 1024**3  # a metadata.json larger than this is not one
 # <prefix>-model-0000003-0000008.safetensors; without a prefix the name starts at model-/opt-
-SHARD_FILE = re.compile(
-    r"^(?:(?P<prefix>.+)-)?(?P<kind>model|opt)-(?P<index>\d{7})-(?P<total>\d{7})\.safetensors$"
-)
+SHARD_FILE = re.compile(r"^(?:(?P<prefix>.+)-)?(?P<kind>model|opt)-(?P<index>\d{7})-(?P<total>\d{7})\.safetensors$")
 MESSAGE_NAME_LIMIT = 80
-
+MAX_KEY_CHARS = 1 << 16  # a storage_data key read by a literal evaluator: longer is no "('<name>', (<k>,))"
+_STORAGE_KEY = re.compile(r"^\('([^'\\]*)', \((\d{1,20}),\)\)$")  # the common case, without the evaluator
+_ABSURD_INT = re.compile(r"\d{21}")
 _DTYPES_BY_LOWER = {name.lower(): name for name in dtypes.BY_NAME}
 
 
@@ -40,7 +50,7 @@ class MindFormersFormatError(FormatError):
 # =================================================================================== structure
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ShardLocation:
     """One ``storage_data`` entry: a file that holds one shard, and which rank wrote it."""
 
@@ -49,7 +59,7 @@ class ShardLocation:
     rank_group: tuple[int, ...]  # every rank holding this shard in training
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class MetadataLayout:
     """A parameter's ``layout`` in metadata.json (optimizer split already folded in)."""
 
@@ -72,7 +82,7 @@ class MetadataLayout:
         return mixed_radix(j, list(fragments))
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, slots=True)
 class ParamMetadata:
     """Everything metadata.json says about one parameter."""
 
@@ -81,8 +91,8 @@ class ParamMetadata:
     global_shape: tuple[int, ...]
     fragments: tuple[int, ...]  # axis_fragmentations: slices per dimension
     layout: MetadataLayout | None  # None: one full copy
-    shard_shapes: dict[int, tuple[int, ...]] = field(default_factory=dict)  # shard index -> local shape
-    locations: dict[int, tuple[ShardLocation, ...]] = field(default_factory=dict)  # shard index -> where
+    local_shape: tuple[int, ...] = ()  # every shard's shape (chunks must all have it)
+    locations: tuple[tuple[ShardLocation, ...], ...] = ()  # shard index -> where it is stored
 
     @property
     def shard_count(self) -> int:
@@ -101,7 +111,8 @@ class ParamMetadata:
 
     def holders(self, k: int) -> tuple[int, ...]:
         """The storage ranks whose files hold shard `k`."""
-        return tuple(loc.storage_rank for loc in self.locations.get(k, ()))
+        locs = self.locations[k] if 0 <= k < len(self.locations) else ()
+        return tuple(loc.storage_rank for loc in locs)
 
 
 # ================================================================================ pure parsing
@@ -115,48 +126,145 @@ def is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _int_list(value, where: str, path: str, *, minimum: int = 0) -> tuple[int, ...]:
-    if not isinstance(value, list) or not all(is_int(v) and v >= minimum for v in value):
-        lower = "positive" if minimum == 1 else "non-negative"
-        raise MindFormersFormatError(path, f"{where} must be a list of {lower} integers, got {brief(value)}")
-    return tuple(value)
-
-
 def brief(value) -> str:
     text = json.dumps(value) if not isinstance(value, str) else repr(value)
     return text if len(text) <= 60 else text[:59] + "…"
 
 
-def parse_metadata(data: bytes, path: str) -> dict[str, ParamMetadata]:
-    """Parse and check a metadata.json document (pure); errors name `path` and the parameter."""
-    try:
-        doc = json.loads(data.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        raise MindFormersFormatError(
-            path, f"not valid UTF-8 (byte {e.start}); expected MindFormers' metadata JSON") from None
-    except json.JSONDecodeError as e:
-        raise MindFormersFormatError(path, f"not valid JSON ({e})") from None
-    except RecursionError:
-        raise MindFormersFormatError(path, "JSON nested too deeply") from None
-    if not isinstance(doc, dict) or not isinstance(doc.get("state_dict_metadata"), dict) \
-            or not isinstance(doc.get("storage_data"), dict):
-        raise MindFormersFormatError(path, "expected an object with 'state_dict_metadata' and 'storage_data' objects")
-    if not doc["state_dict_metadata"]:
-        raise MindFormersFormatError(path, "'state_dict_metadata' describes no parameter")
-    params = {name: _parse_param(name, obj, path) for name, obj in doc["state_dict_metadata"].items()}
-    locations = _parse_storage(doc["storage_data"], params, path)
-    params = {name: replace(p, locations=locations.get(name, {})) for name, p in params.items()}
-    for p in params.values():
-        missing = [k for k in range(p.shard_count) if k not in p.locations]
-        if missing:
+class _Shared(dict):
+    """Equal values parsed once: one object for every equal shape, layout, group, file name."""
+
+    def __init__(self, max_shards: int | None = None):
+        super().__init__()
+        self.max_shards = max_shards
+
+    def check_count(self, count: int, what: str, path: str) -> None:
+        if self.max_shards is not None and count > self.max_shards:
             raise MindFormersFormatError(
-                path, f"parameter {short_name(p.name)!r}: shard(s) {missing[:8]} have no storage_data entry "
-                      f"(incomplete checkpoint)")
-    _check_files_belong_to_one_rank(params, path)
+                path, f"{what} more than the {self.max_shards} tensors the folder's files can hold")
+
+    def __call__(self, value):
+        return self.setdefault(value, value)
+
+
+def _int_list(value, where: str, path: str, shared: _Shared, *, minimum: int = 0) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(is_int(v) and v >= minimum for v in value):
+        lower = "positive" if minimum == 1 else "non-negative"
+        raise MindFormersFormatError(path, f"{where} must be a list of {lower} integers, got {brief(value)}")
+    return shared(tuple(value))
+
+
+def parse_metadata(data: bytes, path: str) -> dict[str, ParamMetadata]:
+    """Parse and check a metadata.json document held in memory (pure); see ``read_metadata``."""
+    return read_metadata(io.BytesIO(data).read, path)
+
+
+def read_metadata(read, path: str, max_shards: int | None = None) -> dict[str, ParamMetadata]:
+    """Parse and check the metadata.json document `read` (``read(n) -> bytes``) yields, one
+    parameter at a time; errors name `path` and the parameter. `max_shards`: how many tensors the
+    files beside it can hold at most (a document placing more is refused as soon as it does)."""
+    stream = JsonStream(read)
+    shared = _Shared(max_shards=max_shards)
+    try:
+        params, storage = _read_document(stream, path, shared)
+        stream.end()
+    except JsonProblem as e:
+        raise MindFormersFormatError(path, str(e)) from None
+    if params is None or storage is None:
+        raise MindFormersFormatError(path, "expected an object with 'state_dict_metadata' and 'storage_data' objects")
+    if not params:
+        raise MindFormersFormatError(path, "'state_dict_metadata' describes no parameter")
+    _attach_locations(params, storage, path)
     return params
 
 
-def _parse_param(name: str, obj, path: str) -> ParamMetadata:
+def _attach_locations(params: dict[str, ParamMetadata], storage: dict, path: str) -> None:
+    """Every parameter's shards' locations from `storage` (emptied), checked against its layout;
+    what was checked for equal objects (shared: same layout, same locations) is not checked again."""
+    done: dict[tuple, tuple] = {}  # ids of layout, fragments and locations -> the locations, checked
+    for name, p in params.items():
+        locations = tuple(storage.pop((name, k), None) for k in range(p.shard_count))
+        key = (id(p.layout), id(p.fragments), *map(id, locations))
+        checked = done.get(key)
+        if checked is None:
+            missing = [k for k, locs in enumerate(locations) if locs is None][:8]
+            if missing:
+                raise MindFormersFormatError(
+                    path, f"parameter {short_name(p.name)!r}: shard(s) {missing} have no storage_data entry "
+                          f"(incomplete checkpoint)")
+            _check_locations(p, locations, path)
+            checked = done[key] = locations
+        # made here and not yet handed out: set in place rather than copied (a million parameters)
+        object.__setattr__(p, "locations", checked)
+    for name, k in storage:  # left over: not a shard of a parameter described
+        if name not in params:
+            raise MindFormersFormatError(
+                path, f"storage_data names parameter {short_name(name)!r}, which state_dict_metadata does not describe")
+        raise MindFormersFormatError(path, f"parameter {short_name(name)!r} shard {k}: shard index outside "
+                                           f"0..{params[name].shard_count - 1}")
+
+
+CACHED_VALUES = 1 << 14  # entries remembered by their text (most repeat); forgotten all at once beyond
+
+
+def _read_document(stream: JsonStream, path: str, shared: _Shared):
+    """(parameters by name, storage_data as (name, shard) -> locations), either None if absent."""
+    params = storage = None
+    if not stream.peek():
+        raise MindFormersFormatError(path, "is empty (expected MindFormers' metadata JSON)")
+    if stream.peek() != "{":
+        raise MindFormersFormatError(path, "expected an object with 'state_dict_metadata' and 'storage_data' objects")
+    for key in stream.members():
+        if key == "state_dict_metadata" and params is None and stream.peek() == "{":
+            params = _read_params(stream, path, shared)
+        elif key == "storage_data" and storage is None and stream.peek() == "{":
+            storage = {}
+            seen: dict[str, tuple] = {}  # the text of a list of locations -> the locations
+            # (equal texts give equal values: `seen` is also how the stream skips scanning them)
+            for skey, entries, text in stream.items(seen):
+                name, k = _parse_storage_key(skey, path)
+                name = sys.intern(name)
+                where = f"parameter {short_name(name)!r} shard {k}"
+                if (name, k) in storage:
+                    raise MindFormersFormatError(path, f"{where}: storage_data has two keys for it")
+                locations = seen.get(text)
+                if locations is None:
+                    locations = _parse_locations(entries, where, path, shared)
+                    _remember(seen, text, locations)
+                storage[(name, k)] = locations
+                shared.check_count(len(storage), "storage_data places", path)
+        elif key in ("state_dict_metadata", "storage_data"):
+            raise MindFormersFormatError(path, f"expected {key!r} once, as an object")
+        else:
+            stream.value()  # something newer savers add: read past it
+    return params, storage
+
+
+def _remember(seen: dict, text: str, value) -> None:
+    if len(seen) >= CACHED_VALUES:
+        seen.clear()
+    seen[text] = value
+
+
+def _read_params(stream: JsonStream, path: str, shared: _Shared) -> dict[str, ParamMetadata]:
+    params: dict[str, ParamMetadata] = {}
+    seen: dict[str, ParamMetadata] = {}  # the text of an entry -> what it gave (under its first name)
+    for name, obj, text in stream.items(seen):
+        shared.check_count(len(params) + 1, "state_dict_metadata describes", path)
+        if name in params:
+            raise MindFormersFormatError(path, f"state_dict_metadata describes parameter {short_name(name)!r} twice")
+        name = sys.intern(name)
+        first = seen.get(text)
+        if first is None:
+            first = params[name] = _parse_param(name, obj, path, shared)
+            _remember(seen, text, first)
+        else:
+            params[name] = ParamMetadata(name, first.dtype, first.global_shape, first.fragments, first.layout,
+                                         first.local_shape)
+    return params
+
+
+def _parse_param(name: str, obj, path: str, shared: _Shared) -> ParamMetadata:
     where = f"parameter {short_name(name)!r}"
     if not isinstance(obj, dict):
         raise MindFormersFormatError(path, f"{where}: entry must be an object")
@@ -169,30 +277,44 @@ def _parse_param(name: str, obj, path: str) -> ParamMetadata:
     dtype = _DTYPES_BY_LOWER.get(props["dtype"].lower())
     if dtype is None or dtypes.BY_NAME[dtype].storage is None:
         raise MindFormersFormatError(path, f"{where}: unsupported dtype {brief(props['dtype'])}")
-    shape = _int_list(obj["global_shape"], f"{where}: global_shape", path)
-    fragments = _int_list(obj["axis_fragmentations"], f"{where}: axis_fragmentations", path, minimum=1)
+    shape = _int_list(obj["global_shape"], f"{where}: global_shape", path, shared)
+    problem = shape_problem(shape, dtypes.BY_NAME[dtype].itemsize)
+    if problem:
+        raise MindFormersFormatError(path, f"{where}: global_shape {brief(list(shape))}: {problem}")
+    fragments = _int_list(obj["axis_fragmentations"], f"{where}: axis_fragmentations", path, shared, minimum=1)
     if len(fragments) != len(shape):
         raise MindFormersFormatError(
-            path, f"{where}: axis_fragmentations {list(fragments)} has {len(fragments)} entries "
-                  f"but global_shape {list(shape)} has {len(shape)}")
-    layout = None if obj["layout"] is None else _parse_layout(obj["layout"], len(shape), where, path)
+            path, f"{where}: axis_fragmentations {brief(list(fragments))} has {len(fragments)} entries "
+                  f"but global_shape {brief(list(shape))} has {len(shape)}")
+    layout = None if obj["layout"] is None else shared(_parse_layout(obj["layout"], len(shape), where, path, shared))
+    _check_fragments(shape, fragments, layout, where, path)
+    local = shared(tuple(g // f for g, f in zip(shape, fragments)))
+    _check_chunks(obj["chunk"], prod(fragments), local, shape, fragments, where, path, shared)
+    return ParamMetadata(shared(name), dtype, shape, fragments, layout, local)
+
+
+def _check_fragments(shape, fragments, layout: MetadataLayout | None, where: str, path: str) -> None:
     for d, (g, f) in enumerate(zip(shape, fragments)):
         want = 1 if layout is None else prod(layout.device_matrix[p] for p in layout.split_axes(d))
         if f != want:
             what = "no layout" if layout is None else (
-                f"layout device_matrix {list(layout.device_matrix)} tensor_map {_show_map(layout.tensor_map)}")
+                f"layout device_matrix {brief(list(layout.device_matrix))} tensor_map {_show_map(layout.tensor_map)}")
             raise MindFormersFormatError(
-                path, f"{where}: axis_fragmentations {list(fragments)} contradict {what} "
+                path, f"{where}: axis_fragmentations {brief(list(fragments))} contradict {what} "
                       f"(dimension {d} is split {want} ways)")
         if g % f:
             raise MindFormersFormatError(
-                path, f"{where}: dimension {d} of global_shape {list(shape)} cannot be split into {f} equal shards")
-    local = tuple(g // f for g, f in zip(shape, fragments))
-    chunks = obj["chunk"]
+                path, f"{where}: dimension {d} of global_shape {brief(list(shape))} cannot be split into {f} "
+                      f"equal shards")
+
+
+def _check_chunks(chunks, count: int, local, shape, fragments, where: str, path: str, shared: _Shared) -> None:
+    """Every shard 0..count-1 listed once, with the local shape the split gives."""
     if not isinstance(chunks, list) or not chunks:
         raise MindFormersFormatError(path, f"{where}: chunk must be a non-empty list")
-    count = prod(fragments)
-    shard_shapes: dict[int, tuple[int, ...]] = {}
+    if len(chunks) > count:
+        raise MindFormersFormatError(path, f"{where}: {len(chunks)} chunks for {count} shard(s)")
+    seen: set[int] = set()
     for c in chunks:
         offset = c.get("global_offset") if isinstance(c, dict) else None
         if not (isinstance(offset, list) and len(offset) == 1 and is_int(offset[0])):
@@ -201,21 +323,20 @@ def _parse_param(name: str, obj, path: str) -> ParamMetadata:
         k = offset[0]
         if not 0 <= k < count:
             raise MindFormersFormatError(path, f"{where}: chunk shard index {k} is outside 0..{count - 1}")
-        chunk_shape = _int_list(c.get("local_shape"), f"{where}: chunk local_shape", path)
+        chunk_shape = _int_list(c.get("local_shape"), f"{where}: chunk local_shape", path, shared)
         if chunk_shape != local:
             raise MindFormersFormatError(
-                path, f"{where}: chunk {k} has local_shape {list(chunk_shape)}, but global_shape {list(shape)} "
-                      f"split {list(fragments)} gives {list(local)}")
-        if k in shard_shapes:
+                path, f"{where}: chunk {k} has local_shape {brief(list(chunk_shape))}, but global_shape "
+                      f"{brief(list(shape))} split {brief(list(fragments))} gives {brief(list(local))}")
+        if k in seen:
             raise MindFormersFormatError(path, f"{where}: chunk {k} is listed twice")
-        shard_shapes[k] = chunk_shape
-    if len(shard_shapes) != count:
-        absent = sorted(set(range(count)) - set(shard_shapes))
+        seen.add(k)
+    if len(seen) != count:
+        absent = list(islice((k for k in range(count) if k not in seen), 8))
         raise MindFormersFormatError(path, f"{where}: chunks lack shard(s) {absent[:8]} of {count}")
-    return ParamMetadata(name, dtype, shape, fragments, layout, shard_shapes)
 
 
-def _parse_layout(obj, ndim: int, where: str, path: str) -> MetadataLayout:
+def _parse_layout(obj, ndim: int, where: str, path: str, shared: _Shared) -> MetadataLayout:
     if not isinstance(obj, dict):
         raise MindFormersFormatError(path, f"{where}: layout must be an object or null")
     for key in ("device_matrix", "tensor_map", "rank_list"):
@@ -223,7 +344,7 @@ def _parse_layout(obj, ndim: int, where: str, path: str) -> MetadataLayout:
             raise MindFormersFormatError(path, f"{where}: layout lacks {key!r}")
     if obj.get("interleaved_parallel"):
         raise MindFormersFormatError(path, f"{where}: interleaved_parallel layouts are not supported")
-    dev = _int_list(obj["device_matrix"], f"{where}: layout device_matrix", path, minimum=1)
+    dev = _int_list(obj["device_matrix"], f"{where}: layout device_matrix", path, shared, minimum=1)
     if not dev:
         raise MindFormersFormatError(path, f"{where}: layout device_matrix is empty")
     raw_map = obj["tensor_map"]
@@ -243,68 +364,71 @@ def _parse_layout(obj, ndim: int, where: str, path: str) -> MetadataLayout:
                 raise MindFormersFormatError(path, f"{where}: layout tensor_map uses device axis {m} twice")
             seen.add(m)
         tensor_map.append(tuple(values) if isinstance(entry, list) else entry)
-    ranks = _int_list(obj["rank_list"], f"{where}: layout rank_list", path)
-    if len(ranks) != prod(dev) or len(set(ranks)) != len(ranks):
+    ranks = _int_list(obj["rank_list"], f"{where}: layout rank_list", path, shared)
+    devices = prod(dev)  # every device has its entry in rank_list: this bounds shard counts by the document
+    if len(ranks) != devices or len(set(ranks)) != len(ranks):
         raise MindFormersFormatError(
-            path, f"{where}: layout rank_list must list {prod(dev)} distinct ranks (device_matrix {list(dev)}), "
-                  f"got {len(ranks)}")
-    return MetadataLayout(dev, tuple(tensor_map), ranks)
+            path, f"{where}: layout rank_list must list {devices if devices < 10**12 else 'over 10**12'} distinct "
+                  f"ranks (device_matrix {brief(list(dev))}), got {len(ranks)}")
+    return MetadataLayout(dev, shared(tuple(tensor_map)), ranks)
 
 
-def _parse_storage(storage: dict, params: dict[str, ParamMetadata],
-                   path: str) -> dict[str, dict[int, tuple[ShardLocation, ...]]]:
-    """name -> shard index -> where it is stored, each entry checked against the layout's shard rule."""
-    out: dict[str, dict[int, tuple[ShardLocation, ...]]] = {}
-    for key, entries in storage.items():
-        name, k = _parse_storage_key(key, path)
-        p = params.get(name)
-        if p is None:
-            raise MindFormersFormatError(
-                path, f"storage_data names parameter {short_name(name)!r}, which state_dict_metadata does not describe")
-        where = f"parameter {short_name(name)!r} shard {k}"
-        if not 0 <= k < p.shard_count:
-            raise MindFormersFormatError(path, f"{where}: shard index outside 0..{p.shard_count - 1}")
-        if k in out.get(name, {}):
-            raise MindFormersFormatError(path, f"{where}: storage_data has two keys for it")
-        if not isinstance(entries, list) or not entries:
-            raise MindFormersFormatError(path, f"{where}: storage_data entry must be a non-empty list")
-        locations = []
-        for e in entries:
-            loc = _parse_location(e, where, path)
-            if p.layout is not None:
-                for r in (loc.storage_rank,) + loc.rank_group:
-                    if r not in p.layout.rank_list:
-                        raise MindFormersFormatError(
-                            path, f"{where}: rank {r} is not in the layout's rank_list "
-                                  f"{brief(list(p.layout.rank_list))}")
-                    held = p.shard_of(r)
-                    if held != k:
-                        raise MindFormersFormatError(
-                            path, f"{where}: storage_data says rank {r} holds it, "
-                                  f"but the layout gives rank {r} shard {held}")
-            if loc.storage_rank not in loc.rank_group:
+def _parse_locations(entries, where: str, path: str, shared: _Shared) -> tuple[ShardLocation, ...]:
+    """One ``storage_data`` value (a list of locations) checked for shape."""
+    if not isinstance(entries, list) or not entries:
+        raise MindFormersFormatError(path, f"{where}: storage_data entry must be a non-empty list")
+    locations = []
+    for e in entries:
+        loc = shared(_parse_location(e, where, path, shared))
+        if any(other.storage_rank == loc.storage_rank for other in locations):
+            raise MindFormersFormatError(path, f"{where}: rank {loc.storage_rank} is listed twice")
+        locations.append(loc)
+    return shared(tuple(locations))
+
+
+def _check_locations(p: ParamMetadata, locations: tuple, path: str) -> None:
+    """Each shard's locations against the layout's shard rule: every rank named holds that shard."""
+    shard_at = {}  # rank -> shard its layout gives it, computed once per rank
+    for k, locs in enumerate(dict.fromkeys(locations) if p.layout is None else locations):
+        where = f"parameter {short_name(p.name)!r} shard {k}"
+        ranks = {r for loc in locs for r in (loc.storage_rank,) + loc.rank_group} if p.layout else ()
+        for r in sorted(ranks):
+            held = shard_at.get(r)
+            if held is None:
+                if r not in p.layout.rank_list:
+                    raise MindFormersFormatError(
+                        path, f"{where}: rank {r} is not in the layout's rank_list {brief(list(p.layout.rank_list))}")
+                held = shard_at[r] = p.shard_of(r)
+            if held != k:
                 raise MindFormersFormatError(
-                    path, f"{where}: storage_rank {loc.storage_rank} is not in its rank_group {list(loc.rank_group)}")
-            if any(other.storage_rank == loc.storage_rank for other in locations):
-                raise MindFormersFormatError(path, f"{where}: rank {loc.storage_rank} is listed twice")
-            locations.append(loc)
-        out.setdefault(name, {})[k] = tuple(locations)
-    return out
+                    path, f"{where}: storage_data says rank {r} holds it, but the layout gives rank {r} shard {held}")
+        for loc in locs:
+            if loc.storage_rank not in loc.rank_group:
+                raise MindFormersFormatError(path, f"{where}: storage_rank {loc.storage_rank} is not in its rank_group "
+                                                   f"{brief(list(loc.rank_group))}")
 
 
 def _parse_storage_key(key: str, path: str) -> tuple[str, int]:
     """``"('<name>', (<k>,))"``: Python's str() of a tuple, read with a literal evaluator."""
-    try:
-        value = ast.literal_eval(key)
-    except (ValueError, SyntaxError, MemoryError, RecursionError, TypeError):
-        value = None
+    fast = _STORAGE_KEY.match(key)
+    if fast:
+        return fast.group(1), int(fast.group(2))
+    if _ABSURD_INT.search(key):
+        raise MindFormersFormatError(path, f"storage_data key {brief(key)} holds an integer of more than 20 digits: "
+                                           f"integers of absurd length are refused")
+    value = None
+    if len(key) <= MAX_KEY_CHARS:
+        try:
+            value = ast.literal_eval(key)
+        except (ValueError, SyntaxError, MemoryError, RecursionError, TypeError):
+            pass
     if (isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], str)
             and isinstance(value[1], tuple) and len(value[1]) == 1 and is_int(value[1][0])):
         return value[0], value[1][0]
     raise MindFormersFormatError(path, f"storage_data key {brief(key)} is not of the form \"('<name>', (<shard>,))\"")
 
 
-def _parse_location(e, where: str, path: str) -> ShardLocation:
+def _parse_location(e, where: str, path: str, shared: _Shared) -> ShardLocation:
     if not isinstance(e, dict):
         raise MindFormersFormatError(path, f"{where}: storage_data entries must be objects")
     file_name, rank, group = e.get("file_name"), e.get("storage_rank"), e.get("rank_group")
@@ -314,23 +438,12 @@ def _parse_location(e, where: str, path: str) -> ShardLocation:
             path, f"{where}: file_name {brief(file_name)} must be a file of the iteration folder")
     if not (is_int(rank) and rank >= 0):
         raise MindFormersFormatError(path, f"{where}: storage_rank must be a non-negative integer, got {brief(rank)}")
-    return ShardLocation(file_name, rank, _int_list(group, f"{where}: rank_group", path))
+    return ShardLocation(shared(file_name), rank, _int_list(group, f"{where}: rank_group", path, shared))
 
 
 def _is_plain_file_name(name: str) -> bool:
-    return bool(name) and name not in (".", "..") and "/" not in name and "\\" not in name and "\0" not in name
-
-
-def _check_files_belong_to_one_rank(params: dict[str, ParamMetadata], path: str) -> None:
-    owner: dict[str, int] = {}
-    for p in params.values():
-        for locs in p.locations.values():
-            for loc in locs:
-                first = owner.setdefault(loc.file_name, loc.storage_rank)
-                if first != loc.storage_rank:
-                    raise MindFormersFormatError(
-                        path, f"storage_data places slices of ranks {first} and {loc.storage_rank} in one file "
-                              f"{loc.file_name} (parameter {short_name(p.name)!r}); a file holds one rank's slices")
+    return (bool(name) and len(name) <= 255 and name not in (".", "..")
+            and not any(c in name for c in "/\\\0"))
 
 
 def _show_map(tensor_map) -> str:

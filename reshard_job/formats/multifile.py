@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import bisect
 import os
-from dataclasses import replace
-from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 import numpy as np
 
@@ -33,6 +33,35 @@ from reshard_job.formats.tensorfile import TensorEntry
 
 if TYPE_CHECKING:
     from reshard_job.storage import RandomAccess
+
+
+class _Entries(Mapping):
+    """The tensors of all files by name (file after file), each entry built on access with its
+    offsets in the one address space."""
+
+    __slots__ = ("_m", "_last")
+
+    def __init__(self, reader: "MultiFileReader"):
+        self._m = reader
+        self._last: tuple[str, TensorEntry] | None = None  # a tensor is often asked for several times in a row
+
+    def __getitem__(self, name: str) -> TensorEntry:
+        last = self._last
+        if last is not None and last[0] == name:
+            return last[1]
+        i = self._m._owner[name]
+        entry = _shifted(self._m._readers[i].new_entry(name), self._m._bases[i])  # its own entry: shifted in place
+        self._last = (name, entry)
+        return entry
+
+    def __contains__(self, name) -> bool:
+        return name in self._m._owner
+
+    def __iter__(self):
+        return iter(self._m._owner)
+
+    def __len__(self) -> int:
+        return len(self._m._owner)
 
 
 class MultiFileReader:
@@ -47,20 +76,18 @@ class MultiFileReader:
         self._readers: list[SafetensorsReader] = []
         self._bases: list[int] = []
         self._owner: dict[str, int] = {}
-        self.entries: dict[str, TensorEntry] = {}
+        self.entries = _Entries(self)
         try:
             base = 0
             for i, source in enumerate(sources):
                 reader = SafetensorsReader(source, verify_crc=verify_crc)
                 self._readers.append(reader)
                 self._bases.append(base)
-                for name, entry in reader.entries.items():
-                    if name in self._owner:
+                for name in reader.entries:
+                    if self._owner.setdefault(name, i) != i:
                         raise FormatError(
                             reader.path, f"tensor {name!r} is also in {self._readers[self._owner[name]].path}; "
                                          "files read as one rank must not hold the same tensor twice")
-                    self._owner[name] = i
-                    self.entries[name] = _shifted(entry, base)
                 base += reader.size
         except BaseException:
             self.close()
@@ -101,6 +128,10 @@ class MultiFileReader:
 
     def names(self) -> list[str]:
         return list(self.entries)
+
+    def describe(self, name: str) -> tuple[str, tuple[int, ...], str, int]:
+        """(dtype, shape, kind, nbytes) of a tensor, without building its entry."""
+        return self._reader_of(name).describe(name)
 
     def file_of(self, name: str) -> str:
         """The file that holds tensor `name`."""
@@ -191,10 +222,9 @@ class MultiFileSources:
 
 
 def _shifted(entry: TensorEntry, base: int) -> TensorEntry:
-    if not base:
-        return entry
-    return replace(entry, pieces=[(offset + base, length) for offset, length in entry.pieces],
-                   extra=dict(entry.extra)).finish()
+    if base:  # the entry was built for this call: shifted in place
+        entry.pieces = [(offset + base, length) for offset, length in entry.pieces]
+    return entry
 
 
 def _display_path(paths: tuple[str, ...]) -> str:

@@ -6,8 +6,10 @@ from __future__ import annotations
 import os
 
 from reshard_job.errors import ConfigError, FormatError
-from reshard_job.formats.hf_index import INDEX_FILE, MAX_INDEX_BYTES, check_against_index, parse_index
+from reshard_job.formats.hf_index import (INDEX_FILE, ExportIndex, check_against_index, index_size_limit,
+                                          read_index_document)
 from reshard_job.formats.multifile import MultiFileSources
+from reshard_job.jsonchunks import file_reader
 from reshard_job.sources.open_files import SourceFiles
 from reshard_job.sources.rank_folders import LoadedStrategy, RankFiles, check_no_iteration, load_strategy
 from reshard_job.storage import StorageError, StorageOptions, absolute, storage_for
@@ -15,16 +17,27 @@ from reshard_job.storage import StorageError, StorageOptions, absolute, storage_
 
 def read_index(out_dir: str | os.PathLike, storage: StorageOptions | None = None) -> dict[str, str]:
     """The weight map of an export folder's index (tensor -> shard file), checked for shape."""
+    return read_export_index(out_dir, storage).weight_map
+
+
+def read_export_index(out_dir: str | os.PathLike, storage: StorageOptions | None = None) -> ExportIndex:
+    """An export folder's index (weight map, declared total size), checked for shape; refused
+    unread when larger than what the folder's shards can need (``index_size_limit``)."""
     out_dir = absolute(out_dir)
     where = storage_for(out_dir, storage)
     path = where.join(out_dir, INDEX_FILE)
     try:
-        data = where.read_bytes(path, MAX_INDEX_BYTES)
+        shards = [e.size for e in where.listdir(out_dir) if e.is_file and e.name.endswith(".safetensors")]
+        with where.open_read(path) as f:
+            limit, why = index_size_limit(shards)
+            if f.size > limit:
+                raise FormatError(path, f"{f.size} bytes, more than an index of this folder can need: {limit} bytes "
+                                        f"({why})")
+            return read_index_document(file_reader(f), path)
     except FileNotFoundError:
         raise FormatError(path, "index not found (not a safetensors export folder, or an incomplete one)") from None
     except (OSError, StorageError) as e:
-        raise FormatError(path, f"cannot be read as JSON ({e})") from None
-    return parse_index(data, path)
+        raise FormatError(path, f"cannot be read ({getattr(e, 'strerror', None) or e})") from None
 
 
 def export_files(out_dir: str | os.PathLike, storage: StorageOptions | None = None) -> tuple[str, ...]:
@@ -42,10 +55,10 @@ def export_files(out_dir: str | os.PathLike, storage: StorageOptions | None = No
 def open_export(out_dir: str | os.PathLike, *, verify_crc: bool = True) -> MultiFileSources:
     """An export folder as one unsharded source rank (rank 0), its files checked against the index."""
     out_dir = os.path.abspath(os.fspath(out_dir))
-    weight_map = read_index(out_dir)
+    index = read_export_index(out_dir)
     sources = MultiFileSources({0: export_files(out_dir)}, verify_crc=verify_crc)
     try:
-        check_against_index(sources.reader(0), weight_map, os.path.join(out_dir, INDEX_FILE))
+        check_against_index(sources.reader(0), index, os.path.join(out_dir, INDEX_FILE))
     except BaseException:
         sources.close()
         raise
@@ -102,6 +115,6 @@ class ExportFolder:
     def verify(self, found: RankFiles, files: SourceFiles) -> list[str]:
         """Every tensor of the opened shards is where the index says, and the index lists no other."""
         folder = found.root
-        check_against_index(files.reader(0), read_index(folder, self.storage),
+        check_against_index(files.reader(0), read_export_index(folder, self.storage),
                             storage_for(folder, self.storage).join(folder, INDEX_FILE))
         return [f"every tensor is in the shard {INDEX_FILE} names"]

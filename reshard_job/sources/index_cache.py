@@ -16,7 +16,8 @@ documents (and writing them 5 s more), so they are walked.
 One compressed JSON document per source file (zlib's checksum refuses a damaged one), in the
 user's cache folder beside the digests; at most ``MAX_FILES`` documents and ``MAX_BYTES`` are kept
 (the least recently used go). A cache never fails a job: a document that cannot be read, does not match or does not fit the file
-is ignored and the file walked (``CheckpointReader._load_index`` checks every range against the file).
+is ignored and the file walked (``CheckpointReader._load_index`` checks every range against the file),
+and so is one that inflates beyond ``MAX_DOCUMENT_BYTES`` or holds an integer of over 20 digits.
 Only local files: an object's walk is also its hashing read (``sources.file_digests.DigestingReader``).
 """
 
@@ -27,12 +28,14 @@ import json
 import os
 import zlib
 
+from reshard_job.jsonchunks import strict_int
 from reshard_job.sources.file_digests import default_cache_path
 from reshard_job.storage.cache_files import mark_used, remove_least_recently_used, write_cache_file
 
 MAX_FILES = 512  # documents kept; the least recently used beyond are removed
 MAX_BYTES = 256 * 1024 * 1024  # and their bytes
 LARGE_RECORDS = 32 * 1024  # mean bytes per tensor from which a file's walk reads record heads one by one
+MAX_DOCUMENT_BYTES = 64 * 1024 * 1024  # an index document (some 100 bytes a tensor) read back: larger is ignored
 
 
 def worth_keeping(file_size: int, tensors: int) -> bool:
@@ -57,9 +60,13 @@ class IndexCache:
         doc_path = self._file(path)
         try:
             with open(doc_path, "rb") as f:
-                doc = json.loads(zlib.decompress(f.read()))
+                inflate = zlib.decompressobj()
+                text = inflate.decompress(f.read(MAX_DOCUMENT_BYTES), MAX_DOCUMENT_BYTES)
+            if inflate.unconsumed_tail or not inflate.eof:
+                return None  # larger than any document kept, or cut short: walk the file
+            doc = json.loads(text, parse_int=strict_int)
             mark_used(doc_path)  # recently used: kept when older ones are removed
-        except (OSError, ValueError, zlib.error):
+        except (OSError, ValueError, RecursionError, zlib.error):
             return None
         if not isinstance(doc, dict) or doc.get("path") != os.path.abspath(path) or \
                 doc.get("identity") != list(identity) or not isinstance(doc.get("index"), dict):

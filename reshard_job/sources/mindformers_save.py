@@ -5,7 +5,10 @@ A save is a folder with ``latest_checkpointed_iteration.txt`` and ``iteration_<8
 subfolders, each holding ``metadata.json`` (parsed by ``formats.mindformers_metadata``),
 ``common.json`` and ``<prefix>-model|opt-<idx>-<total>.safetensors`` files of local slices.
 
-What is checked before anything is read: every part of ``metadata.json``, and the header of every
+What is checked before anything is read: every part of ``metadata.json`` (refused unread when
+larger than the folder's files can need, ``metadata_size_limit``, and read a window at a time),
+that the number in each file's name fits the rank ``storage_data`` says wrote it (``_check_files``:
+a rank's slices in another rank's file would convert silently wrong), and the header of every
 file ``storage_data`` names (present, holding each shard with the dtype and shape the metadata
 gives, and nothing ``metadata.json`` places elsewhere). Only headers are read, so this costs one
 small read per file, not the checkpoint's size.
@@ -19,7 +22,6 @@ with a ``PlanError`` naming a rank that lacks a parameter, never a wrong output.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass
@@ -27,11 +29,12 @@ from dataclasses import dataclass
 from reshard_job.core.tensor_meta import TensorMeta
 from reshard_job.core.topology import Topology
 from reshard_job.core.strategy_model import StrategyFile
-from reshard_job.formats.mindformers_metadata import (MAX_METADATA_BYTES, METADATA_FILE, SHARD_FILE,
-                                                      MindFormersFormatError, ParamMetadata, brief, is_int,
-                                                      parse_metadata, short_name)
+from reshard_job.formats.mindformers_metadata import (METADATA_FILE, SHARD_FILE, MindFormersFormatError,
+                                                      ParamMetadata, brief, is_int, read_metadata, short_name)
+from reshard_job.formats.safetensors.header import MAX_HEADER_BYTES
 from reshard_job.formats.multifile import MultiFileReader, MultiFileSources
 from reshard_job.formats.safetensors import SafetensorsReader
+from reshard_job.jsonchunks import JsonProblem, file_reader, loads_bounded
 from reshard_job.sources.mindformers_layouts import synthesize_strategy
 from reshard_job.storage import StorageError, StorageOptions, absolute, storage_for
 
@@ -39,6 +42,25 @@ TRACKER_FILE = "latest_checkpointed_iteration.txt"
 COMMON_FILE = "common.json"
 ITERATION_DIR = re.compile(r"^iteration_(\d{8})$")
 SAFETENSORS_SUFFIX = ".safetensors"
+MAX_COMMON_BYTES = 1 << 20  # common.json: a few counters
+# How large a metadata.json may be: it describes the shards of the folder's .safetensors files,
+# whose headers list them (at most MAX_HEADER_BYTES each). A parameter's entries (layout, rank
+# lists, one location per holder with its rank group) take at most some hundred times the bytes of
+# its header entries even for stages of thousands of ranks, so: a base, plus 256 bytes per byte of
+# each file up to MAX_HEADER_BYTES. A sparse or padded gigabyte beside a small save is refused
+# at once; a real 200 MB document beside its shards is read (in windows, never whole).
+METADATA_BASE_BYTES = 64 << 20
+MIN_HEADER_ENTRY = 48  # bytes of the shortest tensor entry of a header: '"a":{"dtype":"U8","shape":[],...}'
+METADATA_BYTES_PER_HEADER_BYTE = 256
+
+
+def metadata_size_limit(file_sizes) -> tuple[int, str]:
+    """(bytes, why) a metadata.json beside .safetensors files of `file_sizes` bytes may have."""
+    sizes = list(file_sizes)
+    headers = sum(min(size, MAX_HEADER_BYTES) for size in sizes)
+    why = (f"{METADATA_BASE_BYTES >> 20} MiB + {METADATA_BYTES_PER_HEADER_BYTE} bytes per byte of its "
+           f"{len(sizes)} .safetensors file(s), {headers} bytes, each counted up to {MAX_HEADER_BYTES}")
+    return METADATA_BASE_BYTES + METADATA_BYTES_PER_HEADER_BYTE * headers, why
 
 
 def iteration_folder_name(iteration: int) -> str:
@@ -141,7 +163,7 @@ class MindFormersSource:
     def deduplicated(self) -> bool:
         """True for a redundancy-removed save: some shard held by several ranks is stored by fewer."""
         return any(len(locs) < len(locs[0].rank_group)
-                   for p in self.params.values() for locs in p.locations.values())
+                   for p in self.params.values() for locs in p.locations)
 
     def index(self) -> dict[int, dict[str, TensorMeta]]:
         """What each storage rank's files hold (rank -> name -> TensorMeta), from the headers."""
@@ -162,7 +184,7 @@ class MindFormersSource:
         """The shards storage rank `rank` wrote: parameter name -> shard index."""
         out = {}
         for p in self.params.values():
-            for k, locs in p.locations.items():
+            for k, locs in enumerate(p.locations):
                 if any(loc.storage_rank == rank for loc in locs):
                     out[p.name] = k
         return out
@@ -191,8 +213,8 @@ class MindFormersSource:
         if info is None or not info.is_file:
             return None
         try:
-            doc = json.loads(where.read_bytes(path, MAX_METADATA_BYTES).decode("utf-8"))
-        except (OSError, StorageError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+            doc = loads_bounded(where.read_bytes(path, MAX_COMMON_BYTES))
+        except (OSError, StorageError, JsonProblem) as e:
             raise MindFormersFormatError(path, f"cannot be read as JSON ({e})") from None
         if not isinstance(doc, dict):
             raise MindFormersFormatError(path, "expected a JSON object")
@@ -211,21 +233,17 @@ def load_mindformers(path: str | os.PathLike, iteration: int | None = None,
         listing = where.listdir(folder)
     except (OSError, StorageError) as e:
         raise MindFormersFormatError(folder, f"cannot list the folder ({_why(e)})") from None
-    present = {e.name for e in listing if e.name.endswith(SAFETENSORS_SUFFIX) and e.is_file}
+    shards = [e for e in listing if e.name.endswith(SAFETENSORS_SUFFIX) and e.is_file]
+    present = {e.name for e in shards}
     if not any(e.name == METADATA_FILE and e.is_file for e in listing):
         return _single_rank_save(root, folder, number, sorted(present), storage)
-    try:
-        data = where.read_bytes(metadata_path, MAX_METADATA_BYTES)
-    except (OSError, StorageError) as e:
-        raise MindFormersFormatError(metadata_path, f"cannot read ({_why(e)})") from None
-    if not data.strip():
-        raise MindFormersFormatError(metadata_path, "is empty (expected MindFormers' metadata JSON)")
-    params = parse_metadata(data, metadata_path)
+    params = _read_metadata(where, metadata_path, [e.size for e in shards])
+    _check_files(params, metadata_path)
     strategy = synthesize_strategy(params, metadata_path)
 
     rank_names: dict[int, set[str]] = {}
     for p in params.values():
-        for k, locs in p.locations.items():
+        for k, locs in enumerate(p.locations):
             for loc in locs:
                 if loc.file_name not in present:
                     raise MindFormersFormatError(
@@ -240,6 +258,24 @@ def load_mindformers(path: str | os.PathLike, iteration: int | None = None,
     _check_no_name_twice_per_rank(rank_files, file_tensors)
     return MindFormersSource(root, folder, number, params, strategy, rank_files, file_tensors,
                              tuple(where.join(folder, n) for n in sorted(present - set(named))), storage)
+
+
+def _read_metadata(where, path: str, shard_sizes: list[int]) -> dict[str, ParamMetadata]:
+    """metadata.json read a window at a time (``read_metadata``), refused unread when larger than
+    the folder's .safetensors files (of `shard_sizes` bytes) can need, and as soon as it places
+    more shards than their headers can list (an entry takes ``MIN_HEADER_ENTRY`` bytes at least)."""
+    limit = metadata_size_limit(shard_sizes)
+    max_shards = sum(min(size, MAX_HEADER_BYTES) for size in shard_sizes) // MIN_HEADER_ENTRY
+    try:
+        with where.open_read(path) as f:
+            if f.size > limit[0]:
+                raise MindFormersFormatError(path, f"{f.size} bytes, more than a metadata.json of this folder can "
+                                                   f"need: {limit[0]} bytes ({limit[1]})")
+            if f.size == 0:
+                raise MindFormersFormatError(path, "is empty (expected MindFormers' metadata JSON)")
+            return read_metadata(file_reader(f), path, max_shards)
+    except (OSError, StorageError) as e:
+        raise MindFormersFormatError(path, f"cannot read ({_why(e)})") from None
 
 
 def _single_rank_save(root: str, folder: str, number: int | None, files: list[str],
@@ -262,16 +298,28 @@ def _single_rank_save(root: str, folder: str, number: int | None, files: list[st
     return MindFormersSource(root, folder, number, {}, None, {0: paths}, file_tensors, (), storage)
 
 
+_METAS: dict[tuple, TensorMeta] = {}  # equal (dtype, shape, kind, size): one object (a million tensors)
+
+
 def _header(path: str, storage: StorageOptions | None = None) -> dict[str, TensorMeta]:
     with SafetensorsReader(storage_for(path, storage).open_read(path), verify_crc=False) as reader:
-        return {name: TensorMeta(e.dtype, tuple(e.shape), "tensor", e.nbytes) for name, e in reader.entries.items()}
+        out = {}
+        for name in reader.entries:
+            key = reader.describe(name)
+            meta = _METAS.get(key)
+            if meta is None:
+                meta = TensorMeta(*key)
+                if len(_METAS) < 100_000:
+                    _METAS[key] = meta
+            out[name] = meta
+        return out
 
 
 def _check_files_against_metadata(params: dict[str, ParamMetadata], folder: str,
                                   file_tensors: dict[str, dict[str, TensorMeta]], where) -> None:
     expected: dict[str, set[str]] = {}
     for p in params.values():
-        for k, locs in p.locations.items():
+        for k, locs in enumerate(p.locations):
             for loc in locs:
                 path = where.join(folder, loc.file_name)
                 expected.setdefault(path, set()).add(p.name)
@@ -279,7 +327,7 @@ def _check_files_against_metadata(params: dict[str, ParamMetadata], folder: str,
                 if meta is None:
                     raise MindFormersFormatError(
                         path, f"lacks parameter {short_name(p.name)!r}, whose shard {k} metadata.json places there")
-                want = p.shard_shapes[k]
+                want = p.local_shape
                 if meta.dtype != p.dtype or meta.shape != want:
                     raise MindFormersFormatError(
                         path, f"parameter {short_name(p.name)!r} is {meta.dtype} {list(meta.shape)} in the file, "
@@ -302,3 +350,51 @@ def _check_no_name_twice_per_rank(rank_files: dict[int, tuple[str, ...]],
                         f, f"tensor {short_name(name)!r} is also in {os.path.basename(seen[name])}; "
                            f"rank {rank}'s files must not hold it twice")
                 seen[name] = f
+
+
+def _check_files(params: dict[str, ParamMetadata], path: str) -> None:
+    """A file holds one rank's slices, and its name's number fits that rank (``_check_file_numbers``);
+    each distinct tuple of locations is looked at once."""
+    first: dict[str, tuple[int, str, int]] = {}  # file -> (storage rank, parameter, shard) naming it first
+    looked: set[int] = set()
+    deduplicated = False
+    for p in params.values():
+        for k, locs in enumerate(p.locations):
+            if id(locs) in looked:
+                continue
+            looked.add(id(locs))
+            deduplicated = deduplicated or len(locs) < len(locs[0].rank_group)
+            for loc in locs:
+                rank = first.setdefault(loc.file_name, (loc.storage_rank, p.name, k))[0]
+                if rank != loc.storage_rank:
+                    raise MindFormersFormatError(
+                        path, f"storage_data places slices of ranks {rank} and {loc.storage_rank} in one file "
+                              f"{loc.file_name} (parameter {short_name(p.name)!r}); a file holds one rank's slices")
+    _check_file_numbers(first, deduplicated, path)
+
+
+def _check_file_numbers(first: dict[str, tuple[int, str, int]], deduplicated: bool, path: str) -> None:
+    """The number in each ``<prefix>-model|opt-<idx>-<total>`` file name against the rank that
+    storage_data says wrote it (spec §1): without redundancy removal ``<idx>`` is that rank; with it,
+    the ranks writing each kind of file are numbered 0, 1, ... in rank order and ``<total>`` counts
+    them. A save that looks complete may use either. Names of other patterns are not checked."""
+    groups: dict[tuple, list[tuple[int, int, int, str]]] = {}
+    for file_name, (rank, _, _) in first.items():
+        if m := SHARD_FILE.match(file_name):
+            groups.setdefault((m["prefix"], m["kind"]), []).append((rank, int(m["index"]), int(m["total"]), file_name))
+    for (_, kind), files in groups.items():
+        files.sort()
+        if all(index == i and total == len(files) for i, (_, index, total, _) in enumerate(files)) or (
+                not deduplicated and all(index == rank < total == files[0][2] for rank, index, total, _ in files)):
+            continue
+        i, (rank, index, total, file_name) = next(
+            ((i, f) for i, f in enumerate(files) if f[1] != (i if deduplicated else f[0]) or f[1] >= f[2]), (0, files[0]))
+        if deduplicated:
+            rule = (f"with redundancy removal the {len(files)} rank(s) writing {kind} files are numbered 0, 1, ... "
+                    f"in rank order, which makes rank {rank}'s file number {i} of {len(files)}")
+        else:
+            rule = f"in a save without redundancy removal {kind} file n is the one rank n wrote"
+        _, name, k = first[file_name]
+        raise MindFormersFormatError(
+            path, f"parameter {short_name(name)!r} shard {k}: storage_data says rank {rank} stored it in {file_name}, "
+                  f"whose name makes it file {index} of {total}; {rule} (files renamed, or from another save?)")

@@ -4,13 +4,15 @@ A safetensors file is an 8-byte little-endian header length ``n``, ``n`` bytes o
 (``{"__metadata__": {str: str}, name: {"dtype", "shape", "data_offsets"}, ...}``, padded with
 spaces), then the data section, every tensor's bytes in C order at ``8 + n + begin``.
 
-Reading. ``SafetensorsReader`` parses and validates the header only (one positioned read of at most
-100 MB, the limit the ``safetensors`` library and MindSpore's ``_fast_safe_open`` both enforce) and
-fills ``entries`` in data-offset order; tensors and boxes are then served by ``PositionedReader``
-with positioned reads, so a box of a large tensor costs about the box's bytes, never the file.
-Everything that can be wrong with the input (length prefix, UTF-8, JSON, dtypes, shapes, offsets,
-``crc_num``) is reported as ``SafetensorsFormatError`` naming the file and, where there is one, the
-tensor. Offsets must tile the data section exactly (no gap, no overlap, nothing after the last
+Reading. ``SafetensorsReader`` parses and validates the header only (at most 100 MB, the limit the
+``safetensors`` library and MindSpore's ``_fast_safe_open`` both enforce, read in windows into
+compact columns) and serves ``entries`` in data-offset order; tensors and boxes are then served by
+``PositionedReader`` with positioned reads, so a box of a large tensor costs about the box's bytes,
+never the file. Everything that can be wrong with the input (length prefix, UTF-8, JSON, integers of
+absurd length, dtypes, shapes no array can have, offsets, ``crc_num``) is reported as
+``SafetensorsFormatError`` naming the file and, where there is one, the tensor. Shapes are kept
+exactly as declared: a zero-size tensor keeps its dims, within int64 and numpy's bound on the bytes
+its non-zero dims describe (``core.sizes.shape_problem``). Offsets must tile the data section exactly (no gap, no overlap, nothing after the last
 tensor) as both the library and MindSpore require; a file that breaks this would be refused by
 whatever consumes our output, so accepting it here would only move the failure.
 

@@ -1,20 +1,76 @@
 """Reading safetensors files, plain and MindSpore-flavoured: the header is parsed and validated,
-then tensors and boxes are served by positioned reads (see the package docstring)."""
+then tensors and boxes are served by positioned reads (see the package docstring).
+
+A header may list hundreds of thousands of tensors (an expert per tensor): it is read a window
+at a time (``jsonchunks.JsonStream``) into columns (names, dtypes, shapes shared between equal
+ones, offsets), some 60 bytes a tensor; ``entries`` builds a tensor's ``TensorEntry`` when it is
+asked for (as the `.ckpt` reader does). ``json.loads`` of a 63 MB header took 1 GB.
+"""
 
 from __future__ import annotations
 
-import json
+import sys
 import zlib
+from array import array
+from collections.abc import Mapping
 from math import prod
 from typing import TYPE_CHECKING
 
 from reshard_job.errors import SafetensorsFormatError
 import reshard_job.core.dtypes as dtypes
+from reshard_job.core.sizes import shape_problem
+from reshard_job.jsonchunks import JsonProblem, JsonStream
 from reshard_job.formats.tensorfile import PositionedReader, TensorEntry
 if TYPE_CHECKING:
     import numpy as np
 
 from reshard_job.formats.safetensors.header import CRC_KEY, FORMAT_KEY, INT4_MARK, MAX_HEADER_BYTES, METADATA_KEY
+
+
+MAX_DIMS = 64  # numpy's limit on an array's dimensions (MindSpore's tensors have at most 8)
+MAX_ENTRY_CHARS = 1 << 16  # a tensor's header entry: dtype, at most MAX_DIMS dims, two offsets
+
+
+def _brief(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:79] + "…"
+
+
+class _Entries(Mapping):
+    """The reader's entries by name, in file order, built from its columns on access."""
+
+    __slots__ = ("_r", "_last")
+
+    def __init__(self, reader: "SafetensorsReader"):
+        self._r = reader
+        self._last: tuple[str, TensorEntry] | None = None  # a tensor is often asked for several times in a row
+
+    def __getitem__(self, name: str) -> TensorEntry:
+        last = self._last
+        if last is not None and last[0] == name:
+            return last[1]
+        entry = self._r._entry(self._r._pos[name])
+        self._last = (name, entry)
+        return entry
+
+    def __contains__(self, name) -> bool:
+        return name in self._r._pos
+
+    def __iter__(self):
+        return iter(self._r._names)
+
+    def __len__(self) -> int:
+        return len(self._r._names)
+
+
+def _unique(pairs):
+    """``object_pairs_hook``: a key given twice is an error (as the safetensors library says)."""
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen = set()
+        twice = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise JsonProblem(f"key {twice[:80]!r} twice")
+    return obj
 
 
 class SafetensorsReader(PositionedReader):
@@ -29,11 +85,19 @@ class SafetensorsReader(PositionedReader):
         super().__init__(source)
         self.header_len = 0
         self._metadata: dict[str, str] | None = None
+        self._names: list[str] = []  # in file order
+        self._pos: dict[str, int] = {}
+        self._codes: list[str] = []  # safetensors dtype codes
+        self._dtypes: list[str] = []  # MindSpore names ("Int4" where the metadata marks it)
+        self._shapes: list[tuple[int, ...]] = []
+        self._begin = array("q")  # data_offsets[0]
+        self._nbytes = array("q")
         try:
             self._index()
         except BaseException:
             self.close()
             raise
+        self.entries = _Entries(self)
         if verify_crc and self.has_crc:
             self.verify_crc()
 
@@ -79,47 +143,57 @@ class SafetensorsReader(PositionedReader):
         if n < 2:
             raise self._error(f"header length {n} is too short for a JSON object")
         self.header_len = n
-        raw = self.pread(8, n)
         try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise self._error(f"header is not valid UTF-8 (byte {e.start})") from None
-        header = self._parse_json(text)
-        if not isinstance(header, dict):
-            raise self._error(f"header is JSON {type(header).__name__}, expected an object")
-        self._metadata = self._parse_metadata(header.pop(METADATA_KEY, None))
-        entries = [self._parse_tensor(name, info) for name, info in header.items()]
-        self._check_layout(entries, size - 8 - n)
-        note = getattr(self._file, "note_content", None)  # a file also being hashed: where tensors lie
-        if note is not None:
-            for e in entries:  # in file order now
-                for offset, length in e.pieces:
-                    note(offset, length)
-        marks = self._metadata or {}
-        for e in entries:
-            if marks.get(e.name) == INT4_MARK:
-                # packed qint4x2: the bytes were validated under their stored code; carried opaque
-                e.dtype = INT4_MARK
-                e.extra.pop("storage", None)
-            self.entries[e.name] = e
+            rows = self._read_header(JsonStream(self._header_bytes(n), max_value=n + 1, object_pairs_hook=_unique))
+        except JsonProblem as e:
+            text = str(e)
+            raise self._error(f"header is {text}" if text.startswith("not valid") else f"header: {text}") from None
+        self._set_columns(rows, size - 8 - n)
 
-    def _parse_json(self, text: str):
-        def unique(pairs):
-            obj = {}
-            for k, v in pairs:
-                if k in obj:
-                    raise self._error(f"header has key {k!r} twice")
-                obj[k] = v
-            return obj
+    def _header_bytes(self, n: int):
+        """``read(k)`` of the header's `n` bytes, front to back."""
+        done = 0
 
+        def read(k: int) -> bytes:
+            nonlocal done
+            k = min(k, n - done)
+            if k <= 0:
+                return b""
+            data = self.pread(8 + done, k)
+            done += k
+            return data
+        return read
+
+    def _read_header(self, stream: JsonStream) -> list[tuple]:
+        """Rows (begin, end, name, code, shape, nbytes) of every tensor, in header order; the metadata."""
+        first = stream.peek()
+        if first != "{":
+            raise self._error(f"header is not a JSON object (it begins with {first[:1]!r}), expected an object")
+        rows, known, metadata = [], {}, False
+        pos = self._pos  # name -> header position (file position once ``_set_columns`` has run)
+        for name, info, _ in stream.items(max_value=lambda k: MAX_HEADER_BYTES if k == METADATA_KEY else MAX_ENTRY_CHARS):
+            if name in pos or (name == METADATA_KEY and metadata):
+                raise self._error(f"header has key {name[:80]!r} twice")
+            if name == METADATA_KEY:
+                self._metadata, metadata = self._parse_metadata(info), True
+            else:
+                name = sys.intern(name)
+                rows.append(self._known_tensor(name, info, known) or self._parse_tensor(name, info, known))
+                pos[name] = len(rows) - 1
+        stream.end()
+        return rows
+
+    def _known_tensor(self, name: str, info, known: dict) -> tuple | None:
+        """``_parse_tensor`` of an entry whose dtype and shape an earlier one had (most do), or None."""
         try:
-            return json.loads(text, object_pairs_hook=unique)
-        except SafetensorsFormatError:
-            raise
-        except RecursionError:
-            raise self._error("header JSON is nested too deeply") from None
-        except ValueError as e:  # JSONDecodeError, and over-long integer literals
-            raise self._error(f"header is not valid JSON ({e})") from None
+            shape, (begin, end) = info["shape"], info["data_offsets"]
+            code, shape, nbytes = known[(info["dtype"], tuple(shape))]
+        except (KeyError, TypeError, ValueError):
+            return None
+        if len(info) != 3 or type(begin) is not int or type(end) is not int or begin < 0 or end - begin != nbytes:
+            return None
+        self._check_text(name, "tensor name")
+        return begin, end, name, code, shape, nbytes
 
     def _parse_metadata(self, meta) -> dict[str, str] | None:
         if meta is None:
@@ -139,7 +213,8 @@ class SafetensorsReader(PositionedReader):
         except UnicodeEncodeError:  # a lone surrogate escape such as "\ud800"
             raise self._error(f"{what} {s!r} is not valid Unicode") from None
 
-    def _parse_tensor(self, name: str, info) -> TensorEntry:
+    def _parse_tensor(self, name: str, info, known: dict) -> tuple:
+        """(begin, end, name, code, shape, nbytes) of one header entry, checked."""
         self._check_text(name, "tensor name")
         where = f"tensor {name!r}"
         if not isinstance(info, dict):
@@ -153,15 +228,20 @@ class SafetensorsReader(PositionedReader):
         try:
             dt = dtypes.from_safetensors(code)
         except KeyError:
-            raise self._error(f"{where}: unknown dtype {code!r}") from None
+            raise self._error(f"{where}: unknown dtype {code[:40]!r}") from None
         if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-            raise self._error(f"{where}: shape {shape!r} is not a list of non-negative integers")
+            raise self._error(f"{where}: shape {_brief(shape)} is not a list of non-negative integers")
+        if len(shape) > MAX_DIMS:
+            raise self._error(f"{where}: shape has {len(shape)} dims, more than the {MAX_DIMS} any array can have")
+        problem = shape_problem(shape, dt.itemsize)
+        if problem:
+            raise self._error(f"{where}: shape {_brief(shape)} cannot be kept: {problem}")
         if (
             not isinstance(offsets, list)
             or len(offsets) != 2
             or not all(type(o) is int and o >= 0 for o in offsets)
         ):
-            raise self._error(f"{where}: data_offsets {offsets!r} is not a pair of non-negative integers")
+            raise self._error(f"{where}: data_offsets {_brief(offsets)} is not a pair of non-negative integers")
         begin, end = offsets
         if end < begin:
             raise self._error(f"{where}: data_offsets [{begin}, {end}] end before they begin")
@@ -171,34 +251,64 @@ class SafetensorsReader(PositionedReader):
                 f"{where}: data_offsets [{begin}, {end}] hold {end - begin} bytes, "
                 f"but shape {shape} of {code} needs {want}"
             )
-        extra = {"safetensors_dtype": code, "data_offsets": (begin, end)}
-        if dt.name not in dtypes.BY_NAME:  # codes MindSpore has no name for (F8_*): remember storage
-            extra["storage"] = dt.storage
-        return TensorEntry(name, dt.name, tuple(shape), want, [(begin, want)], extra=extra)
+        shape = tuple(shape)
+        known[(code, shape)] = (sys.intern(code), shape, want)
+        return begin, end, name, sys.intern(code), shape, want
 
-    def _check_layout(self, entries: list[TensorEntry], data_size: int) -> None:
-        # sorted by offsets; stable, so equal offsets (empty tensors) keep header order
-        entries.sort(key=lambda e: e.extra["data_offsets"])
+    def _set_columns(self, rows: list[tuple], data_size: int) -> None:
+        """The rows in file order, checked to tile the data section exactly, as columns."""
+        if any(rows[i][:2] > rows[i + 1][:2] for i in range(len(rows) - 1)):
+            rows.sort(key=lambda r: r[:2])  # stable: equal offsets (empty tensors) keep header order
+            self._pos = {r[2]: i for i, r in enumerate(rows)}
         pos = 0
-        for e in entries:
-            begin, end = e.extra["data_offsets"]
+        for begin, end, name, *_ in rows:
             if end > data_size:
                 raise self._error(
-                    f"tensor {e.name!r}: data_offsets [{begin}, {end}] run past the {data_size}-byte "
+                    f"tensor {name!r}: data_offsets [{begin}, {end}] run past the {data_size}-byte "
                     f"data section (file truncated?)"
                 )
             if begin < pos:
-                raise self._error(f"tensor {e.name!r}: data_offsets [{begin}, {end}] overlap the previous tensor")
+                raise self._error(f"tensor {name!r}: data_offsets [{begin}, {end}] overlap the previous tensor")
             if begin > pos:
                 raise self._error(
-                    f"tensor {e.name!r}: data_offsets [{begin}, {end}] leave a gap after byte {pos} "
+                    f"tensor {name!r}: data_offsets [{begin}, {end}] leave a gap after byte {pos} "
                     f"(offsets must be contiguous)"
                 )
             pos = end
-            e.pieces = [(self.data_start + begin, end - begin)]
-            e.finish()
         if pos != data_size:
             raise self._error(f"{data_size - pos} bytes after the last tensor's data (offsets end at {pos})")
+        marks = self._metadata or {}
+        names = {code: dtypes.from_safetensors(code).name for code in {r[3] for r in rows}}
+        for begin, _, name, code, shape, nbytes in rows:
+            self._names.append(name)
+            self._codes.append(code)
+            # packed qint4x2: the bytes were validated under their stored code; carried opaque
+            self._dtypes.append(INT4_MARK if marks and marks.get(name) == INT4_MARK else names[code])
+            self._shapes.append(shape)
+            self._begin.append(begin)
+            self._nbytes.append(nbytes)
+        note = getattr(self._file, "note_content", None)  # a file also being hashed: where tensors lie
+        if note is not None:
+            for begin, nbytes in zip(self._begin, self._nbytes):
+                note(self.data_start + begin, nbytes)
+
+    def _entry(self, i: int) -> TensorEntry:
+        code, dtype, begin, nbytes = self._codes[i], self._dtypes[i], self._begin[i], self._nbytes[i]
+        extra = {"safetensors_dtype": code, "data_offsets": (begin, begin + nbytes)}
+        dt = dtypes.from_safetensors(code)
+        if dtype != INT4_MARK and dt.name not in dtypes.BY_NAME:  # codes MindSpore has no name for (F8_*)
+            extra["storage"] = dt.storage
+        return TensorEntry(self._names[i], dtype, self._shapes[i], nbytes, [(self.data_start + begin, nbytes)],
+                           extra=extra).finish()
+
+    def new_entry(self, name: str) -> TensorEntry:
+        """A tensor's entry made for the caller alone (``entries`` may hand out one it made before)."""
+        return self._entry(self._pos[name])
+
+    def describe(self, name: str) -> tuple[str, tuple[int, ...], str, int]:
+        """(dtype, shape, kind, nbytes) of a tensor, from the columns (no entry built)."""
+        i = self._pos[name]
+        return self._dtypes[i], self._shapes[i], "tensor", self._nbytes[i]
 
     # --- CRC ----------------------------------------------------------------------------------
     def stored_crc(self) -> int | None:
