@@ -27,6 +27,7 @@ import reshard_job.formats.proto_schema as schema
 from reshard_job.formats.strategy_wire import layout_bytes
 from reshard_job.storage.atomic import write_bytes_atomic
 
+from reshard_job.jsonchunks import JsonProblem, strict_int
 from reshard_job.core.strategy_model import (FORMAT_JSON, FORMAT_PROTOBUF, JSON_SUFFIX, MAX_AXES, MAX_DEVICES,
                                              missing_stages, MAX_STAGES, ParamLayout, StrategyFile, StrategyItem)
 
@@ -188,9 +189,11 @@ def _int_list(value, path, what) -> tuple[int, ...]:
 
 def parse_json_strategy(data: bytes, path: str | None = None) -> StrategyFile:
     try:
-        obj = json.loads(data.decode("utf-8"))
+        obj = json.loads(data.decode("utf-8"), parse_int=strict_int)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise StrategyFormatError(path, f"not valid JSON ({e}); a name ending in .json is read as JSON") from None
+    except JsonProblem as e:
+        raise StrategyFormatError(path, str(e)) from None
     except RecursionError:
         raise StrategyFormatError(path, "not a JSON strategy: nested too deeply") from None
     if not isinstance(obj, dict):

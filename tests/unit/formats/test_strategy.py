@@ -489,3 +489,20 @@ def test_layouts_shared_by_bytes_read_as_protobuf_reads_them(monkeypatch):
     assert sf.layouts["merged"].opt_shard_step == 4
     assert sf.layouts["w0"] is sf.layouts["w2"] is sf.layouts["unknown_after"] is sf.layouts["r"]
     assert sf.layouts["w1"] is sf.layouts["w_last"]
+
+
+@pytest.mark.parametrize("where", ["dev_matrix", "tensor_map", "field"])
+def test_a_json_strategy_with_an_integer_of_absurd_length_is_refused_as_such(tmp_path, where):
+    """Python's int() refuses 4,300 digits with a bare ValueError (and builds anything below): a
+    5,000-digit number in a strategy is refused naming the file, before it is a count or an index."""
+    layout = {"dev_matrix": [2], "tensor_map": [0], "field": 0}
+    path = tmp_path / "s.json"
+    text = json.dumps({"parallel_layout_item": {"w": layout}})
+    value = "7" * 5000
+    old = json.dumps(layout[where])
+    new = f"[{value}]" if isinstance(layout[where], list) else value
+    text = text.replace(f'"{where}": {old}', f'"{where}": {new}')
+    path.write_text(text)
+    with pytest.raises(StrategyFormatError) as e:
+        read_strategy(path)
+    assert str(e.value) == f"{path}: an integer of more than 20 digits (777777777777…): integers of absurd length are refused"
