@@ -52,6 +52,16 @@ def test_a_json_device_count_of_400_digits(tmp_path):
     (tmp_path / "s.json").write_text(json.dumps(doc))
     with pytest.raises(StrategyFormatError) as ei:
         read_strategy(tmp_path / "s.json")
+    assert "an integer of more than 20 digits" in one_line(ei.value, 300)  # refused as it is read
+
+
+def test_a_json_device_count_of_20_digits(tmp_path):
+    doc = {"parallel_strategy_item": {"op": {"stage": 0, "parallel_strategy": []}},
+           "parallel_layout_item": {"w": {"dev_matrix": [10**19], "tensor_map": [0, -1], "field": 0,
+                                          "opt_weight_shard_step": 0, "opt_weight_shard_size": 0}}}
+    (tmp_path / "s.json").write_text(json.dumps(doc))
+    with pytest.raises(StrategyFormatError) as ei:
+        read_strategy(tmp_path / "s.json")
     assert f"declares more than {MAX_DEVICES} devices" in one_line(ei.value, 300)
 
 
