@@ -24,7 +24,7 @@ import sys
 from dataclasses import dataclass
 
 from reshard_job.errors import FormatError
-from reshard_job.formats.safetensors.header import MAX_HEADER_BYTES
+from reshard_job.formats.safetensors.header import header_scaled_limit
 from reshard_job.jsonchunks import JsonProblem, JsonStream
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -48,11 +48,7 @@ class ExportIndex:
 
 def index_size_limit(shard_sizes) -> tuple[int, str]:
     """(bytes, why) an index beside .safetensors files of `shard_sizes` bytes may have."""
-    sizes = list(shard_sizes)
-    headers = sum(min(size, MAX_HEADER_BYTES) for size in sizes)
-    why = (f"{INDEX_BASE_BYTES >> 20} MiB + {INDEX_BYTES_PER_HEADER_BYTE} bytes per byte of the folder's "
-           f"{len(sizes)} .safetensors file(s), {headers} bytes, each counted up to {MAX_HEADER_BYTES}")
-    return INDEX_BASE_BYTES + INDEX_BYTES_PER_HEADER_BYTE * headers, why
+    return header_scaled_limit(shard_sizes, INDEX_BASE_BYTES, INDEX_BYTES_PER_HEADER_BYTE, "the folder's")
 
 
 def parse_index(data: bytes, path: str) -> dict[str, str]:

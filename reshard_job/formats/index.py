@@ -14,6 +14,17 @@ from reshard_job.formats.base import TensorReader
 _METAS: dict[tuple, TensorMeta] = {}
 
 
+def shared_meta(key: tuple) -> TensorMeta:
+    """The TensorMeta of (dtype, shape, kind, size): one object for all equal ones (a million
+    tensors share a few), up to 100,000 distinct ones kept."""
+    meta = _METAS.get(key)
+    if meta is None:
+        meta = TensorMeta(*key)
+        if len(_METAS) < 100_000:
+            _METAS[key] = meta
+    return meta
+
+
 class IndexView(Mapping):
     """What a reader holds, as the planner sees it (name -> TensorMeta), without a copy per tensor:
     metadata objects are shared between every tensor (and file) with the same dtype, shape and size."""
@@ -27,13 +38,7 @@ class IndexView(Mapping):
         return e.dtype, tuple(e.shape), e.kind, e.nbytes
 
     def __getitem__(self, name: str) -> TensorMeta:
-        key = self._describe(name)
-        meta = _METAS.get(key)
-        if meta is None:
-            meta = TensorMeta(*key)
-            if len(_METAS) < 100_000:
-                _METAS[key] = meta
-        return meta
+        return shared_meta(self._describe(name))
 
     def same_entries(self, other) -> bool:
         """Whether `other` holds exactly the names and (dtype, shape, kind, size) this one does:

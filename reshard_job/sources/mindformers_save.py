@@ -31,7 +31,8 @@ from reshard_job.core.topology import Topology
 from reshard_job.core.strategy_model import StrategyFile
 from reshard_job.formats.mindformers_metadata import (METADATA_FILE, SHARD_FILE, MindFormersFormatError,
                                                       ParamMetadata, brief, is_int, read_metadata, short_name)
-from reshard_job.formats.safetensors.header import MAX_HEADER_BYTES
+from reshard_job.formats.safetensors.header import MAX_HEADER_BYTES, header_scaled_limit
+from reshard_job.formats.index import shared_meta
 from reshard_job.formats.multifile import MultiFileReader, MultiFileSources
 from reshard_job.formats.safetensors import SafetensorsReader
 from reshard_job.jsonchunks import JsonProblem, file_reader, loads_bounded
@@ -56,11 +57,7 @@ METADATA_BYTES_PER_HEADER_BYTE = 256
 
 def metadata_size_limit(file_sizes) -> tuple[int, str]:
     """(bytes, why) a metadata.json beside .safetensors files of `file_sizes` bytes may have."""
-    sizes = list(file_sizes)
-    headers = sum(min(size, MAX_HEADER_BYTES) for size in sizes)
-    why = (f"{METADATA_BASE_BYTES >> 20} MiB + {METADATA_BYTES_PER_HEADER_BYTE} bytes per byte of its "
-           f"{len(sizes)} .safetensors file(s), {headers} bytes, each counted up to {MAX_HEADER_BYTES}")
-    return METADATA_BASE_BYTES + METADATA_BYTES_PER_HEADER_BYTE * headers, why
+    return header_scaled_limit(file_sizes, METADATA_BASE_BYTES, METADATA_BYTES_PER_HEADER_BYTE, "its")
 
 
 def iteration_folder_name(iteration: int) -> str:
@@ -298,21 +295,11 @@ def _single_rank_save(root: str, folder: str, number: int | None, files: list[st
     return MindFormersSource(root, folder, number, {}, None, {0: paths}, file_tensors, (), storage)
 
 
-_METAS: dict[tuple, TensorMeta] = {}  # equal (dtype, shape, kind, size): one object (a million tensors)
 
 
 def _header(path: str, storage: StorageOptions | None = None) -> dict[str, TensorMeta]:
     with SafetensorsReader(storage_for(path, storage).open_read(path), verify_crc=False) as reader:
-        out = {}
-        for name in reader.entries:
-            key = reader.describe(name)
-            meta = _METAS.get(key)
-            if meta is None:
-                meta = TensorMeta(*key)
-                if len(_METAS) < 100_000:
-                    _METAS[key] = meta
-            out[name] = meta
-        return out
+        return {name: shared_meta(reader.describe(name)) for name in reader.entries}
 
 
 def _check_files_against_metadata(params: dict[str, ParamMetadata], folder: str,

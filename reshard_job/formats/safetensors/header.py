@@ -114,3 +114,14 @@ def header_json(meta: dict[str, str] | None, decls: dict[str, DeclaredTensor], o
         )
         pos += d.nbytes
     return ("{" + ",".join(parts) + "}").encode("utf-8")
+
+
+def header_scaled_limit(file_sizes, base: int, per_header_byte: int, what: str) -> tuple[int, str]:
+    """(bytes, why) a JSON document describing .safetensors files of `file_sizes` bytes may have:
+    `base` plus `per_header_byte` for each byte their headers can hold (each file counted up to
+    MAX_HEADER_BYTES). Used for MindFormers' metadata.json and an export's index."""
+    sizes = list(file_sizes)
+    headers = sum(min(size, MAX_HEADER_BYTES) for size in sizes)
+    why = (f"{base >> 20} MiB + {per_header_byte} bytes per byte of {what} {len(sizes)} .safetensors file(s), "
+           f"{headers} bytes, each counted up to {MAX_HEADER_BYTES}")
+    return base + per_header_byte * headers, why
