@@ -295,8 +295,6 @@ def _single_rank_save(root: str, folder: str, number: int | None, files: list[st
     return MindFormersSource(root, folder, number, {}, None, {0: paths}, file_tensors, (), storage)
 
 
-
-
 def _header(path: str, storage: StorageOptions | None = None) -> dict[str, TensorMeta]:
     with SafetensorsReader(storage_for(path, storage).open_read(path), verify_crc=False) as reader:
         return {name: shared_meta(reader.describe(name)) for name in reader.entries}
