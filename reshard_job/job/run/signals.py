@@ -19,6 +19,7 @@ from contextlib import contextmanager
 
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
 _pending: list[int] = []
+_committed: list[bool] = []  # set by ``committing``: the result is recorded, signals no longer interrupt
 
 
 class Interrupted(BaseException):
@@ -48,6 +49,8 @@ def interruptible(deferred: bool = False):
     previous = {s: signal.getsignal(s) for s in EXIT_CODES}
 
     def handler(signum, frame):
+        if _committed:  # the run is recorded completed: exiting 130 now would contradict it
+            return
         for s in EXIT_CODES:  # a second signal acts at once
             signal.signal(s, signal.SIG_DFL)
         if deferred:
@@ -60,6 +63,7 @@ def interruptible(deferred: bool = False):
     try:
         yield
     finally:
+        _committed.clear()
         for s, h in previous.items():
             if signal.getsignal(s) is handler:  # not when ignore() or a first signal changed it since
                 signal.signal(s, h)
@@ -86,6 +90,30 @@ def held():
             signal.signal(s, previous[s])
     if noted:
         previous[noted[0]](noted[0], None)
+
+
+@contextmanager
+def committing():
+    """The block commits the job's result (marks the lineage run completed). A signal during it waits
+    for the outcome: if the block fails, it acts then as it would have; once the block succeeded,
+    it and later ones are dropped until ``interruptible`` ends, since the outputs are complete and
+    recorded so: an exit status of 130 would contradict the record."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.getsignal(s) for s in EXIT_CODES}
+    noted: list[int] = []
+    held_here = [s for s, h in previous.items() if callable(h)]
+    for s in held_here:
+        signal.signal(s, lambda signum, frame: noted.append(signum))
+    try:
+        yield
+        _committed.append(True)
+    finally:
+        for s in held_here:
+            signal.signal(s, previous[s])
+        if noted and not _committed:
+            previous[noted[0]](noted[0], None)
 
 
 def ignore() -> None:

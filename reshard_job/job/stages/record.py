@@ -100,8 +100,11 @@ class LineageRecorder:
         """Wait for everything queued, then record the outputs and mark the run completed."""
         self._drain()
         store, run_id = self._opened_store()
+        from reshard_job.job.run.signals import committing
+
         try:
-            store.complete_run(run_id, outputs=outputs)
+            with committing():  # a Ctrl-C landing just as the run is marked completed must not say otherwise
+                store.complete_run(run_id, outputs=outputs)
         except BaseException as e:
             raise self.translate(e) from None
         return run_id
@@ -175,7 +178,10 @@ class NoRecorder:
     def record_inputs(self, files) -> None: ...
 
     def complete(self, outputs) -> None:
-        return None
+        from reshard_job.job.run.signals import committing
+
+        with committing():  # the manifest is written: that is the commit here
+            return None
 
     def fail(self, error) -> None: ...
 
