@@ -12,8 +12,8 @@ Commands:
 
 REF is a file path (looked up by its content), an output directory (the files its manifest
 lists), a sha256, or a run id; digests and run ids may be shortened to a unique prefix of at
-least 8 characters, as ``show`` and ``trace`` print them. ``--db`` defaults to
-``$RESHARD_LINEAGE_URL``, else ``runs/lineage.db`` under the current directory.
+least 8 characters, as ``show`` and ``trace`` print them. ``--db`` (a URL, or the path of an SQLite
+file) defaults to ``$RESHARD_LINEAGE_URL``, else ``runs/lineage.db`` under the current directory.
 
 This module is argument parsing and printing only; answers come from ``reshard_job.lineage``
 (``queries``, ``trace``, ``verify``, ``graph``), text from ``render`` and pictures from
@@ -345,11 +345,13 @@ def _main(argv: list[str] | None) -> int:
     from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
     from reshard_job.errors import ReshardError
-    from reshard_job.lineage.database import default_url
+    from reshard_job.lineage.database import default_url, sqlite_url
     from reshard_job.audit.entities import to_json
     from reshard_job.lineage.migrate import check_at_head
 
     url = getattr(args, "db", None) or default_url()
+    if "://" not in url:  # a path, as people type it (runs/lineage.db): the SQLite file there
+        url = sqlite_url(os.path.abspath(url))
     store = None
     try:
         store = _open_store(url)

@@ -13,7 +13,10 @@ Any SQLAlchemy URL works; two backends are first-class:
 
 Transactions are kept short (one store call each) and retried with jittered exponential backoff
 on the transient failures both backends report under contention: SQLite's "database is
-locked"/"busy", PostgreSQL's deadlock and serialization failures.
+locked"/"busy", PostgreSQL's deadlock and serialization failures. SQLite's busy timeout is a
+slice (``waiting.BUSY_SLICE_SECONDS``), not the whole wait: a database held by another process is
+waited for from Python, attempt after attempt, within a budget and stoppable by a signal
+(``waiting``), since a wait inside SQLite's busy handler could be neither bounded nor interrupted.
 """
 
 from __future__ import annotations
@@ -28,12 +31,13 @@ from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import DBAPIError, OperationalError
 
+from reshard_job.lineage.waiting import BUSY_SLICE_SECONDS, LockWait
 from reshard_job.storage.local_files import make_folder
 
 URL_ENV_VAR = "RESHARD_LINEAGE_URL"
 DEFAULT_SQLITE_PATH = os.path.join("runs", "lineage.db")
 
-SQLITE_BUSY_TIMEOUT_S = 30.0
+SQLITE_BUSY_TIMEOUT_S = 30.0  # readers (the audit): a WAL database never makes them wait for a writer
 POSTGRES_CONNECT_TIMEOUT_S = 10
 # Options on a connection that will write; read by the "begin" hook below.
 WRITE_OPTION = "reshard_lineage_write"
@@ -83,6 +87,55 @@ def sqlite_file(url: URL) -> str | None:
     return database
 
 
+SQLITE_MAGIC = b"SQLite format 3\x00"
+
+
+def check_sqlite_file(database_file: str, shown: str | None = None, hint: str = "") -> None:
+    """Refuse, in one line saying what it looks like, a file that is not an SQLite database (a
+    checkpoint or a manifest given as the database); SQLite would only say "file is not a database".
+    Nothing there, or an empty file (SQLite's empty database), passes. `shown`: the database's URL
+    as messages give it; `hint` ends the message."""
+    import stat
+
+    from reshard_job.lineage.errors import LineageError
+
+    shown = shown or sqlite_url(database_file)
+    if os.path.isdir(database_file):
+        raise LineageError(f"lineage database {shown}: is a directory, not a lineage database (give the SQLite "
+                           f"file){hint}")
+    try:  # O_NONBLOCK: a FIFO given as the database does not block the open
+        fd = os.open(database_file, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return  # absent (SQLite creates it), no permission: SQLite says what is wrong
+    try:
+        head = os.read(fd, 64) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
+    except OSError:
+        head = b""
+    finally:
+        os.close(fd)
+    if not head or head.startswith(SQLITE_MAGIC):
+        return
+    raise LineageError(f"lineage database {shown}: not a lineage database (it looks like "
+                       f"{_looks_like(database_file, head)}, not an SQLite file){hint}")
+
+
+def _looks_like(name: str, head: bytes) -> str:
+    lower = name.lower()
+    if lower.endswith(".ckpt") and head[:1] in (b"\x0a", b"\x08", b"\x12"):
+        return "a MindSpore checkpoint" if head[:1] == b"\x0a" else "a MindSpore strategy file"
+    if len(head) > 8 and head[8:9] == b"{" and lower.endswith(".safetensors"):
+        return "a safetensors file"
+    if head.lstrip()[:1] in (b"{", b"["):
+        return "a JSON file"
+    if lower.endswith((".ckpt", ".safetensors")):
+        return f"a {lower.rsplit('.', 1)[1]} file"
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError:
+        return "binary data"
+    return "a text file" if all(c.isprintable() or c in "\t\r\n" for c in text) else "binary data"
+
+
 def json_text(value) -> str:
     """How the engine serializes JSON columns: text already made (``store.JSONText``, a plan
     written in pieces) as it is, anything else with ``json.dumps``."""
@@ -91,16 +144,17 @@ def json_text(value) -> str:
     return json.dumps(value)
 
 
-def create_lineage_engine(url: str | URL, *, read_only: bool = False) -> Engine:
+def create_lineage_engine(url: str | URL, *, read_only: bool = False, wait: LockWait | None = None) -> Engine:
     """An engine for `url` with the per-backend settings described in the module docstring;
-    `read_only` opens an SQLite file without writing to it (see ``_sqlite_read_only``)."""
+    `read_only` opens an SQLite file without writing to it (see ``_sqlite_read_only``); `wait`: the
+    lock-wait budget its connections share (``waiting``)."""
     parsed = normalize_url(url)
     kwargs: dict = {"future": True, "json_serializer": json_text}
     if parsed.get_backend_name() == "sqlite":
-        kwargs["connect_args"] = {"timeout": SQLITE_BUSY_TIMEOUT_S}
         database_file = sqlite_file(parsed)
         if read_only and database_file is not None:
             return _sqlite_read_only(database_file, kwargs)
+        kwargs["connect_args"] = {"timeout": BUSY_SLICE_SECONDS}
     elif parsed.get_backend_name() == "postgresql":
         # A connection that died with its server (restarts, failovers) is replaced silently;
         # an unreachable server is reported after a bounded wait, not the driver's minutes.
@@ -108,7 +162,7 @@ def create_lineage_engine(url: str | URL, *, read_only: bool = False) -> Engine:
         kwargs["connect_args"] = {"connect_timeout": POSTGRES_CONNECT_TIMEOUT_S}
     engine = create_engine(parsed, **kwargs)
     if parsed.get_backend_name() == "sqlite":
-        _configure_sqlite(engine)
+        _configure_sqlite(engine, wait or LockWait(_shown(engine.url)))
     return engine
 
 
@@ -121,7 +175,7 @@ def _sqlite_read_only(database_file: str, kwargs: dict) -> Engine:
 
     writable = os.access(database_file, os.W_OK) and os.access(os.path.dirname(database_file) or ".", os.W_OK)
     uri = f"file:{quote(os.path.abspath(database_file))}?mode=ro" + ("" if writable else "&immutable=1")
-    timeout = kwargs["connect_args"]["timeout"]
+    timeout = SQLITE_BUSY_TIMEOUT_S
     engine = create_engine("sqlite://", creator=lambda: sqlite3.connect(uri, uri=True, timeout=timeout,
                                                                        check_same_thread=False),
                            future=True, json_serializer=json_text)
@@ -143,7 +197,7 @@ def writer(engine: Engine) -> Engine:
     return engine.execution_options(**{WRITE_OPTION: True})
 
 
-def _configure_sqlite(engine: Engine) -> None:
+def _configure_sqlite(engine: Engine, wait: LockWait) -> None:
     database_file = sqlite_file(engine.url)
 
     @event.listens_for(engine, "do_connect")
@@ -159,12 +213,12 @@ def _configure_sqlite(engine: Engine) -> None:
         dbapi_connection.isolation_level = None
         cursor = dbapi_connection.cursor()
         try:
-            cursor.execute(f"PRAGMA busy_timeout = {int(SQLITE_BUSY_TIMEOUT_S * 1000)}")
+            cursor.execute(f"PRAGMA busy_timeout = {int(BUSY_SLICE_SECONDS * 1000)}")
             cursor.execute("PRAGMA foreign_keys = ON")
             if database_file is not None:
                 # Switching to WAL needs a moment of exclusive access; the setting is stored in
                 # the file, so only the first connection ever really changes anything.
-                _retry_sqlite_pragma(cursor, "PRAGMA journal_mode = WAL")
+                _retry_sqlite_pragma(cursor, "PRAGMA journal_mode = WAL", wait)
                 cursor.execute("PRAGMA synchronous = NORMAL")
         finally:
             cursor.close()
@@ -175,15 +229,20 @@ def _configure_sqlite(engine: Engine) -> None:
         connection.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
 
 
-def _retry_sqlite_pragma(cursor, statement: str, attempts: int = 50) -> None:
-    for attempt in range(attempts):
+def _retry_sqlite_pragma(cursor, statement: str, wait: LockWait) -> None:
+    for attempt in range(1 << 30):
+        started = time.monotonic()
         try:
             cursor.execute(statement)
             return
         except Exception as exc:  # sqlite3.OperationalError; the module is not imported here
-            if not _is_sqlite_busy_message(str(exc)) or attempt == attempts - 1:
+            if not _is_sqlite_busy_message(str(exc)):
                 raise
-            time.sleep(min(0.01 * 2 ** attempt, 0.5) * random.uniform(0.5, 1.0))
+            wait.pause(time.monotonic() - started, attempt)
+
+
+def _shown(url: URL) -> str:
+    return url.render_as_string(hide_password=True)
 
 
 def _is_sqlite_busy_message(message: str) -> bool:
@@ -206,16 +265,27 @@ def is_transient(exc: BaseException) -> bool:
 
 
 def retry_transient(operation: Callable[[], _T], *, attempts: int = 10, base_delay: float = 0.05,
-                    max_delay: float = 2.0) -> _T:
+                    max_delay: float = 2.0, wait: LockWait | None = None) -> _T:
     """Run `operation` (one whole transaction), retrying on transient contention with backoff.
 
-    Jitter keeps jobs that collided once from colliding again in lockstep.
+    SQLite's "database is locked" is retried as long as `wait` allows (its budget, a stop request:
+    ``waiting``); other transient failures (PostgreSQL's deadlocks) up to `attempts` times. Jitter
+    keeps jobs that collided once from colliding again in lockstep.
     """
-    for attempt in range(attempts):
+    wait = wait or LockWait("(SQLite)")
+    tries = 0
+    for attempt in range(1 << 30):
+        started = time.monotonic()
         try:
             return operation()
         except DBAPIError as exc:
-            if not is_transient(exc) or attempt == attempts - 1:
+            if not is_transient(exc):
                 raise
-            time.sleep(min(base_delay * 2 ** attempt, max_delay) * random.uniform(0.5, 1.0))
+            if _is_sqlite_busy_message(str(exc.orig)):
+                wait.pause(time.monotonic() - started, attempt)
+                continue
+            tries += 1
+            if tries == attempts:
+                raise
+            time.sleep(min(base_delay * 2 ** (tries - 1), max_delay) * random.uniform(0.5, 1.0))
     raise AssertionError("unreachable")

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import logging
 import uuid
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, TypeVar
@@ -35,7 +36,8 @@ from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError
 from sqlalchemy.orm import Session, defer, sessionmaker
 
 from reshard_job.jsonchunks import iter_json
-from reshard_job.lineage.database import create_lineage_engine, default_url, normalize_url, retry_transient, writer
+from reshard_job.lineage.database import (check_sqlite_file, create_lineage_engine, default_url, normalize_url,
+                                          retry_transient, sqlite_file, writer)
 from reshard_job.lineage.hash_names import HASH_ALGO
 from reshard_job.lineage.errors import LineageError, RunStateError, SchemaError, UnknownRunError
 from reshard_job.lineage.migrate import upgrade_to_head
@@ -43,8 +45,10 @@ from reshard_job.lineage.models import Artifact, ArtifactLocation, Event, Run, R
 from reshard_job.lineage.file_records import FileRecord
 from reshard_job.lineage.runtime import current_host, current_pid, current_user, pid_is_alive
 from reshard_job.lineage.status import RunStatus
+from reshard_job.lineage.waiting import LockWait, LockWaitError, WaitStopped
 
 _T = TypeVar("_T")
+log = logging.getLogger("reshard_job")
 
 
 def utc_now() -> dt.datetime:
@@ -58,7 +62,13 @@ class LineageStore:
         """`read_only`: for reading only (the audit): a database file nobody may write (a copy an
         auditor was given, a read-only mount) opens as it is, and nothing is ever written to it."""
         self.url = normalize_url(url or default_url())
-        self.engine = create_lineage_engine(self.url, read_only=read_only)
+        shown = self.url.render_as_string(hide_password=True)
+        database_file = sqlite_file(self.url)
+        if database_file is not None:  # a checkpoint given as the database, say: said in those words
+            check_sqlite_file(database_file, shown,
+                              "" if read_only else " (lineage.enabled=false runs without recording)")
+        self._wait = LockWait(shown)  # all of this store's lock waits together
+        self.engine = create_lineage_engine(self.url, read_only=read_only, wait=self._wait)
         self._reader = sessionmaker(self.engine, expire_on_commit=False)
         self._writer = sessionmaker(writer(self.engine), expire_on_commit=False)
 
@@ -178,6 +188,7 @@ class LineageStore:
         self._end_run(run_id, RunStatus.INTERRUPTED, reason)
 
     def _end_run(self, run_id: str, status: RunStatus, error: str) -> None:
+        """Best effort where the database is locked: a job failing or being stopped must not wait for it."""
         def end(session: Session) -> None:
             run = session.get(Run, run_id)
             if run is None:
@@ -190,7 +201,12 @@ class LineageStore:
             run.error = str(error)
             run.ended_at = utc_now()
 
-        self._write(end)
+        try:
+            self._write(end)
+        except (LockWaitError, WaitStopped) as e:
+            # The database stays locked by another process (or the job is being stopped while it waits):
+            # the run stays "started", and the next job on this host marks it abandoned, its process gone.
+            log.warning("lineage: run %s left 'started', not marked %s: %s", run_id, status, e)
 
     def mark_abandoned_runs(self) -> list[str]:
         """Mark "started" runs of this host whose process is gone as abandoned; return their ids."""
@@ -242,7 +258,7 @@ class LineageStore:
                 return operation(session)
 
         try:
-            return retry_transient(attempt)
+            return retry_transient(attempt, wait=self._wait)
         except (OperationalError, ProgrammingError) as exc:
             if _is_missing_table(exc):
                 raise SchemaError(f"{self.url.render_as_string(hide_password=True)} has no lineage "

@@ -97,8 +97,7 @@ class SealedFile:
                 raise IsADirectoryError(errno.EISDIR, "a directory is in the way", self.path)
             os.replace(self.tmp_path, self.path)
         except OSError as e:
-            self.abort()
-            raise _write_error(self.path, e) from None
+            raise _write_error(self.path, e, removed=self.abort()) from None
         if self.fsync:
             try:
                 fsync_dir(os.path.dirname(self.path))
@@ -106,11 +105,20 @@ class SealedFile:
                 raise OutputError(f"{self.path}: written, but its folder could not be made durable "
                                   f"({e.strerror or e}); the file may not survive a crash") from None
 
-    def abort(self) -> None:
-        try:
-            os.unlink(self.tmp_path)
-        except FileNotFoundError:
-            pass
+    def abort(self) -> bool:
+        """Remove the temporary file; False when it could not be (a file system turned read-only:
+        it stays under its temporary name, which the next run's clean-up recognises)."""
+        return _unlink_temp(self.tmp_path)
+
+
+def _unlink_temp(path: str) -> bool:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError:
+        return False
+    return True
 
 
 class AtomicFile:
@@ -131,7 +139,7 @@ class AtomicFile:
         try:
             os.makedirs(parent, mode=DIR_MODE, exist_ok=True)
         except OSError as e:
-            raise OutputError(f"{parent}: cannot create output directory ({e.strerror})") from None
+            raise OutputError(f"{self.path}: cannot create its folder {parent} ({e.strerror or e})") from None
         if not overwrite and os.path.exists(self.path):
             raise OutputError(f"{self.path}: already exists and overwriting is off")
         self.tmp_path = temp_name_for(self.path)
@@ -146,7 +154,7 @@ class AtomicFile:
                 fd = os.open(self.tmp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
                 self._f = os.fdopen(fd, "wb", buffering=1024 * 1024)
         except OSError as e:
-            raise OutputError(f"{parent}: cannot write here ({e.strerror})") from None
+            raise OutputError(f"{self.path}: cannot create it in {parent} ({e.strerror or e})") from None
         self._done = False
         self._sealed = False
         self._rewritten = False
@@ -163,8 +171,7 @@ class AtomicFile:
             else:
                 self._f.write(data)
         except OSError as e:
-            self.abort()
-            raise _write_error(self.path, e) from None
+            raise _write_error(self.path, e, removed=self.abort()) from None
         if not self.direct:
             self._hash.update(data)
             if hasher is not None:
@@ -184,8 +191,7 @@ class AtomicFile:
         try:
             self._f.commit_reserved(n, hasher)
         except OSError as e:
-            self.abort()
-            raise _write_error(self.path, e) from None
+            raise _write_error(self.path, e, removed=self.abort()) from None
         self.size += n
 
     @property
@@ -201,8 +207,7 @@ class AtomicFile:
             self._f.flush()
             os.pwrite(self._f.fileno(), data, offset)
         except OSError as e:
-            self.abort()
-            raise _write_error(self.path, e) from None
+            raise _write_error(self.path, e, removed=self.abort()) from None
         self._rewritten = True
 
     def _rehash(self) -> None:
@@ -234,8 +239,7 @@ class AtomicFile:
             if self._rewritten:
                 self._rehash()
         except OSError as e:
-            self.abort()
-            raise _write_error(self.path, e) from None
+            raise _write_error(self.path, e, removed=self.abort()) from None
         self._sealed = True
         return self.size, self._hash.hexdigest()
 
@@ -252,19 +256,17 @@ class AtomicFile:
         self._done = True
         self.sealed().publish()
 
-    def abort(self) -> None:
-        """Drop the temporary file; the final name is left as it was."""
+    def abort(self) -> bool:
+        """Drop the temporary file; the final name is left as it was. False when the temporary file
+        could not be removed (see ``SealedFile.abort``)."""
         if self._done:
-            return
+            return True
         self._done = True
         try:
             self._f.close()
-        except OSError:
+        except (OSError, ValueError):
             pass
-        try:
-            os.unlink(self.tmp_path)
-        except FileNotFoundError:
-            pass
+        return _unlink_temp(self.tmp_path)
 
     def __enter__(self):
         return self
@@ -277,12 +279,14 @@ class AtomicFile:
         return False
 
 
-def _write_error(path: str, e: OSError) -> OutputError:
+def _write_error(path: str, e: OSError, *, removed: bool = True) -> OutputError:
+    left = ("the partial file was removed" if removed else
+            "its partial file is left under a temporary name, which the next run removes")
     if e.errno == errno.ENOSPC:
-        return OutputError(f"{path}: no space left on device while writing; the partial file was removed")
+        return OutputError(f"{path}: no space left on device while writing; {left}")
     if e.errno == errno.EDQUOT:
-        return OutputError(f"{path}: disk quota exceeded while writing; the partial file was removed")
-    return OutputError(f"{path}: write failed ({e.strerror or e}); the partial file was removed")
+        return OutputError(f"{path}: disk quota exceeded while writing; {left}")
+    return OutputError(f"{path}: write failed ({e.strerror or e}); {left}")
 
 
 def write_bytes_atomic(path: str | os.PathLike, data: bytes, *, mode: int = 0o444) -> tuple[int, str]:

@@ -30,8 +30,10 @@ import threading
 from typing import Any, Iterable
 
 from reshard_job.storage.base import KIND_DIR, KIND_FILE, FileInfo, SourceChangedError, StorageError
-from reshard_job.storage.s3client import make_s3fs, options_key, shared_store, track_store
-from reshard_job.storage.s3errors import error_code, is_absent, is_precondition_failed, shorten, storage_error, strip_userinfo
+from reshard_job.storage.s3client import (Watchdog, make_s3fs, operation_timeout, options_key, shared_store,
+                                          track_store)
+from reshard_job.storage.s3errors import (StoreTimeout, error_code, is_absent, is_precondition_failed, shorten,
+                                          storage_error, strip_userinfo)
 
 S3_SCHEMES = ("s3", "s3a")
 LIST_PAGE = 1000
@@ -78,6 +80,7 @@ class S3Storage:
         track_store(self)
         self._conditional_by_bucket: dict[str, bool] = {}
         self._appended: dict[str, tuple[str, bytes]] = {}  # log URL -> (ETag, content) after our last append
+        self.watchdog = Watchdog(operation_timeout(self._options))
 
     def __repr__(self) -> str:  # never the options: they may hold credentials
         return f"S3Storage({self.scheme}://, endpoint={self.endpoint or 'default'})"
@@ -107,31 +110,51 @@ class S3Storage:
         """The aiobotocore client (call from coroutines run by ``run``/``submit``)."""
         return await self.fs.set_session()
 
-    def run(self, coroutine_function, *args, **kwargs):
-        """Run a coroutine function on this process's event loop and wait for its result."""
-        from fsspec.asyn import sync
+    def run(self, coroutine_function, *args, transfer: int = 0):
+        """Run a coroutine function on this process's event loop and wait for its result, for at most
+        the time an operation moving `transfer` bytes may take (``s3client.Watchdog``): then it is
+        cancelled and ``StoreTimeout`` raised, which ``s3errors`` words."""
+        from fsspec.asyn import FSTimeoutError, sync
 
         fs = self.fs
-        return sync(fs.loop, coroutine_function, *args, **kwargs)
+        self.watchdog.check()
+        limit = self.watchdog.limit(transfer)
+        try:
+            return sync(fs.loop, coroutine_function, *args, timeout=limit)
+        except FSTimeoutError:
+            raise self.watchdog.missed(limit) from None
 
-    def submit(self, coroutine_function, *args) -> concurrent.futures.Future:
-        """Start a coroutine function on the event loop without waiting for it."""
+    def submit(self, coroutine_function, *args, transfer: int = 0) -> concurrent.futures.Future:
+        """Start a coroutine function on the event loop without waiting for it (bounded like ``run``)."""
         import asyncio
 
-        return asyncio.run_coroutine_threadsafe(coroutine_function(*args), self.fs.loop)
+        self.watchdog.check()
+        limit = self.watchdog.limit(transfer)
 
-    def call_raw(self, operation: str, **params) -> dict:
-        """One S3 API call; botocore's exceptions pass through."""
+        async def bounded():
+            try:
+                return await asyncio.wait_for(coroutine_function(*args), limit)
+            except asyncio.TimeoutError:
+                raise self.watchdog.missed(limit) from None
+
+        return asyncio.run_coroutine_threadsafe(bounded(), self.fs.loop)
+
+    def call_raw(self, operation: str, *, transfer: int | None = None, **params) -> dict:
+        """One S3 API call; botocore's exceptions pass through (and ``StoreTimeout``). Its time limit
+        grows with `transfer` bytes (default: its ``Body``'s)."""
         async def go():
             client = await self.client()
             return await getattr(client, operation)(**params)
 
-        return self.run(go)
+        body = params.get("Body")
+        if transfer is None:
+            transfer = len(body) if isinstance(body, (bytes, bytearray, memoryview)) else 0
+        return self.run(go, transfer=transfer)
 
-    def call(self, operation: str, url: str, doing: str, **params) -> dict:
+    def call(self, operation: str, url: str, doing: str, *, transfer: int | None = None, **params) -> dict:
         """One S3 API call; failures become one-line errors naming `url`."""
         try:
-            return self.call_raw(operation, **params)
+            return self.call_raw(operation, transfer=transfer, **params)
         except Exception as e:  # noqa: BLE001 - every store failure becomes one line
             raise storage_error(e, url, doing, endpoint=self.endpoint, bucket=params.get("Bucket", "")) from None
 
@@ -171,8 +194,9 @@ class S3Storage:
             except Exception as e:  # noqa: BLE001
                 if not is_absent(e):
                     # A HEAD answer has no body, so a bare 403 does not say whether the key or
-                    # the credentials are at fault; the listing below does.
-                    self._list_page(url, bucket, key + "/", "looking at it", max_keys=1)
+                    # the credentials are at fault; the listing below does (no answer at all is clear).
+                    if not isinstance(e, StoreTimeout):
+                        self._list_page(url, bucket, key + "/", "looking at it", max_keys=1)
                     raise storage_error(e, url, "looking at it", endpoint=self.endpoint, bucket=bucket) from None
         page = self._list_page(url, bucket, key + "/" if key else "", "looking at it", max_keys=1)
         if page.get("KeyCount", 0) or page.get("Contents") or page.get("CommonPrefixes") or not key:

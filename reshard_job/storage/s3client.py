@@ -4,6 +4,14 @@ botocore retries throttling, 5xx answers and dropped connections with exponentia
 (``standard`` mode, 5 attempts in all; ``storage.options.config_kwargs.retries`` changes either),
 and a request that still fails becomes one ``StorageError`` line (``s3errors``).
 
+Every request is bounded in time three ways (``storage.options.config_kwargs`` sets each):
+``connect_timeout`` (10 s) to connect, ``read_timeout`` (30 s) of silence while waiting for an
+answer or between its bytes, and ``operation_timeout`` (60 s; ours, not botocore's) for the whole
+operation with its retries and back-off, plus one second per MiB it sends or fetches. An endpoint
+that accepts connections and never answers therefore ends the job after ``operation_timeout``, not
+after attempts × read timeouts; and once one operation went unanswered, the store's next ones
+within that time fail at once (``Watchdog``) instead of waiting again one after the other.
+
 s3fs objects are not fork-safe (their event loop thread does not survive ``fork``), and the job
 forks its workers; each process therefore builds its own client on first use. The parent's
 client must not even be closed in a child: its sockets and its event loop's epoll instance are
@@ -19,16 +27,22 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import threading
+import time
 import weakref
 from typing import Any, Callable
 
 from reshard_job.storage.base import StorageError
+from reshard_job.storage.s3errors import StoreTimeout
 
 DEFAULT_RETRIES = {"total_max_attempts": 5, "mode": "standard"}  # botocore's max_attempts counts retries only
 CONNECT_TIMEOUT_SECONDS = 10
-READ_TIMEOUT_SECONDS = 120
+READ_TIMEOUT_SECONDS = 30
+OPERATION_TIMEOUT_KEY = "operation_timeout"  # in storage.options.config_kwargs, taken out before botocore sees it
+OPERATION_TIMEOUT_SECONDS = 60.0
+SECONDS_PER_BYTE = 1 / (1 << 20)  # what an operation moving data gets beyond operation_timeout: 1 s per MiB
 
 
 def make_s3fs(scheme: str, endpoint_url: str | None, options: dict[str, Any]):
@@ -41,6 +55,7 @@ def make_s3fs(scheme: str, endpoint_url: str | None, options: dict[str, Any]):
     if endpoint_url:
         kwargs["endpoint_url"] = endpoint_url
     config = dict(kwargs.pop("config_kwargs", None) or {})
+    config.pop(OPERATION_TIMEOUT_KEY, None)
     config["retries"] = _retries(config.get("retries"))
     config.setdefault("connect_timeout", CONNECT_TIMEOUT_SECONDS)
     config.setdefault("read_timeout", READ_TIMEOUT_SECONDS)
@@ -54,6 +69,44 @@ def make_s3fs(scheme: str, endpoint_url: str | None, options: dict[str, Any]):
         return s3fs.S3FileSystem(**kwargs)
     except TypeError as e:
         raise StorageError(f"storage.options: not accepted by s3fs ({e})") from None
+
+
+def operation_timeout(options: dict[str, Any]) -> float:
+    """``storage.options.config_kwargs.operation_timeout`` (seconds), checked; the default without it."""
+    given = (options.get("config_kwargs") or {}).get(OPERATION_TIMEOUT_KEY, OPERATION_TIMEOUT_SECONDS)
+    try:
+        seconds = float(given)
+    except (TypeError, ValueError):
+        seconds = math.nan
+    if not (0 < seconds < math.inf) or isinstance(given, bool):
+        raise StorageError(f"storage.options.config_kwargs.{OPERATION_TIMEOUT_KEY} must be a positive number of "
+                           f"seconds; got {given!r}")
+    return seconds
+
+
+class Watchdog:
+    """The time limit of one store's operations, and what an unanswered one means for the next.
+
+    ``limit(nbytes)`` is how long an operation moving `nbytes` may take, retries included. After one
+    went unanswered (``missed``), every operation started within that limit is refused at once
+    (``check``): the job is failing on the first, and the calls that clean up or report after it
+    must not each wait as long again."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self._missed_at: float | None = None
+
+    def limit(self, nbytes: int = 0) -> float:
+        return self.seconds + max(0, nbytes) * SECONDS_PER_BYTE
+
+    def check(self) -> None:
+        missed = self._missed_at
+        if missed is not None and time.monotonic() - missed < self.seconds:
+            raise StoreTimeout(self.seconds, earlier=True)
+
+    def missed(self, seconds: float) -> StoreTimeout:
+        self._missed_at = time.monotonic()
+        return StoreTimeout(seconds)
 
 
 def _retries(given) -> dict:

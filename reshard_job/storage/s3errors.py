@@ -38,6 +38,21 @@ PERMISSION_CODES = frozenset({"AccessDenied", "AllAccessDisabled", "AccountProbl
 ABSENT_CODES = frozenset({"NoSuchKey", "404", "NotFound", "NoSuchVersion"})
 CHANGED_CODES = frozenset({"PreconditionFailed", "412"})
 
+class StoreTimeout(Exception):
+    """An operation on the object store got no answer within its time limit (``s3client.Watchdog``);
+    `earlier`: refused at once, since the store did not answer another operation moments ago.
+    Deliberately not a TimeoutError (an OSError): no handler of file errors may swallow it."""
+
+    def __init__(self, seconds: float, earlier: bool = False):
+        self.seconds = seconds
+        self.earlier = earlier
+        super().__init__(f"no answer within {seconds:g} s")
+
+
+class StoreUnresponsiveError(StorageError):
+    """The object store did not answer in time: the job cannot go on (see ``StoreTimeout``)."""
+
+
 _USERINFO = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*://)[^/@]*@")
 
 
@@ -144,6 +159,11 @@ def storage_error(exc: BaseException, url: str, doing: str, *, endpoint: str | N
     code = error_code(exc)
     if isinstance(exc, StorageError):
         return exc
+    if isinstance(exc, StoreTimeout):
+        when = f"while {doing} or just before" if exc.earlier else f"while {doing}"
+        return StoreUnresponsiveError(f"{where}: no answer from the object store{store} within {exc.seconds:g} s "
+                                      f"{when} (connecting, retries and back-off included); check the endpoint, or "
+                                      f"raise storage.options.config_kwargs.operation_timeout")
     if isinstance(exc, (NoCredentialsError, PartialCredentialsError, CredentialRetrievalError)):
         return StorageError(f"{where}: no usable credentials for the object store while {doing} "
                             f"({_detail(exc)}); set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "

@@ -270,7 +270,8 @@ class ObjectReader:
         """Fill sinks[i] with the bytes of ranges[i] (already clipped to the object)."""
         requests = plan_requests(ranges, max_gap=max_gap, max_request=max_request)
         if requests:
-            self._store.run(self._run_requests, requests, ranges, sinks)
+            self._store.run(self._run_requests, requests, ranges, sinks,
+                            transfer=sum(r.end - r.offset for r in requests))
 
     async def _run_requests(self, requests: list[Request], ranges, sinks) -> None:
         client = await self._store.client()

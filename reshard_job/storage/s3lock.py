@@ -196,12 +196,23 @@ def _read(store: "S3Calls", bucket: str, key: str, folder_url: str) -> CurrentLo
         if is_absent(e):
             return None
         raise storage_error(e, folder_url, "reading its lock", endpoint=store.endpoint, bucket=bucket) from None
-    return CurrentLock(LeaseRecord.from_bytes(body), answer.get("ETag", ""), _age(answer))
+    record = LeaseRecord.from_bytes(body) if len(body) <= MAX_LOCK_BYTES else None
+    return CurrentLock(record, answer.get("ETag", ""), _age(answer))
+
+
+MAX_LOCK_BYTES = 64 << 10  # a lease record is a few hundred bytes: a larger object is no lock of ours
 
 
 async def _read_body(body) -> bytes:
+    """The lock object's bytes, at most MAX_LOCK_BYTES + 1 of them (more: unreadable, never read whole)."""
+    data = b""
     try:
-        return await body.read()
+        while len(data) <= MAX_LOCK_BYTES:
+            chunk = await body.read(MAX_LOCK_BYTES + 1 - len(data))
+            if not chunk:
+                break
+            data += chunk
+        return data
     finally:
         body.close()
 

@@ -93,9 +93,10 @@ class MultipartUpload:
                     self._send_part()
                 self._wait(0)
                 self._parts.sort(key=lambda p: p["PartNumber"])
+                # a store assembles the parts while it answers: its time limit grows with the object's size
                 self._store.call("complete_multipart_upload", self.path, "completing its upload",
                                  Bucket=self._bucket, Key=self._key, UploadId=self.upload_id,
-                                 MultipartUpload={"Parts": self._parts})
+                                 MultipartUpload={"Parts": self._parts}, transfer=self.size)
         except BaseException:
             self.abort()
             raise
@@ -152,7 +153,7 @@ class MultipartUpload:
             else:  # the last part, shorter: a copy of its bytes, and the buffer stays
                 body, reuse = self._buffer[:self._fill], None
             self._fill = 0
-            future = self._store.submit(self._upload_part, number, body)
+            future = self._store.submit(self._upload_part, number, body, transfer=len(body))
             self._in_flight.append((number, future, reuse))
         except BaseException:
             self.abort()

@@ -28,9 +28,9 @@ from reshard_job.formats.manifest_file import MANIFEST_FILE
 from reshard_job.sources.file_digests import digest_file
 from reshard_job.jsonchunks import iter_json, plain
 from reshard_job.storage import LockedError, Storage
+from reshard_job.storage.s3errors import StoreUnresponsiveError
 from reshard_job.job.output.journal import STATE_DIR, TENSORS_DIR, Journal, JournalEntry
-
-MAX_MANIFEST_BYTES = 1 << 31
+from reshard_job.job.output.manifest_reading import read_manifest_summary
 
 FRESH = "fresh"
 PARTIAL = "partial"
@@ -228,7 +228,7 @@ class OutputDir:
         """
         if self.overwrite or not self._is_dir():
             return
-        if self.read_manifest() is not None or self.journal.read()[0] is not None:
+        if self.read_manifest() is not None or self.journal.fingerprint() is not None:
             return
         if self._foreign_entries():
             self._other(self._foreign_description())
@@ -260,16 +260,25 @@ class OutputDir:
         return info is not None and info.is_dir
 
     def read_manifest(self) -> dict | None:
+        """What the job needs of the directory's manifest (``manifest_reading``: read past the rest,
+        bounded by what it lists); None when there is none, {} when it is damaged or unreadable
+        (treated as another job's). A store that does not answer is an error of its own."""
         try:
-            data = self.storage.read_bytes(self.manifest_path, MAX_MANIFEST_BYTES)
-            value = json.loads(data.decode("utf-8"))
+            f = self.storage.open_read(self.manifest_path)
         except FileNotFoundError:
             return None
-        except (OSError, ValueError, UnicodeDecodeError, OutputError):
-            return {}  # unreadable: treated as another job's
-        except Exception:  # noqa: BLE001 - a storage error reading it: also not ours to trust
+        except StoreUnresponsiveError:
+            raise
+        except Exception:  # noqa: BLE001 - a FIFO, a folder, no permission: not ours to trust
             return {}
-        return value if isinstance(value, dict) else {}
+        try:
+            return read_manifest_summary(f)[0]
+        except StoreUnresponsiveError:
+            raise
+        except Exception:  # noqa: BLE001 - damaged (ManifestDamaged), or a storage error reading it
+            return {}
+        finally:
+            f.close()
 
     def _foreign_entries(self) -> list[str]:
         if not self._is_dir():
@@ -279,7 +288,7 @@ class OutputDir:
     def state(self, fingerprint: str) -> str:
         """FRESH, PARTIAL or COMPLETE for this job; OutputError if the directory is not ours to use."""
         manifest = self.read_manifest()
-        journal_fp, _ = self.journal.read()
+        journal_fp = self.journal.fingerprint()
         if manifest is not None:
             if manifest.get("fingerprint") == fingerprint:
                 return COMPLETE
@@ -336,9 +345,11 @@ class OutputDir:
 
     def listed_outputs(self, manifest: dict) -> list[JournalEntry]:
         """The target files a complete directory's manifest lists, with their journaled identities."""
-        identities = {e.rank: e.identity for e in self.journal.read()[1]}
+        files = manifest.get("target", {}).get("files", [])
+        keys = {f["part"] if isinstance(f.get("part"), int) else f["rank"] for f in files}
+        identities = {e.rank: e.identity for e in self.journal.read(keys)[1]}
         out = []
-        for f in manifest.get("target", {}).get("files", []):
+        for f in files:
             key = f["part"] if isinstance(f.get("part"), int) else f["rank"]  # an export's files: their number
             out.append(JournalEntry(key, self._rel_listed(f), f["size"], f["sha256"], identities.get(key, ())))
         return out
@@ -351,7 +362,7 @@ class OutputDir:
         neither complete nor resumable.
         """
         self.journal.rewrite(fingerprint, entries)
-        self.storage.remove(self.manifest_path)
+        removing(self.storage, self.manifest_path)
 
     # ------------------------------------------------------------------------------ verification
     def verify(self, entry: JournalEntry) -> bool:
@@ -362,7 +373,7 @@ class OutputDir:
     def reusable(self, expected_paths: dict[int, str]) -> dict[int, JournalEntry]:
         """Journal entries whose file is where this job would write it and still verifies."""
         keep: dict[int, JournalEntry] = {}
-        for e in self.journal.read()[1]:
+        for e in self.journal.read(expected_paths)[1]:
             if expected_paths.get(e.rank) == self.storage.join(self.path, e.path) and self.verify(e):
                 tensors = self.journal.tensors(e)
                 if tensors is None:
@@ -397,6 +408,14 @@ class OutputDir:
         if self.local:
             return os.path.relpath(path, self.path)
         return path[len(self.path.rstrip("/")) + 1:] if path.startswith(self.path.rstrip("/") + "/") else path
+
+
+def removing(storage: Storage, path: str) -> bool:
+    """``storage.remove(path)``, a failure (a file system turned read-only) as one line naming it."""
+    try:
+        return storage.remove(path)
+    except OSError as e:
+        raise OutputError(f"{path}: cannot remove it ({e.strerror or e})") from None
 
 
 def locked_error(path: str, holder: str) -> OutputError:

@@ -31,7 +31,6 @@ find is a value (``problem``), turned into one ``OutputError`` line by the drive
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -45,13 +44,13 @@ from reshard_job.storage import LOCAL, storage_for
 from reshard_job.execute.tasks import RankResult
 from reshard_job.text import rank_ranges
 from reshard_job.job.output.journal import JournalEntry
-from reshard_job.job.output.directory import OutputDir, still_holds
+from reshard_job.job.output.directory import OutputDir, removing, still_holds
+from reshard_job.job.output.manifest_reading import read_manifest_summary
 
 log = logging.getLogger("reshard_job")
 
 NODE_MANIFEST_PREFIX = "manifest."
 NODE_MANIFEST_SUFFIX = ".json"
-MAX_NODE_MANIFEST_BYTES = 1 << 30
 
 
 def node_manifest_name(node: str) -> str:
@@ -112,7 +111,7 @@ def survey_node(req: SurveyRequest) -> SurveyResult:
             return SurveyResult(req.node, problem=_other(req, f"the outputs of a different conversion (run "
                                                               f"{manifest.get('run_id', '?')})"))
         _remove_listed(req.out_dir, manifest)
-        storage.remove(path)
+        removing(storage, path)
         manifest = digest = None
     if req.driver_fresh and manifest is None and not req.overwrite:
         present = [f.path for f in req.expected if os.path.lexists(os.path.join(req.out_dir, f.path))]
@@ -123,7 +122,7 @@ def survey_node(req: SurveyRequest) -> SurveyResult:
     removed = storage.remove_incomplete(req.out_dir, folders) if os.path.isdir(req.out_dir) else 0
     verified = tuple(f.rank for f in req.claims if _verifies(req.out_dir, f))
     if req.will_write and manifest is not None:
-        storage.remove(path)
+        removing(storage, path)
         digest = None
     return SurveyResult(req.node, verified, digest, removed)
 
@@ -146,28 +145,37 @@ def _other(req: SurveyRequest, what: str) -> str:
             "output.overwrite=true")
 
 
-def _small_file(path: str) -> bytes | None:
+def _holds(path: str, data: bytes) -> bool:
+    """Whether the file at `path` holds exactly `data` (reading no more than that)."""
     try:
-        with open(path, "rb") as f:
-            return f.read(MAX_NODE_MANIFEST_BYTES)
-    except FileNotFoundError:
-        return None
-
-
-def _digest(data: bytes) -> tuple[int, str]:
-    return len(data), hashlib.sha256(data).hexdigest()
+        f = LOCAL.open_read(path)
+    except Exception:  # noqa: BLE001 - absent, or not a file: writing it says what is wrong
+        return False
+    try:
+        if f.size != len(data):
+            return False
+        have = bytearray(len(data))
+        return f.pread_into(0, memoryview(have)) == len(data) and have == data
+    finally:
+        f.close()
 
 
 def _read_json(path: str) -> tuple[dict | None, tuple[int, str] | None]:
-    """A manifest's content and (size, sha256), or (None, None) when absent; unreadable counts as foreign."""
-    data = _small_file(path)
-    if data is None:
-        return None, None
+    """What the job needs of a node's manifest and its (size, sha256), or (None, None) when absent;
+    a damaged or unreadable one counts as another conversion's ({}, None). Read past what is not
+    needed and bounded by what it lists (``manifest_reading``), never whole."""
     try:
-        value = json.loads(data.decode("utf-8"))
-    except (ValueError, UnicodeDecodeError):
-        value = {}
-    return (value if isinstance(value, dict) else {}), _digest(data)
+        f = LOCAL.open_read(path)
+    except FileNotFoundError:
+        return None, None
+    except Exception:  # noqa: BLE001 - a FIFO, a folder, no permission: not ours to trust
+        return {}, None
+    try:
+        return read_manifest_summary(f)
+    except Exception:  # noqa: BLE001 - damaged (ManifestDamaged), or it could not be read
+        return {}, None
+    finally:
+        f.close()
 
 
 def _inside(path: str, root: str) -> bool:
@@ -215,8 +223,7 @@ def publish_node(req: PublishRequest) -> tuple[int, str] | str:
                     "written; run the same command again to redo it")
     if req.strategy is not None and req.strategy_name:
         path = os.path.join(req.out_dir, req.strategy_name)
-        have = _small_file(path)
-        if have is None or _digest(have) != _digest(req.strategy):  # a driver on this node wrote it already
+        if not _holds(path, req.strategy):  # a driver on this node wrote it already
             storage.write_bytes(path, req.strategy, mode=0o444)
     return storage.write_bytes(os.path.join(req.out_dir, node_manifest_name(req.node)), req.manifest, mode=0o444)
 
@@ -304,7 +311,7 @@ class NodeOutputs:
         return [e for e in listed if e.rank not in verified], not stale
 
     def reusable(self, paths: dict[int, str], *, resume: bool, fresh: bool) -> dict[int, JournalEntry]:
-        claims = [e for e in self.out.journal.read()[1] if resume and paths.get(e.rank) ==
+        claims = [e for e in self.out.journal.read(paths)[1] if resume and paths.get(e.rank) ==
                   self.out.storage.join(self.out.path, e.path)]
         found = self._survey(paths, claims, fresh=fresh, will_write=True)
         verified = {r for s in found.values() for r in s.verified}

@@ -9,6 +9,10 @@ Before the job starts (importing, Hydra composing the configuration) the signal 
 (``deferred``) and raised when the job begins: code we do not own is not safe against an exception
 at any instant (Hydra's config loader then fails with an error of its own), and there is nothing to
 clean up yet.
+
+A signal also ends every wait for a locked lineage database (``lineage.waiting.request_stop``), in
+whatever thread it waits: the job records its lineage in a thread of its own, where no exception
+from a handler arrives, and the main thread's unwinding waits for that thread.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from __future__ import annotations
 import signal
 import threading
 from contextlib import contextmanager
+
+from reshard_job.lineage.waiting import clear_stop, request_stop
 
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
 _pending: list[int] = []
@@ -53,11 +59,14 @@ def interruptible(deferred: bool = False):
             return
         for s in EXIT_CODES:  # a second signal acts at once
             signal.signal(s, signal.SIG_DFL)
+        request_stop(str(Interrupted(signum)))  # lineage waits, in any thread, end as the job does
         if deferred:
             _pending.append(signum)
             return
         raise Interrupted(signum)
 
+    if not deferred:
+        clear_stop()  # a job begins: a stop asked of an earlier job of this process is not its own
     for s in EXIT_CODES:
         signal.signal(s, handler)
     try:
@@ -67,6 +76,8 @@ def interruptible(deferred: bool = False):
         for s, h in previous.items():
             if signal.getsignal(s) is handler:  # not when ignore() or a first signal changed it since
                 signal.signal(s, h)
+        if not deferred:
+            clear_stop()
 
 
 @contextmanager
