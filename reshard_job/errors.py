@@ -84,3 +84,8 @@ class ConfigError(ReshardError):
 
 class OutputError(ReshardError):
     """The output location cannot be used (not writable, holds foreign files, locked by another job)."""
+
+
+class ProofError(ReshardError):
+    """A converted parameter's fingerprint differs between the sources and the outputs: the
+    outputs do not hold the model the sources hold (nothing is recorded as completed)."""

@@ -53,14 +53,7 @@ def execute_rank(
     complete but not yet durable nor visible until ``handle.publish()`` (handle None: published)."""
     writer = open_writer(out_path, fmt, crc=crc, metadata=metadata, storage=getattr(sources, "storage", None))
     try:
-        params = rank_plan.params
-        if getattr(writer, "writes_in_given_order", False) and isinstance(params, ParamPlans):
-            _write_in_order(writer, params, sources, max_memory, progress)
-        else:
-            by_name = {p.name: p for p in params}  # ParamPlan views are made on access: once each
-            order = writer.arrange([TensorDecl(p.name, p.dtype, p.target_shape, p.kind) for p in by_name.values()])
-            for name in order:
-                _write_param(writer, by_name[name], sources, max_memory, progress)
+        write_params(writer, rank_plan, sources, max_memory=max_memory, progress=progress)
         if publish_later and hasattr(writer, "seal"):
             return writer.seal()
         written = writer.commit()
@@ -68,6 +61,21 @@ def execute_rank(
     except BaseException:
         writer.abort()
         raise
+
+
+def write_params(writer, rank_plan: RankPlan, sources: SourceFiles, *, max_memory: int = DEFAULT_MAX_MEMORY,
+                 progress: Progress | None = None) -> None:
+    """Feed every parameter of `rank_plan` to `writer` (a file writer, or anything with the same
+    calls: ``arrange``, ``add_bytes``, ``add_str``, ``add_map``, ``begin``), reading the sources as
+    the plan says, in bounded memory."""
+    params = rank_plan.params
+    if getattr(writer, "writes_in_given_order", False) and isinstance(params, ParamPlans):
+        _write_in_order(writer, params, sources, max_memory, progress)
+        return
+    by_name = {p.name: p for p in params}  # ParamPlan views are made on access: once each
+    order = writer.arrange([TensorDecl(p.name, p.dtype, p.target_shape, p.kind) for p in by_name.values()])
+    for name in order:
+        _write_param(writer, by_name[name], sources, max_memory, progress)
 
 
 def run_rank_task(task: RankTask, *, sources: SourceFiles | None = None,

@@ -2,7 +2,7 @@
 
 Written last into the output directory, it is both the record a user can keep with the files
 (config, every source and strategy file with size and sha256, every output file with size and
-sha256, per-tensor sha256) and the commit marker of the directory. ``manifest_sha256`` is the
+sha256, per-tensor sha256, per-parameter fingerprints) and the commit marker of the directory. ``manifest_sha256`` is the
 sha256 of the canonical JSON (sorted keys, no whitespace) of everything else in it, so the
 manifest can be checked on its own.
 """
@@ -47,7 +47,7 @@ def job_fingerprint(*, source_files: list[dict], source_strategy: dict | None, t
 
 def build_manifest(*, run_id: str, tool_version: str, fingerprint: str, config: dict, source: dict,
                    target: dict, tensors: dict, plan_summary: dict, checks: list[str] = (),
-                   node: str | None = None) -> dict:
+                   node: str | None = None, fingerprints: dict | None = None) -> dict:
     """The manifest of a conversion; with `node`, of the files one target node holds
     (``output.placement=per_node``: ``target.files`` and ``tensors`` are then that node's)."""
     manifest = {
@@ -64,6 +64,8 @@ def build_manifest(*, run_id: str, tool_version: str, fingerprint: str, config: 
         "digest_algorithm": "sha256",  # of files and of tensors
         "tensors": tensors,
     }
+    if fingerprints is not None:  # per parameter, layout-independent (``job.stages.proof``)
+        manifest["fingerprints"] = fingerprints
     if node is not None:
         manifest["node"] = node
     manifest["manifest_sha256"] = manifest_digest(manifest)

@@ -39,6 +39,7 @@ from reshard_job.job.output.node_outputs import node_manifest_records
 from reshard_job.job.output.directory import COMPLETE, FRESH, PARTIAL, OutputDir
 from reshard_job.job.stages.prepare import Prepared
 from reshard_job.job.run.progress import Progress
+from reshard_job.job.stages.proof import prove
 from reshard_job.job.stages.record import LineageRecorder, NoRecorder
 from reshard_job.core.placement import PLACEMENT_PER_NODE
 from reshard_job.job.config.spec import JobSpec
@@ -288,10 +289,15 @@ def _finish(spec: JobSpec, prepared: Prepared, out: OutputDir, digests: SourceDi
             strategy_out: dict | None, written: dict, recorder, files) -> Outputs:
     run_id = recorder.run_id
     target_files = [files.file_entry(_target_file(prepared, out, key, written[key])) for key in sorted(written)]
+    proof = prove(spec, prepared, out.path, strategy_out["path"] if strategy_out else None)
+    recorder.record_fingerprints(proof)
+    checks = prepared.checks + ["sources unchanged since hashed"]
+    if proof.target is not None:
+        checks.append("every converted parameter has the same fingerprint in the outputs as in the sources")
     build = functools.partial(
         build_manifest, run_id=run_id or "", tool_version=__version__, fingerprint=fingerprint, config=spec.config,
         source=_source_section(spec, prepared, digests), plan_summary=_plan_summary(prepared),
-        checks=prepared.checks + ["sources unchanged since hashed"])
+        checks=checks, fingerprints=proof.manifest_section())
     target = {"devices": prepared.target.devices, "format": spec.target.format, "prefix": spec.target.prefix,
               "ranks": list(spec.run.ranks) if spec.run.ranks else None, "strategy": strategy_out,
               "files": target_files, **_export_section(prepared)}

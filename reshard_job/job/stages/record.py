@@ -96,6 +96,11 @@ class LineageRecorder:
     def record_inputs(self, files) -> None:
         self.submit(lambda store, run_id: store.record_inputs(run_id, files))
 
+    def record_fingerprints(self, proof) -> None:
+        """Queue the per-parameter fingerprints of the sources and outputs (``stages.proof.ProofResult``)."""
+        self.submit(lambda store, run_id: store.record_fingerprints(run_id, proof.algorithm, proof.source,
+                                                                     proof.target))
+
     def complete(self, outputs) -> str:
         """Wait for everything queued, then record the outputs and mark the run completed."""
         self._drain()
@@ -176,6 +181,8 @@ class NoRecorder:
     def record_plan(self, plan_json) -> None: ...
 
     def record_inputs(self, files) -> None: ...
+
+    def record_fingerprints(self, proof) -> None: ...
 
     def complete(self, outputs) -> None:
         from reshard_job.job.run.signals import committing

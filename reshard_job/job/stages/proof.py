@@ -1,0 +1,105 @@
+"""The proof stage: every converted parameter has the same fingerprint in the sources as in the
+outputs, checked before the manifest commits the conversion.
+
+Both sides are read back independently of the conversion's own plan (``proof.collect``): the
+sources as a one-device plan over them, the outputs as a one-device plan over the files just
+written, with the target strategy written beside them. A conversion that misplaced, dropped or
+altered any byte of a parameter therefore fails here (``ProofError``, naming it) instead of
+committing. The fingerprints go into ``manifest.json`` (``fingerprints``: algorithm, source,
+target) and the lineage database.
+
+The outputs cannot be read back when the job wrote only some target ranks (``job.ranks``) or when
+they stay on the target nodes (``output.placement=per_node``): then only the source side is
+recorded, and the manifest says why under ``fingerprints.target_unchecked``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from reshard_job.core.fingerprint import ALGORITHM
+from reshard_job.errors import ProofError
+from reshard_job.job.config.spec import PLACEMENT_SHARED, JobSpec, SourceSpec, TargetSpec
+from reshard_job.job.run.progress import Progress
+from reshard_job.proof.collect import Fingerprints, fingerprint_plan, quiet
+from reshard_job.storage import StorageOptions
+
+log = logging.getLogger("reshard_job")
+
+
+@dataclass
+class ProofResult:
+    source: dict[str, str]
+    target: dict[str, str] | None
+    unchecked: str | None = None  # why the target side was not read back
+    algorithm: str = ALGORITHM
+    differ: list[str] = field(default_factory=list)
+
+    def manifest_section(self) -> dict:
+        section = {"algorithm": self.algorithm, "source": dict(sorted(self.source.items())),
+                   "target": dict(sorted((self.target or {}).items()))}
+        if self.unchecked:
+            section["target_unchecked"] = self.unchecked
+        return section
+
+
+def checkpoint_fingerprints(source: SourceSpec, *, storage: StorageOptions | None = None, wanted=None,
+                            progress: bool | None = False, desc: str = "fingerprinting") -> Fingerprints:
+    """The fingerprints of the checkpoint `source` names (any kind the job reads), read through a
+    one-device plan; `wanted`: only these parameters."""
+    from reshard_job.job.stages.prepare import prepare
+    from reshard_job.errors import MissingRankError
+
+    with quiet():
+        prepared = prepare(source, TargetSpec(devices=1), storage=storage)
+    with prepared:
+        if prepared.missing:
+            raise MissingRankError(prepared.missing, prepared.source.checkpoints)
+        rank_plan = prepared.plan.rank(0)
+        total = sum(p.nbytes for p in rank_plan.params if wanted is None or p.name in wanted)
+        bar = Progress(total, 1, enabled=progress, desc=desc)
+        try:
+            return fingerprint_plan(rank_plan, prepared.readers, wanted=wanted, progress=bar.add_bytes)
+        finally:
+            bar.close()
+
+
+def converted_names(prepared) -> set[str]:
+    """The tensors the job writes into any target rank."""
+    names: set[str] = set()
+    for rank_plan in prepared.plan.ranks:
+        params = rank_plan.params
+        names.update(t.name for t in getattr(params, "tensors", params))
+    return names
+
+
+def prove(spec: JobSpec, prepared, out_path: str, strategy_path: str | None) -> ProofResult:
+    """Fingerprint the converted parameters on both sides and compare them; ProofError on a difference."""
+    names = converted_names(prepared)
+    source = checkpoint_fingerprints(prepared.source, storage=spec.storage, wanted=names,
+                                     progress=spec.run.progress, desc="fingerprinting sources").digests
+    unchecked = _why_unchecked(spec)
+    if unchecked:
+        log.info("fingerprints: sources only (%s)", unchecked)
+        return ProofResult(source, None, unchecked)
+    written = SourceSpec(out_path, strategy_path)
+    target = checkpoint_fingerprints(written, storage=spec.storage, progress=spec.run.progress,
+                                     desc="fingerprinting outputs").digests
+    result = ProofResult(source, target)
+    result.differ = sorted(n for n in names if source.get(n) != target.get(n))
+    if result.differ:
+        shown = ", ".join(repr(n) for n in result.differ[:5])
+        more = f" and {len(result.differ) - 5} more" if len(result.differ) > 5 else ""
+        raise ProofError(f"{out_path}: parameter {shown}{more} does not hold in the outputs what it holds in the "
+                         f"sources ({ALGORITHM} fingerprints differ); nothing was committed: rerun, and report it "
+                         f"if it persists")
+    return result
+
+
+def _why_unchecked(spec: JobSpec) -> str | None:
+    if spec.run.ranks:
+        return "job.ranks wrote some target ranks only"
+    if spec.output.placement != PLACEMENT_SHARED:
+        return f"output.placement={spec.output.placement} keeps the outputs on the target nodes"
+    return None
