@@ -20,12 +20,14 @@ from typing import Callable, Container
 
 import reshard_job.core.dtypes as dtypes
 from reshard_job.core.fingerprint import ALGORITHM, Fingerprint
+from reshard_job.core.fingerprint_batch import WholeTensorBatch
 from reshard_job.formats.base import TensorDecl
 from reshard_job.formats.tensorfile import KIND_TENSOR
 from reshard_job.plan.model import ParamPlans, RankPlan
 
 log = logging.getLogger("reshard_job")
 WINDOW = 32 << 20  # bytes read at a time per tensor (the rank task's max_memory)
+BATCHED_TENSOR = 64 << 10  # whole tensors up to this size are fingerprinted in batches of one shape
 
 
 class _Sink:
@@ -56,6 +58,7 @@ class FingerprintWriter:
         self.nbytes = nbytes or {}
         self.wanted = wanted
         self.digests: dict[str, str] = {}
+        self._batch = WholeTensorBatch(self.digests)
 
     def _start(self, name: str, dtype: str, dims) -> Fingerprint | None:
         if self.wanted is not None and name not in self.wanted:
@@ -72,10 +75,18 @@ class FingerprintWriter:
         return [t.name for t in tensors]
 
     def add_bytes(self, name: str, dtype: str, dims, data, *_) -> None:
+        if (self.wanted is None or name in self.wanted) and dtypes.BY_NAME[dtype].sliceable \
+                and memoryview(data).nbytes <= BATCHED_TENSOR:
+            self._batch.add(name, dtype, dims, data)  # many small tensors: one vectorised pass per shape
+            return
         fp = self._start(name, dtype, dims)
         if fp is not None:
             fp.add_run(0, data)
         self._done(name, fp)
+
+    def finish(self) -> None:
+        """Fingerprint what is still batched (call once every tensor was fed)."""
+        self._batch.flush()
 
     def begin(self, name: str, dtype: str, dims, *_, **__) -> _Sink:
         return _Sink(self, name, self._start(name, dtype, dims))
@@ -115,12 +126,27 @@ def fingerprint_plan(rank_plan: RankPlan, sources, *, wanted: Container[str] | N
     ``SourceFiles`` it was planned over); `wanted`: only these names (the others are not read)."""
     from reshard_job.execute.rank_task import write_params
 
-    plan = rank_plan
-    if wanted is not None:
-        plan = RankPlan(rank_plan.target_rank, [p for p in rank_plan.params if p.name in wanted])
-    writer = FingerprintWriter(opaque_sizes(plan), wanted=wanted)
+    plan = rank_plan if wanted is None else RankPlan(rank_plan.target_rank, _only(rank_plan.params, wanted))
+    writer = FingerprintWriter(opaque_sizes(plan))
     write_params(writer, plan, sources, max_memory=2 * WINDOW, progress=progress)
+    writer.finish()
     return Fingerprints(writer.digests)
+
+
+def _only(params, wanted: Container[str]):
+    """`params` restricted to the names in `wanted`, kept in the compact ``ParamPlans`` form."""
+    if isinstance(params, ParamPlans):
+        kept = [i for i, t in enumerate(params.tensors) if t.name in wanted]
+        return ParamPlans(tuple(params.tensors[i] for i in kept), tuple(params.slices[i] for i in kept))
+    return [p for p in params if p.name in wanted]
+
+
+def single_device_plan(strategy, index, *, unmapped: str) -> RankPlan:
+    """The plan that puts every parameter of a source (its ``LoadedStrategy`` and file index)
+    whole onto one device: each global tensor from its pieces, once."""
+    from reshard_job.plan.planner import Planner
+
+    return Planner(strategy.topology, None, index, unmapped=unmapped).plan([0]).ranks[0]
 
 
 @contextmanager

@@ -27,11 +27,13 @@ LAYERS = [
     ["reshard_job.formats", "reshard_job.plan"],
     ["reshard_job.sources"],
     ["reshard_job.execute"],
+    ["reshard_job.proof"],  # fingerprints of whole checkpoints, through the execute room's reading
     ["reshard_job.lineage"],
-    ["reshard_job.audit", "reshard_job.job.config"],
+    ["reshard_job.job.config"],
     ["reshard_job.job.output"],
     ["reshard_job.job.run"],
     ["reshard_job.job.stages"],
+    ["reshard_job.audit"],  # compare reads checkpoints as the job's stages do
     ["reshard_job.job"],  # the runner
     ["reshard_job.job.cli"],  # the Hydra entry point over the runner
     ["reshard_job.api", "reshard_job.__main__"],

@@ -22,7 +22,8 @@ from reshard_job.core.fingerprint import ALGORITHM
 from reshard_job.errors import ProofError
 from reshard_job.job.config.spec import PLACEMENT_SHARED, JobSpec, SourceSpec, TargetSpec
 from reshard_job.job.run.progress import Progress
-from reshard_job.proof.collect import Fingerprints, fingerprint_plan, quiet
+from reshard_job.plan.model import UNMAPPED_FULL
+from reshard_job.proof.collect import Fingerprints, fingerprint_plan, quiet, single_device_plan
 from reshard_job.storage import StorageOptions
 
 log = logging.getLogger("reshard_job")
@@ -45,10 +46,13 @@ class ProofResult:
 
 
 def checkpoint_fingerprints(source: SourceSpec, *, storage: StorageOptions | None = None, wanted=None,
-                            progress: bool | None = False, desc: str = "fingerprinting") -> Fingerprints:
+                            progress: bool | None = False, desc: str = "fingerprinting",
+                            check_replicas: bool = False) -> Fingerprints:
     """The fingerprints of the checkpoint `source` names (any kind the job reads), read through a
-    one-device plan; `wanted`: only these parameters."""
-    from reshard_job.job.stages.prepare import prepare
+    one-device plan; `wanted`: only these parameters. The plan reads one copy of each replicated
+    block: `check_replicas` also compares the other copies with it (``source.verify_replicas``),
+    so that one checkpoint whose replicas disagree is refused rather than fingerprinted."""
+    from reshard_job.job.stages.prepare import check_identical, prepare
     from reshard_job.errors import MissingRankError
 
     with quiet():
@@ -56,13 +60,24 @@ def checkpoint_fingerprints(source: SourceSpec, *, storage: StorageOptions | Non
     with prepared:
         if prepared.missing:
             raise MissingRankError(prepared.missing, prepared.source.checkpoints)
+        if check_replicas:
+            if wanted is not None:  # what is not fingerprinted is not compared either
+                prepared.plan.identical = {n: g for n, g in prepared.plan.identical.items() if n in wanted}
+            check_identical(prepared)
         rank_plan = prepared.plan.rank(0)
-        total = sum(p.nbytes for p in rank_plan.params if wanted is None or p.name in wanted)
+        total = _bytes_of(rank_plan, wanted)
         bar = Progress(total, 1, enabled=progress, desc=desc)
         try:
             return fingerprint_plan(rank_plan, prepared.readers, wanted=wanted, progress=bar.add_bytes)
         finally:
             bar.close()
+
+
+def _bytes_of(rank_plan, wanted) -> int:
+    params = rank_plan.params
+    pairs = zip(params.tensors, (sl[2] for sl in params.slices)) if hasattr(params, "slices") else \
+        ((p, p.nbytes) for p in params)
+    return sum(n for t, n in pairs if wanted is None or t.name in wanted)
 
 
 def converted_names(prepared) -> set[str]:
@@ -77,8 +92,7 @@ def converted_names(prepared) -> set[str]:
 def prove(spec: JobSpec, prepared, out_path: str, strategy_path: str | None) -> ProofResult:
     """Fingerprint the converted parameters on both sides and compare them; ProofError on a difference."""
     names = converted_names(prepared)
-    source = checkpoint_fingerprints(prepared.source, storage=spec.storage, wanted=names,
-                                     progress=spec.run.progress, desc="fingerprinting sources").digests
+    source = _source_fingerprints(spec, prepared, names)
     unchecked = _why_unchecked(spec)
     if unchecked:
         log.info("fingerprints: sources only (%s)", unchecked)
@@ -95,6 +109,22 @@ def prove(spec: JobSpec, prepared, out_path: str, strategy_path: str | None) -> 
                          f"sources ({ALGORITHM} fingerprints differ); nothing was committed: rerun, and report it "
                          f"if it persists")
     return result
+
+
+def _source_fingerprints(spec: JobSpec, prepared, names: set[str]) -> dict[str, str]:
+    """The converted parameters' fingerprints in the sources, through the files the job has open
+    and indexed already; a MindFormers save's rank keeps open only the files the conversion reads,
+    so it is opened again for the one-device plan."""
+    if prepared.mindformers is not None:
+        return checkpoint_fingerprints(prepared.source, storage=spec.storage, wanted=names,
+                                       progress=spec.run.progress, desc="fingerprinting sources").digests
+    rank_plan = single_device_plan(prepared.strategy, prepared.index, unmapped=UNMAPPED_FULL)
+    bar = Progress(_bytes_of(rank_plan, names), 1, enabled=spec.run.progress,
+                   desc="fingerprinting sources")
+    try:
+        return fingerprint_plan(rank_plan, prepared.readers, wanted=names, progress=bar.add_bytes).digests
+    finally:
+        bar.close()
 
 
 def _why_unchecked(spec: JobSpec) -> str | None:
