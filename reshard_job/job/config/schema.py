@@ -120,6 +120,8 @@ class JobConfig:
     # $RESHARD_JOB_CACHE_DIR or ~/.cache/reshard_job
     hash_cache: bool = True
     progress: Optional[bool] = None  # progress bar; null = when stderr is a terminal
+    # fingerprint every converted parameter in the sources and the outputs, and compare them
+    fingerprints: bool = True
     executor: str = "local"  # local (this machine) | ray (one task per target rank on a Ray cluster)
     ray: RayConfig = field(default_factory=RayConfig)  # used with executor=ray
 

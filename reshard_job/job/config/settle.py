@@ -214,7 +214,7 @@ def _run(j: schema.JobConfig) -> RunSpec:
     if j.executor not in EXECUTORS:
         raise ConfigError(f"job.executor must be {' or '.join(EXECUTORS)}, got {_show(j.executor)}")
     return RunSpec(j.mode, workers, ranks, _max_memory(j.max_memory), bool(j.resume), bool(j.hash_cache),
-                   j.progress, j.executor, _ray(j.ray))
+                   j.progress, j.executor, _ray(j.ray), fingerprints=bool(j.fingerprints))
 
 
 def _ray(r: schema.RayConfig) -> RaySpec:

@@ -127,6 +127,7 @@ class RunSpec:
     progress: bool | None = None
     executor: str = EXECUTOR_LOCAL
     ray: RaySpec = field(default_factory=RaySpec)
+    fingerprints: bool = True  # prove the conversion (``job.stages.proof``)
 
 
 @dataclass(frozen=True)

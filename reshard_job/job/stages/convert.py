@@ -289,15 +289,17 @@ def _finish(spec: JobSpec, prepared: Prepared, out: OutputDir, digests: SourceDi
             strategy_out: dict | None, written: dict, recorder, files) -> Outputs:
     run_id = recorder.run_id
     target_files = [files.file_entry(_target_file(prepared, out, key, written[key])) for key in sorted(written)]
-    proof = prove(spec, prepared, out.path, strategy_out["path"] if strategy_out else None)
-    recorder.record_fingerprints(proof)
+    proof = prove(spec, prepared, out.path, strategy_out["path"] if strategy_out else None) \
+        if spec.run.fingerprints else None  # job.fingerprints=false: neither computed nor recorded
     checks = prepared.checks + ["sources unchanged since hashed"]
-    if proof.target is not None:
+    if proof is not None:
+        recorder.record_fingerprints(proof)
+    if proof is not None and proof.target is not None:
         checks.append("every converted parameter has the same fingerprint in the outputs as in the sources")
     build = functools.partial(
         build_manifest, run_id=run_id or "", tool_version=__version__, fingerprint=fingerprint, config=spec.config,
         source=_source_section(spec, prepared, digests), plan_summary=_plan_summary(prepared),
-        checks=checks, fingerprints=proof.manifest_section())
+        checks=checks, fingerprints=proof.manifest_section() if proof else None)
     target = {"devices": prepared.target.devices, "format": spec.target.format, "prefix": spec.target.prefix,
               "ranks": list(spec.run.ranks) if spec.run.ranks else None, "strategy": strategy_out,
               "files": target_files, **_export_section(prepared)}

@@ -128,6 +128,7 @@ def _source_fingerprints(spec: JobSpec, prepared, names: set[str]) -> dict[str, 
 
 
 def _why_unchecked(spec: JobSpec) -> str | None:
+    """Why the outputs cannot be read back whole by this process (None: they can)."""
     if spec.run.ranks:
         return "job.ranks wrote some target ranks only"
     if spec.output.placement != PLACEMENT_SHARED:
