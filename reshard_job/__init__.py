@@ -12,6 +12,8 @@ __all__ = [
     "rank_list_for_transform",
     "merge_pipeline_strategies",
     "merge_pipeline_strategys",
+    "load_rank",
+    "iter_rank",
     "ReshardError",
     "__version__",
 ]
@@ -23,6 +25,10 @@ def __getattr__(name):
         from reshard_job import api
 
         return getattr(api, name)
+    if name in ("load_rank", "iter_rank"):
+        from reshard_job import loading
+
+        return getattr(loading, name)
     if name == "ReshardError":
         from reshard_job.errors import ReshardError
 

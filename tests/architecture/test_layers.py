@@ -36,7 +36,7 @@ LAYERS = [
     ["reshard_job.audit"],  # compare reads checkpoints as the job's stages do
     ["reshard_job.job"],  # the runner
     ["reshard_job.job.cli"],  # the Hydra entry point over the runner
-    ["reshard_job.api", "reshard_job.__main__"],
+    ["reshard_job.api", "reshard_job.loading", "reshard_job.__main__"],
 ]
 RANK = {room: i for i, rooms in enumerate(LAYERS) for room in rooms}
 FACE = "reshard_job"

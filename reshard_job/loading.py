@@ -1,0 +1,162 @@
+"""Resharding at load time: the tensors one target rank needs, read straight from the sources.
+
+``load_rank(rank_id, src_checkpoints, src_strategy_file, dst_strategy_file)`` prepares the sources
+as the job does (the same discovery, cross-checks and refusals, every source kind the job reads,
+local or ``s3://``), plans that one target rank, and runs the rank task's own reading code into
+memory instead of into a file: each array is byte-equal to the tensor the job writes for that rank,
+and only the byte ranges the rank needs are read (coalesced by the readers' read-ahead). Tensors
+the source strategy says several ranks hold identically are compared, as the job compares them.
+
+Arrays come back in their own dtype; bfloat16 as ``ml_dtypes.bfloat16``; a packed dtype that numpy
+has no type for (Int4) as its raw bytes (uint8). A ``.ckpt``'s string entries are not tensors and
+are left out. ``iter_rank`` yields ``(name, array)`` a few parameters at a time, for a rank that
+does not want everything in memory at once. ``to_mindspore_parameters`` turns the arrays into
+``mindspore.Parameter``s for ``load_param_into_net`` (MindSpore is imported there only).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterator
+
+import numpy as np
+
+import reshard_job.core.dtypes as dtypes
+from reshard_job.formats.base import TensorDecl
+from reshard_job.plan.model import UNMAPPED_OMIT, ParamPlans, RankPlan
+
+BATCH_PARAMETERS = 256  # parameters read per step of ``iter_rank`` (small ones are most of a large model)
+READ_MEMORY = 64 << 20  # in-flight buffer bound of the rank task's reads (``job.max_memory``)
+
+
+class _Arrays:
+    """The calls of a checkpoint writer, keeping each tensor as a numpy array."""
+
+    writes_in_given_order = True
+
+    def __init__(self):
+        self.out: list[tuple[str, np.ndarray]] = []
+
+    def arrange(self, tensors: list[TensorDecl]) -> list[str]:
+        return [t.name for t in tensors]
+
+    def add_bytes(self, name: str, dtype: str, dims, data, *_) -> None:
+        buf = np.empty(memoryview(data).nbytes, np.uint8)
+        buf[:] = np.frombuffer(memoryview(data).cast("B"), np.uint8)  # the caller's window is reused
+        self.out.append((name, _typed(buf, dtype, dims)))
+
+    def begin(self, name: str, dtype: str, dims, *_, **__) -> "_Filling":
+        return _Filling(self, name, dtype, dims)
+
+    def add_str(self, name: str, text: str, dims=(0,)) -> None:
+        return None
+
+    def add_map(self, name: str, records) -> None:
+        return None
+
+
+class _Filling:
+    """One tensor's bytes, in order, into a buffer of its size."""
+
+    def __init__(self, owner: _Arrays, name: str, dtype: str, dims):
+        self.owner, self.name, self.dtype, self.dims = owner, name, dtype, tuple(dims)
+        self.parts: list[np.ndarray] = []
+
+    def write(self, data) -> None:
+        self.parts.append(np.frombuffer(memoryview(data).cast("B"), np.uint8).copy())
+
+    def close(self) -> None:
+        buf = self.parts[0] if len(self.parts) == 1 else np.concatenate(self.parts) if self.parts \
+            else np.empty(0, np.uint8)
+        self.parts = []
+        self.owner.out.append((self.name, _typed(buf, self.dtype, self.dims)))
+
+
+def _typed(raw: np.ndarray, dtype: str, dims) -> np.ndarray:
+    """Raw little-endian bytes as an array of the tensor's dtype and shape."""
+    dt = dtypes.BY_NAME[dtype]
+    if not dt.sliceable:
+        return raw  # packed (Int4): numpy has no type for it
+    if dt.name == "BFloat16":
+        import ml_dtypes
+
+        return raw.view(ml_dtypes.bfloat16).reshape(dims)
+    return raw.view(dt.storage).reshape(dims)
+
+
+def _prepared(rank_id: int, src_checkpoints, src_strategy_file, dst_strategy_file, storage_options, unmapped):
+    from reshard_job.errors import ConfigError, MissingRankError
+    from reshard_job.job.config.spec import SourceSpec, TargetSpec
+    from reshard_job.job.stages.prepare import check_identical, prepare
+    from reshard_job.storage import StorageOptions
+
+    def absolute(p):
+        return None if p is None else str(p) if "://" in str(p) else os.path.abspath(os.fspath(p))
+
+    if isinstance(rank_id, bool) or not isinstance(rank_id, (int, np.integer)) or rank_id < 0:
+        raise ConfigError(f"rank_id must be a target rank (an integer >= 0), got {rank_id!r}")
+    options = StorageOptions(**(storage_options or {})) if isinstance(storage_options, dict) else storage_options
+    source = SourceSpec(absolute(src_checkpoints), absolute(src_strategy_file))
+    target = TargetSpec(strategy=absolute(dst_strategy_file), unmapped=unmapped)
+    prepared = prepare(source, target, ranks=(int(rank_id),), storage=options)
+    try:
+        if prepared.missing:
+            raise MissingRankError(prepared.missing, prepared.source.checkpoints)
+        check_identical(prepared)
+    except BaseException:
+        prepared.close()
+        raise
+    return prepared
+
+
+def iter_rank(rank_id: int, src_checkpoints, src_strategy_file=None, dst_strategy_file=None, *,
+              storage_options=None, unmapped: str = UNMAPPED_OMIT) -> Iterator[tuple[str, np.ndarray]]:
+    """``(name, array)`` of every tensor target rank `rank_id` holds, in the order the job writes
+    them, read a few parameters at a time (see the module docstring)."""
+    from reshard_job.execute.rank_task import write_params
+
+    prepared = _prepared(rank_id, src_checkpoints, src_strategy_file, dst_strategy_file, storage_options, unmapped)
+    with prepared:
+        params = prepared.plan.rank(int(rank_id)).params
+        for start in range(0, len(params), BATCH_PARAMETERS):
+            arrays = _Arrays()
+            write_params(arrays, RankPlan(int(rank_id), _slice(params, start)), prepared.readers,
+                         max_memory=READ_MEMORY)
+            yield from arrays.out
+
+
+def _slice(params, start: int):
+    stop = start + BATCH_PARAMETERS
+    if isinstance(params, ParamPlans):
+        return ParamPlans(params.tensors[start:stop], params.slices[start:stop])
+    return list(params[start:stop])
+
+
+def load_rank(rank_id: int, src_checkpoints, src_strategy_file=None, dst_strategy_file=None, *,
+              consumer: str | None = None, lineage_url: str | None = None, storage_options=None,
+              unmapped: str = UNMAPPED_OMIT) -> dict[str, np.ndarray]:
+    """The tensors target rank `rank_id` needs, as the job would write them for that rank.
+
+    `src_checkpoints`: a folder of ``rank_<r>/`` files, a MindFormers save, an export folder, local
+    or ``s3://``; `src_strategy_file`: its strategy file or per-stage folder (None: unsharded, or
+    the layouts a MindFormers save holds); `dst_strategy_file`: the target's (None: one whole
+    model). `storage_options`: ``{"endpoint_url": ..., "options": {...}}`` for object stores.
+    `consumer` and `lineage_url` name who loads and where the load is recorded (see README)."""
+    arrays = dict(iter_rank(rank_id, src_checkpoints, src_strategy_file, dst_strategy_file,
+                            storage_options=storage_options, unmapped=unmapped))
+    del consumer, lineage_url  # recording loads in the lineage database: not yet
+    return arrays
+
+
+def to_mindspore_parameters(arrays: dict[str, np.ndarray]) -> dict:
+    """``{name: mindspore.Parameter}`` for ``mindspore.load_param_into_net(net, ...)``."""
+    import mindspore  # only here: the rest of the package never needs it
+
+    out = {}
+    for name, array in arrays.items():
+        if array.dtype.name == "bfloat16":
+            tensor = mindspore.Tensor(array.astype(np.float32), mindspore.bfloat16)
+        else:
+            tensor = mindspore.Tensor(array)
+        out[name] = mindspore.Parameter(tensor, name=name)
+    return out
