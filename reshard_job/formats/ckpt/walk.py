@@ -130,10 +130,12 @@ class RecordWalk:
         wstart, window = 0, b""
         typical = 0  # moving average of record lengths (large weights often alternate with tiny biases)
         tail = None  # the last common record's tail (see ``_walk_repeats``)
+        first = self._first_window_buffer()
         while pos < size:
             if pos + self._head > wstart + len(window) and wstart + len(window) < size:
                 # the next record is likely large too where `typical` is: its head is enough
-                window = self._walk_window(pos, head_buffer if typical >= large else buffer)
+                window = self._walk_window(pos, first if pos == 0 and first is not None else
+                                           head_buffer if typical >= large else buffer)
                 wstart = pos
             rel = pos - wstart
             if size - pos == CRC_TRAILER_LEN and window[rel : rel + 7] == CRC_MAGIC and self._names:
@@ -177,6 +179,13 @@ class RecordWalk:
         # buffers are mmapped, see job/run/memory.py) whose pages the kernel must zero on first touch,
         # which cost more than the reads themselves.
         return bytearray(min(fetch, self.size)), bytearray(min(SMALL_HEAD, self.size)), large
+
+    def _first_window_buffer(self) -> bytearray | None:
+        """An object store's first window is one record head (HEAD bytes), not a full window: a file
+        that starts with a large tensor would otherwise fetch the first MiB of it only to skip it."""
+        if getattr(self._file, "index_window", None) is None:
+            return None
+        return bytearray(min(HEAD, self.size))
 
     def _walk_window(self, pos: int, buffer: bytearray) -> bytearray:
         """The file's bytes from `pos` on, as many as `buffer` holds (in it, unless the file ends first)."""

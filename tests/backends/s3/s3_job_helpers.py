@@ -166,12 +166,14 @@ HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", 
 class ThrottlingProxy:
     """An HTTP proxy in front of the S3 server, on loopback, that answers ``503 SlowDown`` to the
     requests `throttle(method, path)` picks and forwards every other one unchanged (the Host
-    header included, so request signatures still verify). ``throttled`` counts the refusals."""
+    header included, so request signatures still verify). ``throttled`` counts the refusals,
+    ``served`` the body bytes of the GETs it relayed."""
 
     def __init__(self, upstream: str, throttle: Callable[[str, str], bool]):
         self.upstream = urlsplit(upstream)
         self.throttle = throttle
         self.throttled = 0
+        self.served = 0
         self._lock = threading.Lock()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self._server.daemon_threads = True
@@ -229,6 +231,9 @@ class ThrottlingProxy:
                         self.send_header(k, v)
                 if self.command != "HEAD":
                     self.send_header("Content-Length", str(len(data)))
+                if self.command == "GET":
+                    with proxy._lock:
+                        proxy.served += len(data)
                 self.end_headers()
                 if self.command != "HEAD":
                     self.wfile.write(data)

@@ -54,3 +54,17 @@ def test_a_rank_the_target_does_not_have_is_refused_in_one_line(golden_scenario)
     s = golden_scenario
     with pytest.raises(ReshardError, match=r"target rank 999 is outside 0\.\.\d+"):
         reshard_job.load_rank(999, s.src_checkpoints, s.src_strategy, s.dst_strategy)
+
+
+@pytest.mark.parametrize("name", ["M1a_mf_llama_dp2mp2os_bf16_to_mp4", "M1b_mf_llama_pp2dp2mp2os2_to_mp4"])
+def test_a_mindformers_save_loads_as_the_conversion_writes_it(name, tmp_path):
+    from pathlib import Path
+
+    d = Path(__file__).parents[2] / "golden" / name
+    src, dst = str(d / "src_mindformers"), str(d / "dst_strategy.ckpt")
+    reshard_job.transform_checkpoints(src, str(tmp_path / "out"), "checkpoint_", None, dst)
+    for rank in range(4):
+        loaded = reshard_job.load_rank(rank, src, None, dst)
+        written = _written(tmp_path / "out" / f"rank_{rank}" / f"checkpoint_{rank}.ckpt")
+        assert list(loaded) == list(written) and loaded
+        assert all(loaded[n].tobytes() == written[n] for n in written), rank
