@@ -31,6 +31,17 @@ pytest_plugins = ["lineage_fixtures"]
 GOLDEN_DIR = Path(__file__).parent / "golden"
 
 
+# ============================================================================ the user's environment
+
+
+@pytest.fixture(autouse=True)
+def no_lineage_database_from_the_environment(monkeypatch):
+    """A lineage URL the user exported must not redirect what tests record and read (subprocesses
+    inherit the cleaned environment); tests that want one set it themselves."""
+    for name in ("RESHARD_JOB_LINEAGE_URL", "RESHARD_LINEAGE_URL"):
+        monkeypatch.delenv(name, raising=False)
+
+
 # ============================================================================ golden scenarios
 
 

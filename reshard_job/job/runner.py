@@ -110,8 +110,11 @@ def _convert(spec: JobSpec, prepared: Prepared, recorder) -> JobResult:
         raise
     finally:
         out.unlock()
+    from reshard_job.secrets import mask_url
+
     return JobResult(outputs.status, outputs.out_dir, outputs.run_id, outputs.manifest_sha256,
-                     prepared.target.devices, nodes=outputs.nodes)
+                     prepared.target.devices, nodes=outputs.nodes,
+                     lineage_url=mask_url(spec.lineage.url) if outputs.run_id else None)
 
 
 def _open_output(spec: JobSpec, prepared: Prepared) -> OutputDir:

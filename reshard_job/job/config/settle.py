@@ -266,7 +266,11 @@ def _max_memory(value: Any) -> int:
 
 
 def _lineage(lin: schema.LineageConfig, ctx: JobContext) -> LineageSpec:
-    url = lin.url or "sqlite:///" + os.path.join(ctx.launch_dir, "runs", "lineage.db")
+    from reshard_job.lineage.database import url_from_environment
+
+    url = lin.url or url_from_environment() or "sqlite:///" + os.path.join(ctx.launch_dir, "runs", "lineage.db")
+    if isinstance(url, str) and url and "://" not in url:  # a path, as people type it: the SQLite file there
+        url = "sqlite:///" + absolute(url, ctx.launch_dir)
     if not isinstance(url, str) or "://" not in url:
         raise ConfigError(f"lineage.url must be an SQLAlchemy URL such as sqlite:///runs/lineage.db, got {_show(url)}")
     if url.startswith("sqlite:///") and not url.startswith("sqlite:////"):

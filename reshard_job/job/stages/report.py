@@ -61,7 +61,9 @@ def run_summary(result) -> str:
     lines = [f"{result.status}: outputs in {result.output_dir}"]
     lines.append(f"  manifest: {result.output_dir.rstrip('/')}/{MANIFEST_FILE} (file sha256 {result.manifest_sha256})")
     if result.run_id:
-        lines.append(f"  lineage run {result.run_id}: python -m reshard_job.audit show {result.run_id}")
+        db = f" --db '{result.lineage_url}'" if getattr(result, "lineage_url", None) else ""
+        lines.append(f"  lineage run {result.run_id} in {result.lineage_url}: "
+                     f"python -m reshard_job.audit{db} show {result.run_id}")
     if getattr(result, "nodes", None):
         from reshard_job.job.run.throughput import from_json, render
 

@@ -70,6 +70,22 @@ def test_no_argument_demo_converts_8_to_4_and_records_lineage(tmp_path):
         np.testing.assert_array_equal(merged[name], want, err_msg=name)
 
 
+def test_the_lineage_database_named_by_the_environment_is_used_and_named(tmp_path, monkeypatch):
+    db = tmp_path / "team" / "lineage.db"
+    monkeypatch.setenv("RESHARD_JOB_LINEAGE_URL", str(db))  # a plain path: the SQLite file there
+    res = run_app(tmp_path, "output.dir=out")
+    assert res.returncode == 0, res.stderr
+    assert not (tmp_path / "runs" / "lineage.db").exists()
+    with sqlite3.connect(db) as con:
+        assert [r[0] for r in con.execute("select status from runs")] == ["completed"]
+    result = json.loads(next((tmp_path / "runs").rglob("result.json")).read_text())
+    assert result["lineage_url"] == f"sqlite:///{db}"
+    assert str(db) in res.stdout
+    monkeypatch.setenv("RESHARD_JOB_LINEAGE_URL", f"sqlite:///{tmp_path / 'other.db'}")
+    res = run_app(tmp_path, "output.dir=out2", f"lineage.url=sqlite:///{db}")  # the command line wins
+    assert res.returncode == 0 and not (tmp_path / "other.db").exists()
+
+
 @pytest.mark.parametrize("scenario,src,dst", [
     ("S1_mlp_tutorial_8to4", "src_strategy.ckpt", "dst_strategy.ckpt"),
     ("S3_pipeline2x4opt_to_4", "src_strategy_dir", "dst_strategy.ckpt"),

@@ -310,11 +310,15 @@ def test_a_moved_output_directory_still_verifies_and_an_edited_manifest_is_caugh
 
 def test_trace_by_sha256_and_default_database_from_environment(recorded, capsys, monkeypatch):
     lineage = recorded.lineage
-    monkeypatch.setenv("RESHARD_LINEAGE_URL", recorded.url)
+    monkeypatch.setenv("RESHARD_JOB_LINEAGE_URL", recorded.url)
     assert main(["trace", lineage.final.sha256, "--json"]) == 0
     traced = json.loads(capsys.readouterr().out)
     assert traced["query"]["sha256"] == lineage.final.sha256
     assert {f.sha256 for f in lineage.sources} <= {a["sha256"] for a in traced["ancestors"]}
+    monkeypatch.delenv("RESHARD_JOB_LINEAGE_URL")
+    monkeypatch.setenv("RESHARD_LINEAGE_URL", recorded.url)  # the name earlier versions read
+    assert main(["trace", lineage.final.sha256, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["query"]["sha256"] == lineage.final.sha256
     monkeypatch.delenv("RESHARD_LINEAGE_URL")
     monkeypatch.chdir(recorded.root)  # the default is runs/lineage.db under the current directory
     assert main(["runs", "--json"]) == 0
