@@ -27,6 +27,7 @@ from reshard_job.plan.model import UNMAPPED_OMIT, ParamPlans, RankPlan
 
 BATCH_PARAMETERS = 256  # parameters read per step of ``iter_rank`` (small ones are most of a large model)
 READ_MEMORY = 64 << 20  # in-flight buffer bound of the rank task's reads (``job.max_memory``)
+CONSUMER_ENV_VAR = "RESHARD_JOB_CONSUMER"  # who loads, when load_rank is not told
 
 
 class _Arrays:
@@ -113,16 +114,19 @@ def iter_rank(rank_id: int, src_checkpoints, src_strategy_file=None, dst_strateg
               storage_options=None, unmapped: str = UNMAPPED_OMIT) -> Iterator[tuple[str, np.ndarray]]:
     """``(name, array)`` of every tensor target rank `rank_id` holds, in the order the job writes
     them, read a few parameters at a time (see the module docstring)."""
-    from reshard_job.execute.rank_task import write_params
-
     prepared = _prepared(rank_id, src_checkpoints, src_strategy_file, dst_strategy_file, storage_options, unmapped)
     with prepared:
-        params = prepared.plan.rank(int(rank_id)).params
-        for start in range(0, len(params), BATCH_PARAMETERS):
-            arrays = _Arrays()
-            write_params(arrays, RankPlan(int(rank_id), _slice(params, start)), prepared.readers,
-                         max_memory=READ_MEMORY)
-            yield from arrays.out
+        yield from _read(prepared, int(rank_id))
+
+
+def _read(prepared, rank_id: int) -> Iterator[tuple[str, np.ndarray]]:
+    from reshard_job.execute.rank_task import write_params
+
+    params = prepared.plan.rank(rank_id).params
+    for start in range(0, len(params), BATCH_PARAMETERS):
+        arrays = _Arrays()
+        write_params(arrays, RankPlan(rank_id, _slice(params, start)), prepared.readers, max_memory=READ_MEMORY)
+        yield from arrays.out
 
 
 def _slice(params, start: int):
@@ -142,10 +146,59 @@ def load_rank(rank_id: int, src_checkpoints, src_strategy_file=None, dst_strateg
     the layouts a MindFormers save holds); `dst_strategy_file`: the target's (None: one whole
     model). `storage_options`: ``{"endpoint_url": ..., "options": {...}}`` for object stores.
     `consumer` and `lineage_url` name who loads and where the load is recorded (see README)."""
-    arrays = dict(iter_rank(rank_id, src_checkpoints, src_strategy_file, dst_strategy_file,
-                            storage_options=storage_options, unmapped=unmapped))
-    del consumer, lineage_url  # recording loads in the lineage database: not yet
+    from reshard_job.lineage.database import url_from_environment
+
+    url = lineage_url or url_from_environment()
+    if url is None:
+        return dict(iter_rank(rank_id, src_checkpoints, src_strategy_file, dst_strategy_file,
+                              storage_options=storage_options, unmapped=unmapped))
+    prepared = _prepared(rank_id, src_checkpoints, src_strategy_file, dst_strategy_file, storage_options, unmapped)
+    with prepared:
+        arrays = dict(_read(prepared, int(rank_id)))
+        record_load(prepared, int(rank_id), consumer or _consumer_from_environment(), url)
     return arrays
+
+
+def _consumer_from_environment() -> str:
+    import sys
+
+    return os.environ.get(CONSUMER_ENV_VAR) or os.path.basename(sys.argv[0] or "") or "python"
+
+
+def record_load(prepared, rank_id: int, consumer: str, url: str) -> str:
+    """Record in the lineage database at `url` that `consumer` loaded target rank `rank_id` from
+    the source files the rank read (with their sha256: from the digest cache where the files are
+    unchanged since hashed, else hashed now, once); returns the run id. ``audit trace
+    --descendants`` of any of those files lists it."""
+    from reshard_job import __version__
+    from reshard_job.lineage import FileRecord, LineageStore
+    from reshard_job.sources.file_digests import HashCache, HashRequest, default_cache_path, digest_files
+    from reshard_job.sources.open_files import files_of
+
+    storage = prepared.readers.storage
+    read = [(r, f) for r in prepared.plan.rank(rank_id).source_ranks for f in files_of(prepared.source_paths[r])]
+    strategies = list(prepared.strategy.files)
+    target_strategy = prepared.target.strategy_from
+    if target_strategy and target_strategy not in strategies and (
+            "://" in target_strategy or os.path.isfile(target_strategy)):
+        strategies.append(target_strategy)
+    cache = HashCache(default_cache_path(), storage)
+    digests = digest_files([HashRequest(f) for _, f in read] + [HashRequest(f) for f in strategies], threads=2,
+                           cache=cache, storage_options=storage)
+    cache.save()
+    inputs = [FileRecord(d.path, d.sha256, d.size, "source_checkpoint", r) for (r, _), d in zip(read, digests)]
+    inputs += [FileRecord(d.path, d.sha256, d.size, "strategy") for d in digests[len(read):]]
+    load = {"consumer": consumer, "rank": rank_id, "source": prepared.source.checkpoints,
+            "source_strategy": prepared.source.strategy, "target_strategy": prepared.target.strategy_from}
+    with LineageStore(url) as store:
+        store.ensure_schema()
+        run_id = store.start_run(config={"load": load}, overrides=[], tool_version=__version__,
+                                 output_dir=f"(loaded into memory by {consumer}, target rank {rank_id})",
+                                 source_devices=prepared.strategy.topology.devices,
+                                 target_devices=prepared.target.devices)
+        store.record_inputs(run_id, inputs)
+        store.complete_run(run_id, outputs=[], plan=prepared.plan.to_json())
+    return run_id
 
 
 def to_mindspore_parameters(arrays: dict[str, np.ndarray]) -> dict:

@@ -3,6 +3,9 @@ sources, holds exactly the tensors the conversion writes for that rank, byte for
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -58,8 +61,6 @@ def test_a_rank_the_target_does_not_have_is_refused_in_one_line(golden_scenario)
 
 @pytest.mark.parametrize("name", ["M1a_mf_llama_dp2mp2os_bf16_to_mp4", "M1b_mf_llama_pp2dp2mp2os2_to_mp4"])
 def test_a_mindformers_save_loads_as_the_conversion_writes_it(name, tmp_path):
-    from pathlib import Path
-
     d = Path(__file__).parents[2] / "golden" / name
     src, dst = str(d / "src_mindformers"), str(d / "dst_strategy.ckpt")
     reshard_job.transform_checkpoints(src, str(tmp_path / "out"), "checkpoint_", None, dst)
@@ -68,3 +69,25 @@ def test_a_mindformers_save_loads_as_the_conversion_writes_it(name, tmp_path):
         written = _written(tmp_path / "out" / f"rank_{rank}" / f"checkpoint_{rank}.ckpt")
         assert list(loaded) == list(written) and loaded
         assert all(loaded[n].tobytes() == written[n] for n in written), rank
+
+
+def test_a_recorded_load_is_a_descendant_of_the_files_it_read(tmp_path, capsys, monkeypatch):
+    from reshard_job.audit import main as audit
+
+    d = Path(__file__).parents[2] / "golden" / "S2_block_mp4dp2opt_to_mp4"
+    src, src_strategy, dst_strategy = d / "src_checkpoints", d / "src_strategy.ckpt", d / "dst_strategy.ckpt"
+    url = f"sqlite:///{tmp_path / 'lineage.db'}"
+    monkeypatch.setenv("RESHARD_JOB_CONSUMER", "finetune-7b")
+    plain = reshard_job.load_rank(2, src, src_strategy, dst_strategy)
+    recorded = reshard_job.load_rank(2, src, src_strategy, dst_strategy, lineage_url=url)
+    assert list(recorded) == list(plain)
+    assert audit(["--db", url, "runs", "--json"]) == 0
+    runs = json.loads(capsys.readouterr().out)
+    assert len(runs) == 1 and runs[0]["status"] == "completed"
+    assert "finetune-7b" in runs[0]["output_dir"] and "target rank 2" in runs[0]["output_dir"]
+    assert audit(["--db", url, "show", runs[0]["id"], "--json"]) == 0
+    inputs = {i["path"] for i in json.loads(capsys.readouterr().out)["inputs"]}
+    assert str(src_strategy) in inputs and str(dst_strategy) in inputs
+    source_file = next(p for p in sorted(inputs) if "/rank_" in p)
+    assert audit(["--db", url, "trace", source_file, "--descendants", "--json"]) == 0
+    assert runs[0]["id"] in capsys.readouterr().out
