@@ -4,8 +4,9 @@
 as the job does (the same discovery, cross-checks and refusals, every source kind the job reads,
 local or ``s3://``), plans that one target rank, and runs the rank task's own reading code into
 memory instead of into a file: each array is byte-equal to the tensor the job writes for that rank,
-and only the byte ranges the rank needs are read (coalesced by the readers' read-ahead). Tensors
-the source strategy says several ranks hold identically are compared, as the job compares them.
+and only the byte ranges the rank needs are read (coalesced by the readers' read-ahead). So the
+copies of a replicated block that the rank does not read are not compared with the one it reads,
+as the job (which reads every source file to hash it) and ``audit compare`` compare them.
 
 Arrays come back in their own dtype; bfloat16 as ``ml_dtypes.bfloat16``; a packed dtype that numpy
 has no type for (Int4) as its raw bytes (uint8). A ``.ckpt``'s string entries are not tensors and
@@ -88,7 +89,8 @@ def _typed(raw: np.ndarray, dtype: str, dims) -> np.ndarray:
 def _prepared(rank_id: int, src_checkpoints, src_strategy_file, dst_strategy_file, storage_options, unmapped):
     from reshard_job.errors import ConfigError, MissingRankError
     from reshard_job.job.config.spec import SourceSpec, TargetSpec
-    from reshard_job.job.stages.prepare import check_identical, prepare
+    from reshard_job.job.stages.prepare import prepare_from
+    from reshard_job.sources.base import reader_for
     from reshard_job.storage import StorageOptions
 
     def absolute(p):
@@ -99,15 +101,40 @@ def _prepared(rank_id: int, src_checkpoints, src_strategy_file, dst_strategy_fil
     options = StorageOptions(**(storage_options or {})) if isinstance(storage_options, dict) else storage_options
     source = SourceSpec(absolute(src_checkpoints), absolute(src_strategy_file))
     target = TargetSpec(strategy=absolute(dst_strategy_file), unmapped=unmapped)
-    prepared = prepare(source, target, ranks=(int(rank_id),), storage=options)
+    reader = reader_for(source, options)
+    reader.check(source)
+    found = _only_ranks_read(reader, reader.discover(source), source, target, int(rank_id), options)
+    prepared = prepare_from(reader, found, source, target, ranks=(int(rank_id),), storage=options)
     try:
         if prepared.missing:
             raise MissingRankError(prepared.missing, prepared.source.checkpoints)
-        check_identical(prepared)
     except BaseException:
         prepared.close()
         raise
     return prepared
+
+
+def _only_ranks_read(reader, found, source, target, rank_id: int, options):
+    """The rank files the rank's plan can read, of sharded rank folders (their layouts say which):
+    the other ranks' files are not even indexed, which would read their record heads (on an object
+    store, the whole of files of small tensors). A MindFormers save or an export folder keeps its
+    own, already lean, way."""
+    from dataclasses import replace
+
+    from reshard_job.job.stages.target import settle_target
+    from reshard_job.plan.rank_list import source_ranks_for
+    from reshard_job.sources.rank_folders import RankFolders
+
+    if not isinstance(reader, RankFolders) or source.strategy is None:
+        return found
+    layouts = reader.layouts(source.strategy)
+    dst = settle_target(target, layouts, {}, options)
+    needed = set(source_ranks_for(layouts.topology, dst.topology, rank_id, unmapped=target.unmapped))
+    if not needed or not needed <= set(found.files):
+        return found  # the plan says what is missing, in its own words
+    keep = {r: v for r, v in found.files.items() if r in needed}
+    return replace(found, files=keep, identities={r: v for r, v in found.identities.items() if r in needed},
+                   sizes={r: v for r, v in found.sizes.items() if r in needed})
 
 
 def iter_rank(rank_id: int, src_checkpoints, src_strategy_file=None, dst_strategy_file=None, *,
