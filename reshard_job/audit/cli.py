@@ -9,6 +9,9 @@ Commands:
   verify REF                 re-hash recorded files; exit 1 if any is missing or changed
   graph REF [--descendants] [--format dot|svg|html] [--output FILE]
                              the lineage as a picture (stdout by default)
+  compare A B [--a-strategy FILE] [--b-strategy FILE] [--weights]
+                             whether two checkpoints hold the same parameters, whatever their
+                             layouts and formats (by per-parameter fingerprints); exit 1 if not
 
 REF is a file path (looked up by its content), an output directory (the files its manifest
 lists), a sha256, or a run id; digests and run ids may be shortened to a unique prefix of at
@@ -21,8 +24,8 @@ This module is argument parsing and printing only; answers come from ``reshard_j
 whose schema is missing or at another revision, instead of migrating it. Like other Unix tools it
 stops quietly when its reader goes away (``audit runs | head -1``), with status 141.
 
-Exit codes: 0 success, 1 verification found missing or changed files, 2 usage or lookup error,
-130 interrupted, 141 output pipe closed.
+Exit codes: 0 success, 1 verification found missing or changed files or fingerprints that disagree
+(``compare``: a parameter differs or is on one side only), 2 usage or lookup error, 130 interrupted, 141 output pipe closed.
 """
 
 from __future__ import annotations
@@ -99,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog=prog, parents=[common], description="Inspect the lineage of resharded checkpoints.",
         epilog="REF: a file path, an output directory, a sha256 or a run id; digests and run ids may be "
                "unique prefixes of 8 or more characters. Times are UTC. Exit status: 0 ok, 1 verify found "
-               "missing or changed files, 2 usage error or nothing found.")
+               "missing or changed files or disagreeing fingerprints, or compare found a difference, 2 usage "
+               "error or nothing found.")
     parser.add_argument("--version", action="version", version=f"reshard_job {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_ArgumentParser)
     commands.required = True
@@ -134,7 +138,23 @@ def build_parser() -> argparse.ArgumentParser:
     graph.add_argument("--format", choices=FORMATS, default=None,
                        help="picture format (default: from --output's suffix, else dot)")
     graph.add_argument("--output", metavar="FILE", help="write the picture to FILE instead of stdout")
+    _add_compare(commands, common)
     return parser
+
+
+def _add_compare(commands, common) -> None:
+    compare = commands.add_parser("compare", parents=[common],
+                                  help="whether two checkpoints hold the same parameters, in any layouts and formats")
+    for side in ("a", "b"):
+        compare.add_argument(side, metavar=side.upper(),
+                             help="an output directory, a run id (or prefix), a folder of rank_<r>/ files, "
+                                  "a MindFormers save or an export folder")
+    for side in ("a", "b"):
+        compare.add_argument(f"--{side}-strategy", metavar="FILE",
+                             help=f"strategy file (or per-stage folder) of {side.upper()}'s rank folders "
+                                  "(none: unsharded, or an output directory's own)")
+    compare.add_argument("--weights", action="store_true",
+                         help="ignore optimizer states and step counters (as target.include=weights does)")
 
 
 class _UsageError(Exception):
@@ -163,9 +183,9 @@ def _cmd_runs(session, args) -> _Answer:
 def _cmd_show(session, args) -> _Answer:
     import reshard_job.audit.render as render
     from reshard_job.audit.lookup import resolve_run_id
-    from reshard_job.audit.queries import run_details
+    from reshard_job.audit.queries import shown_run
 
-    return _Answer(run_details(session, resolve_run_id(session, args.run)), render.run_details)
+    return _Answer(shown_run(session, resolve_run_id(session, args.run)), render.shown_run)
 
 
 def _direction(args) -> str:
@@ -224,6 +244,25 @@ def _cmd_graph(session, args) -> _Answer:
     graph = graph_of(traced, _title(traced))
     picture = draw(graph, _picture_format(args), tool_version=__version__)
     return _Answer(picture, lambda text: text.rstrip("\n"), to_json=lambda _: graph.to_json())
+
+
+def _compare(args) -> int:
+    """``compare`` reads checkpoints; the lineage database is opened only for a side that is a run id."""
+    from reshard_job.audit.compare import Side, compare
+    from reshard_job.errors import ReshardError
+    from reshard_job.lineage.database import default_url, sqlite_url
+
+    url = getattr(args, "db", None) or default_url()
+    if "://" not in url:
+        url = sqlite_url(os.path.abspath(url))
+    sides = Side("A", args.a, args.a_strategy), Side("B", args.b, args.b_strategy)
+    try:
+        result = compare(*sides, weights=args.weights, open_store=lambda: _open_store(url), note=_complain)
+    except ReshardError as exc:
+        _complain(f"error: {exc}")
+        return EXIT_ERROR
+    _write(json.dumps(result.to_json(), indent=2) if getattr(args, "json", False) else result.to_text())
+    return EXIT_OK if result.equal else EXIT_MISMATCH
 
 
 COMMANDS = {"runs": _cmd_runs, "show": _cmd_show, "trace": _cmd_trace, "verify": _cmd_verify, "graph": _cmd_graph}
@@ -340,6 +379,8 @@ def _in_deep_stack(function, *args):
 
 def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "compare":
+        return _compare(args)
     want_json = getattr(args, "json", False)
 
     from sqlalchemy.exc import ArgumentError, SQLAlchemyError

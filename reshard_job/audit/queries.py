@@ -1,8 +1,10 @@
-"""Questions about runs: which runs match some filters, and everything recorded about one.
+"""Questions about runs: which runs match some filters, everything recorded about one, and
+whether its recorded output fingerprints equal its source ones.
 
-Functions take an open session and return read-side entities (``entities``); nothing here
-prints or touches files. Ancestry and descendants are in ``trace``, file checks in ``verify``,
-and turning what a user typed into runs or contents in ``lookup``.
+Functions take an open session and return read-side entities (``entities``, and the fingerprint
+summaries defined here, which only these questions produce); nothing here prints or touches
+files. Ancestry and descendants are in ``trace``, file checks in ``verify``, and turning what a
+user typed into runs or contents in ``lookup``.
 """
 
 from __future__ import annotations
@@ -10,13 +12,14 @@ from __future__ import annotations
 import datetime as dt
 import os
 from dataclasses import dataclass
+from typing import Any
 
-from sqlalchemy import or_, select
+from sqlalchemy import and_, func, or_, select
 from sqlalchemy.orm import Session
 
 from reshard_job.audit.entities import FileUse, RankMapEntry, RunDetails, RunInfo, sorted_files
 from reshard_job.lineage.errors import UnknownRunError
-from reshard_job.lineage.models import Artifact, Event, Run, RunPlan, RunRank
+from reshard_job.lineage.models import Artifact, Event, Run, RunFingerprint, RunPlan, RunRank
 from reshard_job.audit.reading import path_forms
 from reshard_job.lineage.status import RunStatus
 
@@ -106,3 +109,81 @@ def run_details(session: Session, run_id: str) -> RunDetails:
         rank_map=tuple(RankMapEntry.from_model(row) for row in ranks),
         plan=None if plan is None else plan.plan,
     )
+
+
+@dataclass(frozen=True)
+class FingerprintMismatch:
+    """An output parameter whose recorded fingerprint is not its source's (`source` None: the
+    sources have no fingerprint of that name)."""
+
+    name: str
+    target: str
+    source: str | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "target": self.target, "source": self.source}
+
+
+@dataclass(frozen=True)
+class FingerprintSummary:
+    """A run's recorded fingerprints: how many on each side, under which algorithm, and every
+    output parameter whose fingerprint differs from its source's (none: the outputs hold exactly
+    what the sources held). Nothing recorded (``recorded`` false) is a run from before them."""
+
+    algorithm: str | None
+    source: int
+    target: int
+    mismatches: tuple[FingerprintMismatch, ...]
+
+    @property
+    def recorded(self) -> bool:
+        return self.source + self.target > 0
+
+    @property
+    def equal(self) -> bool:
+        return not self.mismatches
+
+    def to_json(self) -> dict[str, Any]:
+        return {"algorithm": self.algorithm, "source": self.source, "target": self.target, "equal": self.equal,
+                "mismatches": [m.to_json() for m in self.mismatches]}
+
+
+def fingerprint_summary(session: Session, run_id: str) -> FingerprintSummary:
+    """The run's fingerprints compared in the database itself (a join on the primary key), so a
+    model of 600,000 parameters is never loaded to say that its outputs equal its sources."""
+    table = RunFingerprint.__table__
+    counts = {"source": 0, "target": 0}
+    algorithms = set()
+    for side, algorithm, count in session.execute(
+            select(table.c.side, table.c.algorithm, func.count()).where(table.c.run_id == run_id)
+            .group_by(table.c.side, table.c.algorithm)):
+        counts[side] = counts.get(side, 0) + count
+        algorithms.add(algorithm)
+    target, source = table.alias("target"), table.alias("source")
+    same_parameter = and_(source.c.run_id == target.c.run_id, source.c.side == "source",
+                          source.c.name == target.c.name)
+    query = (select(target.c.name, target.c.digest, source.c.digest)
+             .select_from(target.outerjoin(source, same_parameter))
+             .where(target.c.run_id == run_id, target.c.side == "target",
+                    or_(source.c.digest.is_(None), source.c.digest != target.c.digest,
+                        source.c.algorithm != target.c.algorithm))
+             .order_by(target.c.name))
+    mismatches = tuple(FingerprintMismatch(name, digest, source_digest)
+                       for name, digest, source_digest in session.execute(query))
+    return FingerprintSummary(algorithm=", ".join(sorted(algorithms)) or None, source=counts["source"],
+                              target=counts["target"], mismatches=mismatches)
+
+
+@dataclass(frozen=True)
+class ShownRun:
+    """What ``audit show`` prints: everything recorded about a run, and its fingerprints' summary."""
+
+    details: RunDetails
+    fingerprints: FingerprintSummary
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.details.to_json(), "fingerprints": self.fingerprints.to_json()}
+
+
+def shown_run(session: Session, run_id: str) -> ShownRun:
+    return ShownRun(run_details(session, run_id), fingerprint_summary(session, run_id))

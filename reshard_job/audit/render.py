@@ -15,11 +15,14 @@ from reshard_job.text import human_size, rank_ranges, table
 from reshard_job.audit.entities import ANCESTORS, FileUse, RunDetails, RunInfo, iso
 
 if TYPE_CHECKING:  # the walkers import SQLAlchemy; printing does not need it
+    from reshard_job.audit.queries import FingerprintSummary, ShownRun
     from reshard_job.audit.trace import Trace, TraceHop, TraceNode
-    from reshard_job.audit.verify import FileCheck, VerifyReport
+    from reshard_job.audit.verify import FileCheck, FingerprintCheck, VerifyReport
 
 SHORT_DIGEST = 12
 SHORT_RUN_ID = 8
+# Parameters listed one a line under a failed fingerprint check, per kind of failure; the JSON has them all.
+LISTED_PARAMETERS = 20
 
 
 def short(digest: str | None) -> str:
@@ -79,7 +82,22 @@ def _files_table(files: Iterable[FileUse]) -> str:
                  [[f.kind, f.rank, human_size(f.size), short(f.digest), f.path] for f in files], indent="  ")
 
 
-def run_details(details: RunDetails) -> str:
+def fingerprint_counts(summary: FingerprintSummary) -> str:
+    """'51 source, 51 target, all equal (poslin64x2-v1)', or what else was recorded."""
+    if not summary.recorded:
+        return "none recorded (a run from before fingerprints were kept)"
+    if not summary.target:
+        return f"{summary.source} source, outputs not read back ({summary.algorithm})"
+    differ = len(summary.mismatches)
+    equal = "all equal" if summary.equal else f"{differ} differ{'s' if differ == 1 else ''}"
+    return f"{summary.source} source, {summary.target} target, {equal} ({summary.algorithm})"
+
+
+def shown_run(shown: ShownRun) -> str:
+    return run_details(shown.details, fingerprints=shown.fingerprints)
+
+
+def run_details(details: RunDetails, fingerprints: FingerprintSummary | None = None) -> str:
     run = details.run
     fields = [
         ("status", run.status),
@@ -91,10 +109,12 @@ def run_details(details: RunDetails) -> str:
     ]
     if run.sweep_id is not None or run.job_num is not None:
         fields.append(("sweep", f"{run.sweep_id or '-'} job {'-' if run.job_num is None else run.job_num}"))
+    if fingerprints is not None:
+        fields.append(("fingerprints", fingerprint_counts(fingerprints)))
     fields.append(("overrides", " ".join(details.overrides) or "(none)"))
     if run.error:
         fields.append(("error", run.error))
-    lines = [f"run {run.id}"] + [f"  {name:<11} {value}" for name, value in fields]
+    lines = [f"run {run.id}"] + [f"  {name:<12} {value}" for name, value in fields]
     lines.append("config:")
     lines += ["  " + line for line in json.dumps(details.config, indent=2, sort_keys=True).splitlines()]
     lines.append(f"inputs ({len(details.inputs)}):")
@@ -207,10 +227,41 @@ def verify_report(report: VerifyReport) -> str:
     else:
         subject = report.path
     checked = len(report.files)
-    if report.intact:
+    if report.files_intact:
         head = f"{subject}: all {checked} file{'s' if checked != 1 else ''} intact"
     else:
         problems = [f"{report.count(state)} {state}" for state in ("changed", "missing", "unreadable", "unrecorded")
                     if report.count(state)]
         head = f"{subject}: {checked} checked, {report.count('ok')} ok, " + ", ".join(problems)
-    return "\n".join([head] + [_file_state_line(f) for f in report.files])
+    check = report.fingerprints
+    if check is not None and not check.ok:
+        names = {name for problem in check.problems for name in problem.names}
+        head += f"; fingerprints of {plural(len(names), 'parameter')} disagree" if names else "; fingerprints disagree"
+    return "\n".join([head] + [_file_state_line(f) for f in report.files] + _fingerprint_lines(check))
+
+
+def _fingerprint_lines(check: FingerprintCheck | None) -> list[str]:
+    if check is None:
+        return []
+    lines = [f"  fingerprints: {fingerprint_counts(check.summary)}"]
+    differ = [m for m in check.summary.mismatches if m.source is not None]
+    unsourced = [m for m in check.summary.mismatches if m.source is None]
+    lines += _listed([f"  {'DIFFERS':<10} {m.name}  (output {short(m.target)}, source {short(m.source)})"
+                      for m in differ])
+    lines += _listed([f"  {'NO SOURCE':<10} {m.name}  (output {short(m.target)}, no source fingerprint)"
+                      for m in unsourced])
+    for manifest in check.manifests:
+        how_many = f"{plural(len(manifest.differ), 'parameter')} " if manifest.differ else ""
+        said = {"agrees": "the same as recorded", "none": "none listed", "unreadable": "not read",
+                "disagrees": f"{how_many}listed otherwise than recorded"}
+        detail = f" ({manifest.detail})" if manifest.detail else ""
+        lines.append(f"  fingerprints in {manifest.path}: {said.get(manifest.state, manifest.state)}{detail}")
+        if manifest.state == "disagrees":
+            lines += _listed([f"  {'MANIFEST':<10} {name}" for name in manifest.differ])
+    return lines
+
+
+def _listed(lines: list[str]) -> list[str]:
+    if len(lines) <= LISTED_PARAMETERS:
+        return lines
+    return lines[:LISTED_PARAMETERS] + [f"  ... and {len(lines) - LISTED_PARAMETERS} more (--json lists them all)"]

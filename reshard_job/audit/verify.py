@@ -7,11 +7,16 @@ lineage database recorded: a manifest edited to match edited files is caught her
 never trusts a cache: every byte is read through ``reading.content_digest``.
 
 Each file ends in one state: ``ok``, ``missing``, ``changed``, ``unreadable``, or (for a
-directory's manifest) ``unrecorded``; the report is intact only if all are ``ok``.
+directory's manifest) ``unrecorded``. For a run (given by id, or found from a directory's
+manifest), the per-parameter fingerprints recorded for it are checked too: every output parameter's
+must equal its source's, and the run's manifests that list fingerprints must list the recorded
+ones. A run recorded before fingerprints existed has none, which is said, not failed. The report
+is intact only if every file is ``ok`` and no fingerprint disagrees.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,11 +29,15 @@ from reshard_job.lineage.errors import AmbiguousRunError, LineageError, UnknownR
 from reshard_job.audit.lookup import artifact_at_path, artifacts_by_digest, resolve_run_id
 from reshard_job.audit.manifests import OutputListing, node_listings, read_listing
 from reshard_job.formats.manifest_file import MANIFEST_FILE
-from reshard_job.lineage.models import Event, Run
-from reshard_job.audit.queries import run_files
-from reshard_job.audit.reading import absolute, content_digest, exists, file_size, is_directory
+from reshard_job.lineage.fingerprint_rows import read_fingerprints
+from reshard_job.lineage.models import FINGERPRINT_SIDES, Event, Run
+from reshard_job.audit.queries import FingerprintSummary, fingerprint_summary, run_files
+from reshard_job.audit.reading import absolute, content_digest, exists, file_size, is_directory, read_small_file
 
 STATES = ("ok", "missing", "changed", "unreadable", "unrecorded")
+# What a manifest's fingerprints are, against the database's: a disagreement is the only failure.
+MANIFEST_STATES = ("agrees", "disagrees", "none", "unreadable")
+NAMES_IN_A_LINE = 5
 
 
 @dataclass
@@ -53,28 +62,98 @@ class FileCheck:
         return {**entry, **self.extra}
 
 
+@dataclass(frozen=True)
+class ParameterProblem:
+    """Parameters whose fingerprints disagree, as one entry of ``VerifyReport.problems``: its
+    ``path`` and ``state`` read like a file's, so a failed verify's one-line summary names them."""
+
+    names: tuple[str, ...]
+    state: str
+
+    @property
+    def path(self) -> str:
+        if not self.names:  # a manifest at odds as a whole (its algorithm, its shape)
+            return "the recorded"
+        shown = ", ".join(repr(name) for name in self.names[:NAMES_IN_A_LINE])
+        more = f" and {len(self.names) - NAMES_IN_A_LINE} more" if len(self.names) > NAMES_IN_A_LINE else ""
+        return f"parameter{'s' if len(self.names) != 1 else ''} {shown}{more}"
+
+
+@dataclass(frozen=True)
+class ManifestFingerprints:
+    """A manifest's ``fingerprints`` against the database's record of the same run."""
+
+    path: str
+    state: str  # one of MANIFEST_STATES
+    differ: tuple[str, ...] = ()  # parameters listed differently (or on one side only)
+    detail: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        entry = {"path": self.path, "state": self.state, "differ": list(self.differ)}
+        if self.detail is not None:
+            entry["detail"] = self.detail
+        return entry
+
+
+@dataclass
+class FingerprintCheck:
+    """A run's recorded fingerprints: outputs against sources, and each manifest against the database."""
+
+    summary: FingerprintSummary
+    manifests: list[ManifestFingerprints] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.summary.equal and all(m.state != "disagrees" for m in self.manifests)
+
+    @property
+    def problems(self) -> list[ParameterProblem]:
+        mismatches = self.summary.mismatches
+        out = []
+        differ = tuple(m.name for m in mismatches if m.source is not None)
+        if differ:
+            out.append(ParameterProblem(differ, "fingerprint differs from the source's"))
+        unsourced = tuple(m.name for m in mismatches if m.source is None)
+        if unsourced:
+            out.append(ParameterProblem(unsourced, "has no source fingerprint"))
+        out += [ParameterProblem(m.differ, f"fingerprints disagree with {m.path}"
+                                 + (f" ({m.detail})" if m.detail else "")) for m in self.manifests
+                if m.state == "disagrees"]
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.summary.to_json(), "ok": self.ok, "manifests": [m.to_json() for m in self.manifests]}
+
+
 @dataclass
 class VerifyReport:
     files: list[FileCheck]
     run_id: str | None = None
     run_status: str | None = None
     path: str | None = None  # the file or directory verified, when not a run
+    fingerprints: FingerprintCheck | None = None  # None: no run to check them for (a file path)
 
     def count(self, state: str) -> int:
         return sum(1 for f in self.files if f.state == state)
 
     @property
-    def intact(self) -> bool:
+    def files_intact(self) -> bool:
         return all(f.state == "ok" for f in self.files)
 
     @property
-    def problems(self) -> list[FileCheck]:
-        return [f for f in self.files if f.state != "ok"]
+    def intact(self) -> bool:
+        return self.files_intact and (self.fingerprints is None or self.fingerprints.ok)
+
+    @property
+    def problems(self) -> list[FileCheck | ParameterProblem]:
+        files: list[FileCheck | ParameterProblem] = [f for f in self.files if f.state != "ok"]
+        return files + (self.fingerprints.problems if self.fingerprints is not None else [])
 
     def to_json(self) -> dict[str, Any]:
         return {"run_id": self.run_id, "run_status": self.run_status, "path": self.path, "intact": self.intact,
                 "checked": len(self.files), **{state: self.count(state) for state in STATES},
-                "files": [f.to_json() for f in self.files]}
+                "files": [f.to_json() for f in self.files],
+                "fingerprints": None if self.fingerprints is None else self.fingerprints.to_json()}
 
 
 def check_file(path: str, expected_sha256: str, expected_size: int, **extra: Any) -> FileCheck:
@@ -112,7 +191,63 @@ def verify_run(session: Session, run_id: str, *, include_inputs: bool = False) -
     if not files:
         what = "files" if include_inputs else "outputs"
         raise LineageError(f"run {run_id} is {run.status} and has no recorded {what} to verify")
-    return VerifyReport(files, run_id=run_id, run_status=str(run.status))
+    manifests = [f.path for f in files if f.extra.get("direction") == "output" and f.extra.get("kind") == "manifest"]
+    return VerifyReport(files, run_id=run_id, run_status=str(run.status),
+                        fingerprints=check_fingerprints(session, run_id, manifests))
+
+
+def check_fingerprints(session: Session, run_id: str, manifests: list[str]) -> FingerprintCheck:
+    """Compare the run's recorded output fingerprints with its source ones, and with what each of
+    `manifests` (the run's manifest files, as they are now) lists; nothing recorded is no failure."""
+    check = FingerprintCheck(fingerprint_summary(session, run_id))
+    if not check.summary.recorded:
+        return check
+    recorded = None
+    for path in manifests:
+        section = _manifest_section(path)
+        if isinstance(section, ManifestFingerprints):
+            check.manifests.append(section)
+            continue
+        recorded = recorded or read_fingerprints(session, run_id)
+        check.manifests.append(_compare_manifest(path, section, recorded))
+    return check
+
+
+def _manifest_section(path: str) -> Any:
+    """The manifest's ``fingerprints`` section, or the ``ManifestFingerprints`` saying why there is none.
+
+    A manifest that cannot be read is reported by its file check; here it only goes unused."""
+    try:
+        manifest = json.loads(read_small_file(path).decode("utf-8"))
+    except FileNotFoundError:
+        return ManifestFingerprints(path, "unreadable", detail="missing")
+    except OSError as exc:
+        return ManifestFingerprints(path, "unreadable", detail=exc.strerror or str(exc))
+    except (ValueError, UnicodeDecodeError):
+        return ManifestFingerprints(path, "unreadable", detail="not JSON")
+    section = manifest.get("fingerprints") if isinstance(manifest, dict) else None
+    if section is None:
+        return ManifestFingerprints(path, "none")
+    if not isinstance(section, dict):
+        return ManifestFingerprints(path, "disagrees", detail="its fingerprints are not a mapping")
+    return section
+
+
+def _compare_manifest(path: str, section: dict, recorded: dict[str, Any]) -> ManifestFingerprints:
+    differ: set[str] = set()
+    for side in FINGERPRINT_SIDES:
+        listed = section.get(side) if isinstance(section.get(side), dict) else {}
+        held = recorded[side]
+        differ |= {name for name in listed.keys() | held.keys() if _hex(listed.get(name)) != _hex(held.get(name))}
+    detail = None
+    if section.get("algorithm") != recorded["algorithm"]:
+        detail = f"algorithm {str(section.get('algorithm'))[:40]!r}, recorded {recorded['algorithm']!r}"
+    state = "disagrees" if differ or detail else "agrees"
+    return ManifestFingerprints(path, state, tuple(sorted(differ)), detail)
+
+
+def _hex(digest: Any) -> Any:
+    return digest.lower() if isinstance(digest, str) else digest
 
 
 def verify_path(session: Session, path: str) -> VerifyReport:
@@ -179,11 +314,12 @@ def verify_directory(session: Session, directory: str) -> VerifyReport:
     producers = [r for m in manifests for r in m.extra["run_ids"]]
     listing = listing or nodes[0]
     run_id = listing.run_id if listing.run_id in producers else (producers[0] if len(set(producers)) == 1 else None)
-    status = None
+    status = fingerprints = None
     if run_id is not None:
         run = session.get(Run, run_id)
         status = None if run is None else str(run.status)
-    return VerifyReport(files, run_id=run_id, run_status=status, path=listing.directory)
+        fingerprints = check_fingerprints(session, run_id, [m.path for m in manifests])
+    return VerifyReport(files, run_id=run_id, run_status=status, path=listing.directory, fingerprints=fingerprints)
 
 
 def verify(session: Session, ref: str, *, include_inputs: bool = False) -> VerifyReport:

@@ -11,6 +11,8 @@ Writing:
 * ``migrate``   — concurrency-safe Alembic upgrade to head; revisions in ``migrations/``
 * ``file_records`` — ``FileRecord``, what a job says about a file (no SQLAlchemy)
 * ``store``     — the recording API a job calls
+* ``fingerprint_rows`` — the per-parameter fingerprints of a run's sources and outputs (bulk rows)
+* ``waiting``   — lock waits bounded in time and ended by a stop request
 
 Reading is ``reshard_job.audit``'s (the CLI, lookups, traces, graphs, verification).
 """

@@ -21,6 +21,11 @@ Choices and their trade-offs:
 * The full plan (potentially large: every parameter of every target rank) lives in
   ``run_plans``, apart from ``runs``, so listing runs never drags plans along; the per-rank
   summary that audits query (which source ranks fed which target rank) is a real table.
+* Per-parameter fingerprints (``core.fingerprint``) are rows of ``run_fingerprints``, one per
+  parameter and side, not a JSON document: a model of 600,000 parameters is then written in
+  batches and compared side against side in SQL. ``Run`` has no relationship to them, so loading
+  a run never loads its fingerprints; the database deletes them with their run. On SQLite the
+  table is ``WITHOUT ROWID``: its rows live in the primary key's b-tree, not beside a copy of it.
 
 Schema changes go through the Alembic migrations in ``reshard_job/lineage/migrations`` only;
 a test compares these models with the migration head.
@@ -51,6 +56,8 @@ from reshard_job.lineage.file_records import ARTIFACT_KINDS  # one list for the 
 from reshard_job.lineage.status import RunStatus
 
 DIRECTIONS = ("input", "output")
+# Which checkpoint a parameter's fingerprint was read from: the run's sources or its outputs.
+FINGERPRINT_SIDES = ("source", "target")
 
 # Explicit constraint names make migrations reproducible across backends (SQLite's batch mode
 # needs names to drop or alter a constraint later).
@@ -271,3 +278,19 @@ class Event(Base):
 
     run: Mapped[Run] = relationship(back_populates="events")
     artifact: Mapped[Artifact] = relationship(back_populates="events")
+
+
+class RunFingerprint(Base):
+    """The layout-independent fingerprint of one parameter of a run, in its sources or in its outputs."""
+
+    __tablename__ = "run_fingerprints"
+    __table_args__ = (
+        CheckConstraint(_in_list("side", FINGERPRINT_SIDES), name="side"),
+        {"sqlite_with_rowid": False},
+    )
+
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    side: Mapped[str] = mapped_column(String(8), primary_key=True)
+    name: Mapped[str] = mapped_column(Text, primary_key=True)
+    digest: Mapped[str] = mapped_column(String(64))
+    algorithm: Mapped[str] = mapped_column(String(32))

@@ -7,6 +7,7 @@ A job's life in the store::
     store.mark_abandoned_runs()                  # runs left "started" by killed processes here
     run_id = store.start_run(config=..., ...)    # status "started"
     store.record_inputs(run_id, [FileRecord...])
+    store.record_fingerprints(run_id, algorithm, source={...}, target={...})   # per parameter
     store.complete_run(run_id, outputs=[...], plan=plan)   # or fail_run(run_id, error),
                                                            # or interrupt_run(run_id, "SIGTERM")
 
@@ -40,6 +41,7 @@ from reshard_job.lineage.database import (check_sqlite_file, create_lineage_engi
                                           retry_transient, sqlite_file, writer)
 from reshard_job.lineage.hash_names import HASH_ALGO
 from reshard_job.lineage.errors import LineageError, RunStateError, SchemaError, UnknownRunError
+from reshard_job.lineage.fingerprint_rows import read_fingerprints, replace_fingerprints
 from reshard_job.lineage.migrate import upgrade_to_head
 from reshard_job.lineage.models import Artifact, ArtifactLocation, Event, Run, RunPlan, RunRank
 from reshard_job.lineage.file_records import FileRecord
@@ -138,6 +140,16 @@ class LineageStore:
         def record(session: Session) -> None:
             run = self._reportable_run(session, run_id, "record the plan of")
             self._store_plan(session, run, text, rank_rows)
+
+        self._write(record)
+
+    def record_fingerprints(self, run_id: str, algorithm: str, source: dict[str, str],
+                            target: dict[str, str] | None) -> None:
+        """Record the per-parameter fingerprints of a run's sources and outputs (`target` None: the
+        outputs were not read back), in one transaction; recording again replaces them."""
+        def record(session: Session) -> None:
+            self._reportable_run(session, run_id, "record fingerprints for")
+            replace_fingerprints(session, run_id, algorithm, source, target)
 
         self._write(record)
 
@@ -249,6 +261,14 @@ class LineageStore:
         finally:
             session.rollback()
             session.close()
+
+    def fingerprints(self, run_id: str) -> dict[str, Any]:
+        """``{"algorithm", "source": {name: hex}, "target": {name: hex}}`` as recorded for the run
+        (``algorithm`` None and both empty when none were: a run recorded before fingerprints were)."""
+        with self.read_session() as session:
+            if session.get(Run, run_id) is None:
+                raise UnknownRunError(run_id)
+            return read_fingerprints(session, run_id)
 
     # -- internals ---------------------------------------------------------------------------
 

@@ -289,7 +289,8 @@ def _finish(spec: JobSpec, prepared: Prepared, out: OutputDir, digests: SourceDi
             strategy_out: dict | None, written: dict, recorder, files) -> Outputs:
     run_id = recorder.run_id
     target_files = [files.file_entry(_target_file(prepared, out, key, written[key])) for key in sorted(written)]
-    proof = prove(spec, prepared, out.path, strategy_out["path"] if strategy_out else None) \
+    proof = prove(spec, prepared, out.path, strategy_out["path"] if strategy_out else None,
+                  {f["rank"]: f["path"] for f in target_files}) \
         if spec.run.fingerprints else None  # job.fingerprints=false: neither computed nor recorded
     checks = prepared.checks + ["sources unchanged since hashed"]
     if proof is not None:

@@ -47,7 +47,7 @@ class ProofResult:
 
 def checkpoint_fingerprints(source: SourceSpec, *, storage: StorageOptions | None = None, wanted=None,
                             progress: bool | None = False, desc: str = "fingerprinting",
-                            check_replicas: bool = False) -> Fingerprints:
+                            check_replicas: bool = False, files: dict[int, str] | None = None) -> Fingerprints:
     """The fingerprints of the checkpoint `source` names (any kind the job reads), read through a
     one-device plan; `wanted`: only these parameters. The plan reads one copy of each replicated
     block: `check_replicas` also compares the other copies with it (``source.verify_replicas``),
@@ -56,7 +56,8 @@ def checkpoint_fingerprints(source: SourceSpec, *, storage: StorageOptions | Non
     from reshard_job.errors import MissingRankError
 
     with quiet():
-        prepared = prepare(source, TargetSpec(devices=1), storage=storage)
+        prepared = _prepare_files(source, files, storage) if files else \
+            prepare(source, TargetSpec(devices=1), storage=storage)
     with prepared:
         if prepared.missing:
             raise MissingRankError(prepared.missing, prepared.source.checkpoints)
@@ -71,6 +72,17 @@ def checkpoint_fingerprints(source: SourceSpec, *, storage: StorageOptions | Non
             return fingerprint_plan(rank_plan, prepared.readers, wanted=wanted, progress=bar.add_bytes)
         finally:
             bar.close()
+
+
+def _prepare_files(source: SourceSpec, files: dict[int, str], storage):
+    """A one-device plan over exactly `files` (rank -> local path) with `source.strategy`: what a
+    job wrote, not whatever else lies in its output directory (rank folders of an earlier run)."""
+    from reshard_job.job.stages.prepare import prepare_from
+    from reshard_job.sources.base import reader_for_files
+
+    reader = reader_for_files({r: (p,) for r, p in files.items()}, source.strategy)
+    given = SourceSpec(None, source.strategy)
+    return prepare_from(reader, reader.discover(given), given, TargetSpec(devices=1), storage=storage)
 
 
 def _bytes_of(rank_plan, wanted) -> int:
@@ -89,17 +101,21 @@ def converted_names(prepared) -> set[str]:
     return names
 
 
-def prove(spec: JobSpec, prepared, out_path: str, strategy_path: str | None) -> ProofResult:
-    """Fingerprint the converted parameters on both sides and compare them; ProofError on a difference."""
+def prove(spec: JobSpec, prepared, out_path: str, strategy_path: str | None,
+          written: dict[int, str] | None = None) -> ProofResult:
+    """Fingerprint the converted parameters on both sides and compare them; ProofError on a
+    difference. `written`: target rank -> the file the job wrote (local ones are read back as
+    exactly those files; else the output directory is read as a source)."""
     names = converted_names(prepared)
     source = _source_fingerprints(spec, prepared, names)
     unchecked = _why_unchecked(spec)
     if unchecked:
         log.info("fingerprints: sources only (%s)", unchecked)
         return ProofResult(source, None, unchecked)
-    written = SourceSpec(out_path, strategy_path)
-    target = checkpoint_fingerprints(written, storage=spec.storage, progress=spec.run.progress,
-                                     desc="fingerprinting outputs").digests
+    local = written if written and prepared.export is None and not any("://" in p for p in written.values()) \
+        else None
+    target = checkpoint_fingerprints(SourceSpec(out_path, strategy_path), storage=spec.storage, files=local,
+                                     progress=spec.run.progress, desc="fingerprinting outputs").digests
     result = ProofResult(source, target)
     result.differ = sorted(n for n in names if source.get(n) != target.get(n))
     if result.differ:

@@ -18,7 +18,7 @@ from reshard_job.lineage.database import writer
 from reshard_job.lineage.migrate import alembic_config, check_at_head, head_revision, migrations_dir
 from reshard_job.lineage.models import Base
 
-LINEAGE_TABLES = {"runs", "run_plans", "run_ranks", "artifacts", "artifact_locations", "events"}
+LINEAGE_TABLES = {"runs", "run_plans", "run_ranks", "artifacts", "artifact_locations", "events", "run_fingerprints"}
 PROJECT_ROOT = Path(__file__).resolve().parents[3]
 
 
@@ -169,3 +169,42 @@ def test_a_built_wheel_carries_the_migrations_and_upgrades_from_anywhere(tmp_pat
             check_at_head(connection)
     finally:
         engine.dispose()
+
+
+def test_0003_adds_run_fingerprints_to_a_database_with_runs_and_downgrading_drops_only_it(db_url, tmp_path,
+                                                                                        record_lineage, get_run):
+    from reshard_job.lineage import LineageStore
+
+    store = LineageStore(db_url)
+    try:
+        with writer(store.engine).connect() as connection:  # a database as revision 0002 left it, in use
+            command.upgrade(alembic_config(connection), "0002")
+            connection.commit()
+        lineage = record_lineage(store, tmp_path / "files")
+        before = {run_id: get_run(store, run_id) for run_id in (lineage.run_a, lineage.run_b)}
+        with store.engine.connect() as connection:
+            assert "run_fingerprints" not in inspect(connection).get_table_names()
+
+        store.ensure_schema()  # what the next job does
+        assert {run_id: get_run(store, run_id) for run_id in before} == before
+        assert store.fingerprints(lineage.run_a) == {"algorithm": None, "source": {}, "target": {}}
+        run_id = store.start_run(config={}, overrides=[], tool_version="0.1.0", output_dir=str(tmp_path / "out"),
+                                 source_devices=4, target_devices=2)
+        store.record_fingerprints(run_id, "poslin64x2-v1", {"w": "ab" * 16}, {"w": "ab" * 16})
+        assert store.fingerprints(run_id)["target"] == {"w": "ab" * 16}
+        with store.engine.connect() as connection:
+            check_at_head(connection)
+            if connection.dialect.name == "sqlite":  # rows kept in the primary key's b-tree, no second copy
+                created = connection.exec_driver_sql(
+                    "SELECT sql FROM sqlite_master WHERE name = 'run_fingerprints'").scalar_one()
+                assert created.rstrip().endswith("WITHOUT ROWID")
+
+        with writer(store.engine).connect() as connection:
+            command.downgrade(alembic_config(connection), "0002")
+            connection.commit()
+            assert "run_fingerprints" not in inspect(connection).get_table_names()
+            assert MigrationContext.configure(connection).get_current_revision() == "0002"
+        assert {run_id: get_run(store, run_id) for run_id in before} == before
+        assert get_run(store, run_id)["status"] == "started"
+    finally:
+        store.close()

@@ -63,7 +63,6 @@ def test_a_preset_that_leaves_a_key_open_makes_it_required(tmp_path, group, pres
     ("job.mode=dry", "job.mode must be 'convert' or 'plan', got 'dry'"),
     ("job.ranks=[-1]", "job.ranks entries must be an integer from 0"),
     ("job.ranks=[]", "job.ranks is empty"),
-    ("lineage.url=nowhere", "lineage.url must be an SQLAlchemy URL"),
 ])
 def test_bad_values_are_refused_naming_the_key(tmp_path, override, message):
     with pytest.raises(ConfigError) as err:
@@ -164,3 +163,15 @@ def test_the_size_parser_refuses_what_is_not_a_size(value):
 
     with pytest.raises(ValueError):
         parse_size(value)
+
+
+def test_a_lineage_url_given_as_a_path_is_the_sqlite_file_there(tmp_path):
+    spec = settle(_compose("lineage.url=team/lineage.db"), _ctx(tmp_path, "lineage.url=team/lineage.db"))
+    assert spec.lineage.url == f"sqlite:///{tmp_path / 'team' / 'lineage.db'}"
+
+
+def test_the_environment_names_the_lineage_database_unless_the_command_line_does(tmp_path, monkeypatch):
+    monkeypatch.setenv("RESHARD_JOB_LINEAGE_URL", "postgresql+psycopg://me@db/lineage")
+    assert settle(_compose(), _ctx(tmp_path)).lineage.url == "postgresql+psycopg://me@db/lineage"
+    given = f"sqlite:///{tmp_path / 'mine.db'}"
+    assert settle(_compose(f"lineage.url={given}"), _ctx(tmp_path, f"lineage.url={given}")).lineage.url == given
