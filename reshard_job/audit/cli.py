@@ -25,7 +25,8 @@ whose schema is missing or at another revision, instead of migrating it. Like ot
 stops quietly when its reader goes away (``audit runs | head -1``), with status 141.
 
 Exit codes: 0 success, 1 verification found missing or changed files or fingerprints that disagree
-(``compare``: a parameter differs or is on one side only), 2 usage or lookup error, 130 interrupted, 141 output pipe closed.
+(``compare``: a parameter differs or is on one side only), 2 usage or lookup error, 130 interrupted,
+141 output pipe closed.
 """
 
 from __future__ import annotations
