@@ -141,9 +141,13 @@ def iter_rank(rank_id: int, src_checkpoints, src_strategy_file=None, dst_strateg
               storage_options=None, unmapped: str = UNMAPPED_OMIT) -> Iterator[tuple[str, np.ndarray]]:
     """``(name, array)`` of every tensor target rank `rank_id` holds, in the order the job writes
     them, read a few parameters at a time (see the module docstring)."""
-    prepared = _prepared(rank_id, src_checkpoints, src_strategy_file, dst_strategy_file, storage_options, unmapped)
-    with prepared:
-        yield from _read(prepared, int(rank_id))
+    from reshard_job.storage.s3file import lean_index
+
+    with lean_index():  # an object store: fetch record heads and the rank's ranges, not what it skips
+        prepared = _prepared(rank_id, src_checkpoints, src_strategy_file, dst_strategy_file, storage_options,
+                             unmapped)
+        with prepared:
+            yield from _read(prepared, int(rank_id))
 
 
 def _read(prepared, rank_id: int) -> Iterator[tuple[str, np.ndarray]]:
@@ -179,10 +183,14 @@ def load_rank(rank_id: int, src_checkpoints, src_strategy_file=None, dst_strateg
     if url is None:
         return dict(iter_rank(rank_id, src_checkpoints, src_strategy_file, dst_strategy_file,
                               storage_options=storage_options, unmapped=unmapped))
-    prepared = _prepared(rank_id, src_checkpoints, src_strategy_file, dst_strategy_file, storage_options, unmapped)
-    with prepared:
-        arrays = dict(_read(prepared, int(rank_id)))
-        record_load(prepared, int(rank_id), consumer or _consumer_from_environment(), url)
+    from reshard_job.storage.s3file import lean_index
+
+    with lean_index():
+        prepared = _prepared(rank_id, src_checkpoints, src_strategy_file, dst_strategy_file, storage_options,
+                             unmapped)
+        with prepared:
+            arrays = dict(_read(prepared, int(rank_id)))
+            record_load(prepared, int(rank_id), consumer or _consumer_from_environment(), url)
     return arrays
 
 

@@ -50,6 +50,24 @@ MAX_REQUEST = 8 * 1024 * 1024
 STREAM_CHUNK = 1024 * 1024
 STREAM_ATTEMPTS = 3  # a body cut off mid-stream is fetched again this many times in all
 INDEX_WINDOW = MAX_GAP  # a header walk reads through records smaller than this (RandomAccess.index_window)
+# ... unless the caller reads only part of each file (``lean_index``: a load of one rank), for whom
+# fetching the records it skips costs more bytes than the round trips per record head save
+LEAN_INDEX_WINDOW = 8192
+LEAN_READAHEAD = 4096  # ... and a small read after a jump (a record head) fetches a page, not 64 KiB
+_lean = [0]
+
+
+class lean_index:
+    """While active (in any thread), objects index with windows of LEAN_INDEX_WINDOW (record heads
+    only, but for records smaller than that), read no gap longer than that between the ranges
+    asked for, and start their read-ahead at LEAN_READAHEAD."""
+
+    def __enter__(self):
+        _lean[0] += 1
+        return self
+
+    def __exit__(self, *exc):
+        _lean[0] -= 1
 SMALL_CONTENT = 64 * 1024  # tensors up to this size whose bytes the index walk fetched are kept (note_content)
 KEPT_LIMIT = 4 * 1024 * 1024  # bytes of small tensors kept per object
 
@@ -70,7 +88,9 @@ def _stream_errors() -> tuple[type[BaseException], ...]:
 class ObjectReader:
     """``RandomAccess`` over one object version (see the module docstring)."""
 
-    index_window = INDEX_WINDOW
+    @property
+    def index_window(self) -> int:
+        return LEAN_INDEX_WINDOW if _lean[0] else INDEX_WINDOW
 
     def __init__(self, store: "S3Calls", url: str, bucket: str, key: str, size: int, etag: str,
                  identity: tuple, *, concurrency: int = 8):
@@ -121,7 +141,8 @@ class ObjectReader:
             if self._fetch_batch(offset, n) and self._from_batch(offset, view[:n]):
                 return n
             sequential = bool(window) and w_off <= offset <= w_off + len(window) + SEQUENTIAL_GAP
-            self._readahead = min(2 * self._readahead, MAX_READAHEAD) if sequential else MIN_READAHEAD
+            self._readahead = min(2 * self._readahead, MAX_READAHEAD) if sequential else \
+                LEAN_READAHEAD if _lean[0] else MIN_READAHEAD
             length = min(max(n, self._readahead), self.size - offset)
             # The window's buffer is reused while its size stays (a header walk refills it hundreds
             # of times): a fresh one per fill costs zeroing and page faults of megabytes each time.
@@ -265,9 +286,11 @@ class ObjectReader:
         if self._closed:
             raise ValueError(f"{self.path}: reader is closed")
 
-    def _fetch(self, ranges: list[tuple[int, int]], sinks: list[memoryview], *, max_gap: int = MAX_GAP,
+    def _fetch(self, ranges: list[tuple[int, int]], sinks: list[memoryview], *, max_gap: int | None = None,
                max_request: int = MAX_REQUEST) -> None:
         """Fill sinks[i] with the bytes of ranges[i] (already clipped to the object)."""
+        if max_gap is None:
+            max_gap = LEAN_INDEX_WINDOW if _lean[0] else MAX_GAP
         requests = plan_requests(ranges, max_gap=max_gap, max_request=max_request)
         if requests:
             self._store.run(self._run_requests, requests, ranges, sinks,
