@@ -65,13 +65,16 @@ def checkpoint_fingerprints(source: SourceSpec, *, storage: StorageOptions | Non
             if wanted is not None:  # what is not fingerprinted is not compared either
                 prepared.plan.identical = {n: g for n, g in prepared.plan.identical.items() if n in wanted}
             check_identical(prepared)
-        rank_plan = prepared.plan.rank(0)
-        total = _bytes_of(rank_plan, wanted)
-        bar = Progress(total, 1, enabled=progress, desc=desc)
-        try:
-            return fingerprint_plan(rank_plan, prepared.readers, wanted=wanted, progress=bar.add_bytes)
-        finally:
-            bar.close()
+        return _fingerprint(prepared.plan.rank(0), prepared.readers, wanted, progress, desc)
+
+
+def _fingerprint(rank_plan, readers, wanted, progress: bool | None, desc: str) -> Fingerprints:
+    """``fingerprint_plan`` with a progress bar over the bytes it reads."""
+    bar = Progress(_bytes_of(rank_plan, wanted), 1, enabled=progress, desc=desc)
+    try:
+        return fingerprint_plan(rank_plan, readers, wanted=wanted, progress=bar.add_bytes)
+    finally:
+        bar.close()
 
 
 def _prepare_files(source: SourceSpec, files: dict[int, str], storage):
@@ -135,12 +138,7 @@ def _source_fingerprints(spec: JobSpec, prepared, names: set[str]) -> dict[str, 
         return checkpoint_fingerprints(prepared.source, storage=spec.storage, wanted=names,
                                        progress=spec.run.progress, desc="fingerprinting sources").digests
     rank_plan = single_device_plan(prepared.strategy, prepared.index, unmapped=UNMAPPED_FULL)
-    bar = Progress(_bytes_of(rank_plan, names), 1, enabled=spec.run.progress,
-                   desc="fingerprinting sources")
-    try:
-        return fingerprint_plan(rank_plan, prepared.readers, wanted=names, progress=bar.add_bytes).digests
-    finally:
-        bar.close()
+    return _fingerprint(rank_plan, prepared.readers, names, spec.run.progress, "fingerprinting sources").digests
 
 
 def _why_unchecked(spec: JobSpec) -> str | None:
