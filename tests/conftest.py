@@ -42,6 +42,22 @@ def no_lineage_database_from_the_environment(monkeypatch):
         monkeypatch.delenv(name, raising=False)
 
 
+@pytest.fixture(autouse=True)
+def no_full_errors_from_the_environment(monkeypatch):
+    """HYDRA_FULL_ERROR=1 or RESHARD_JOB_FULL_ERROR=1 exported in the user's shell turns one-line
+    errors into tracebacks, which tests of those lines would read; tests that want them set them."""
+    for name in ("HYDRA_FULL_ERROR", "RESHARD_JOB_FULL_ERROR"):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture(autouse=True)
+def no_user_cache(monkeypatch, tmp_path_factory):
+    """Digests, source indexes and the demo set go to a cache folder of this test session, never the
+    user's ~/.cache/reshard_job; shared by the session's tests so the demo set is built once. Tests
+    that want a cache of their own set RESHARD_JOB_CACHE_DIR themselves."""
+    monkeypatch.setenv("RESHARD_JOB_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "user-cache"))
+
+
 # ============================================================================ golden scenarios
 
 

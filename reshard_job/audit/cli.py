@@ -12,6 +12,8 @@ Commands:
   compare A B [--a-strategy FILE] [--b-strategy FILE] [--weights]
                              whether two checkpoints hold the same parameters, whatever their
                              layouts and formats (by per-parameter fingerprints); exit 1 if not
+  db current | db upgrade     the database's schema revision; ``upgrade`` brings it to this tool's
+                             head, as every job does before recording, printing before and after
 
 REF is a file path (looked up by its content), an output directory (the files its manifest
 lists), a sha256, or a run id; digests and run ids may be shortened to a unique prefix of at
@@ -20,8 +22,8 @@ file) defaults to ``$RESHARD_LINEAGE_URL``, else ``runs/lineage.db`` under the c
 
 This module is argument parsing and printing only; answers come from ``reshard_job.lineage``
 (``queries``, ``trace``, ``verify``, ``graph``), text from ``render`` and pictures from
-``drawing``. The audit never changes the database: it refuses (one line, exit 2) a database
-whose schema is missing or at another revision, instead of migrating it. Like other Unix tools it
+``drawing``. The audit never changes the database but by ``db upgrade``: the other commands refuse
+(one line, exit 2) a database whose schema is missing or at another revision. Like other Unix tools it
 stops quietly when its reader goes away (``audit runs | head -1``), with status 141.
 
 Exit codes: 0 success, 1 verification found missing or changed files or fingerprints that disagree
@@ -140,7 +142,16 @@ def build_parser() -> argparse.ArgumentParser:
                        help="picture format (default: from --output's suffix, else dot)")
     graph.add_argument("--output", metavar="FILE", help="write the picture to FILE instead of stdout")
     _add_compare(commands, common)
+    _add_db(commands, common)
     return parser
+
+
+def _add_db(commands, common) -> None:
+    from reshard_job.audit.schema_revision import ACTIONS
+
+    db = commands.add_parser("db", parents=[common], help="the database's schema revision; upgrade it to the head")
+    db.add_argument("action", choices=ACTIONS,
+                    help="current: print the revision; upgrade: migrate to this tool's head (safe beside running jobs)")
 
 
 def _add_compare(commands, common) -> None:
@@ -251,11 +262,7 @@ def _compare(args) -> int:
     """``compare`` reads checkpoints; the lineage database is opened only for a side that is a run id."""
     from reshard_job.audit.compare import Side, compare
     from reshard_job.errors import ReshardError
-    from reshard_job.lineage.database import default_url, sqlite_url
-
-    url = getattr(args, "db", None) or default_url()
-    if "://" not in url:
-        url = sqlite_url(os.path.abspath(url))
+    url = _database_url(args)
     sides = Side("A", args.a, args.a_strategy), Side("B", args.b, args.b_strategy)
     try:
         result = compare(*sides, weights=args.weights, open_store=lambda: _open_store(url), note=_complain)
@@ -378,22 +385,32 @@ def _in_deep_stack(function, *args):
     return outcome["value"]
 
 
+def _database_url(args) -> str:
+    """--db, else the environment's, else runs/lineage.db; a path, as people type it, is the SQLite file there."""
+    from reshard_job.lineage.database import default_url, sqlite_url
+
+    url = getattr(args, "db", None) or default_url()
+    return url if "://" in url else sqlite_url(os.path.abspath(url))
+
+
 def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "compare":
         return _compare(args)
+    if args.command == "db":
+        from reshard_job.audit.schema_revision import db_command
+
+        return db_command(args.action, _database_url(args), as_json=getattr(args, "json", False),
+                          write=_write, complain=_complain)
     want_json = getattr(args, "json", False)
 
     from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
     from reshard_job.errors import ReshardError
-    from reshard_job.lineage.database import default_url, sqlite_url
     from reshard_job.audit.entities import to_json
     from reshard_job.lineage.migrate import check_at_head
 
-    url = getattr(args, "db", None) or default_url()
-    if "://" not in url:  # a path, as people type it (runs/lineage.db): the SQLite file there
-        url = sqlite_url(os.path.abspath(url))
+    url = _database_url(args)
     store = None
     try:
         store = _open_store(url)

@@ -28,6 +28,7 @@ from reshard_job.storage import storage_for
 from reshard_job.storage.atomic import write_bytes_atomic
 from reshard_job.job.stages.convert import Outputs, convert
 from reshard_job.job.stages.executor_choice import cluster_layout
+from reshard_job.sources.demo import demo_folder
 from reshard_job.sources.index_cache import IndexCache
 from reshard_job.job.stages.integrity import hash_sources
 from reshard_job.job.run.memory import fix_mmap_threshold
@@ -75,7 +76,7 @@ def run_job(spec: JobSpec, emit: Callable[[str], None] = print) -> JobResult:
             hashing = None if plan_mode else HashWhileIndexing(spec.run.hash_cache, spec.run.progress)
             # job.hash_cache also keeps what walking a local source found (``index_cache``)
             prepared = prepare(spec.source, spec.target, ranks=spec.run.ranks, storage=spec.storage,
-                               demo_root=os.path.join(spec.context.launch_dir, "runs", "demo"), hashing=hashing,
+                               demo_root=demo_folder(), hashing=hashing,
                                index_cache=IndexCache() if spec.run.hash_cache else None)
             try:
                 if plan_mode:

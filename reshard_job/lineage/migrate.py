@@ -222,8 +222,8 @@ def check_at_head(connection: Connection) -> None:
         raise SchemaError(f"{_shown(connection)} has schema revision {current}, newer than this tool "
                           f"knows ({head}); upgrade reshard_job")
     raise SchemaError(f"{_shown(connection)} has an outdated schema (revision {current}, head {head}); "
-                      f"any job with this lineage.url upgrades it (or 'alembic -c <clone>/alembic.ini -x url=... "
-                      f"upgrade head')")
+                      f"'python -m reshard_job.audit db upgrade --db URL' upgrades it, as any job with this "
+                      f"lineage.url does")
 
 
 def _shown(connection: Connection) -> str:

@@ -5,11 +5,15 @@ MindSpore 2.10 for the tutorial's network on 8 cards (``layer1`` MatMul sharded 
 the rest data parallel). Layouts do not depend on tensor sizes, so the same file describes the
 full-size network. The weights are seeded random numbers, with AdamWeightDecay's ``adam_m``/``adam_v``
 states, ``global_step`` and ``learning_rate``, as a training run would save them. The checkpoint
-set is generated once under ``runs/demo/`` of the launch directory and reused.
+set is generated once per user, under ``demo/`` of the cache folder the source digests use
+(``$RESHARD_JOB_CACHE_DIR``, else ``~/.cache/reshard_job``), and reused by every later demo run
+wherever it is launched, as long as it is intact: every file there with the size it was written
+with (a list beside the set, ``<set>.files.json``, names them); otherwise it is written again.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from importlib import resources
 
@@ -19,7 +23,8 @@ from reshard_job.formats.ckpt import CheckpointWriter
 from reshard_job.formats.strategy import read_strategy
 from reshard_job.core.layout import Layout
 from reshard_job.core.topology import Topology
-from reshard_job.storage.local_files import exclusive_lock, make_folder, publish_folder
+from reshard_job.sources.file_digests import default_cache_folder
+from reshard_job.storage.local_files import exclusive_lock, make_folder, publish_folder, replace_file
 
 DEMO_NAME = "mlp_784-512-512-10_8ranks"
 SHAPES = {
@@ -52,26 +57,51 @@ def global_tensors() -> dict[str, np.ndarray]:
     return out
 
 
-def ensure_demo(root: str) -> tuple[str, str]:
-    """Generate the demo checkpoints under `root` unless present; return (checkpoints dir, strategy).
+def demo_folder() -> str:
+    """Where the demo set lives: once per user, in the cache folder (not under each launch folder)."""
+    return os.path.join(default_cache_folder(), "demo")
 
-    Several jobs of a sweep may start at once: one generates the set into a temporary folder and
-    renames it into place under a lock, the others wait and then use it, so no job ever sees a
-    demo file replaced under its feet.
+
+def ensure_demo(root: str) -> tuple[str, str]:
+    """Generate the demo checkpoints under `root` unless an intact set is there; return
+    (checkpoints dir, strategy).
+
+    Several jobs of a sweep (or of one user's shells) may start at once: one generates the set into
+    a temporary folder and renames it into place under a lock, then lists its files; the others wait
+    and then use it, so no job ever sees a demo file replaced under its feet.
     """
     ckpt_dir = os.path.join(root, DEMO_NAME)
+    listing = ckpt_dir + ".files.json"
     strategy = strategy_path()
-    topo = Topology.from_strategy(read_strategy(strategy))
-    files = [os.path.join(ckpt_dir, f"rank_{r}", f"checkpoint_{r}.ckpt") for r in range(topo.devices)]
-    if all(os.path.exists(f) for f in files):
+    if _intact(ckpt_dir, listing):
         return ckpt_dir, strategy
     make_folder(root)
     with exclusive_lock(os.path.join(root, ".demo.lock")):
-        if all(os.path.exists(f) for f in files):
+        if _intact(ckpt_dir, listing):
             return ckpt_dir, strategy
-        # an incomplete set from an older version is replaced
+        topo = Topology.from_strategy(read_strategy(strategy))
+        if os.path.exists(listing):
+            os.unlink(listing)  # the set it lists is about to be replaced
+        # an incomplete, altered or older set is replaced
         publish_folder(ckpt_dir, lambda staging: _write_demo(staging, topo))
+        sizes = dict(sorted((os.path.relpath(os.path.join(d, f), ckpt_dir), os.path.getsize(os.path.join(d, f)))
+                            for d, _, names in os.walk(ckpt_dir) for f in names))
+        replace_file(listing, json.dumps({"name": DEMO_NAME, "seed": SEED, "sizes": sizes}, indent=1).encode())
     return ckpt_dir, strategy
+
+
+def _intact(ckpt_dir: str, listing: str) -> bool:
+    """Every file the listing names is there with its size. Sizes, not digests: this runs on every
+    demo start, and the job itself hashes (and records) what it reads."""
+    try:
+        with open(listing, encoding="utf-8") as f:
+            recorded = json.load(f)
+        sizes = recorded["sizes"]
+        if recorded.get("name") != DEMO_NAME or recorded.get("seed") != SEED or not sizes:
+            return False
+        return all(os.path.getsize(os.path.join(ckpt_dir, rel)) == size for rel, size in sizes.items())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
 
 
 def _write_demo(folder: str, topo: Topology) -> None:

@@ -170,12 +170,16 @@ def digest_files(requests: Iterable[HashRequest], *, threads: int = 2, progress:
 CACHE_DIR_ENV = "RESHARD_JOB_CACHE_DIR"
 
 
-def default_cache_path() -> str:
-    """The user's digest cache: $RESHARD_JOB_CACHE_DIR, else $XDG_CACHE_HOME/reshard_job, else
+def default_cache_folder() -> str:
+    """The user's cache folder: $RESHARD_JOB_CACHE_DIR, else $XDG_CACHE_HOME/reshard_job, else
     ~/.cache/reshard_job (shared by all of a user's jobs, wherever they are launched)."""
-    base = os.environ.get(CACHE_DIR_ENV) or os.path.join(
+    return os.environ.get(CACHE_DIR_ENV) or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "reshard_job")
-    return os.path.join(base, "source-digests.json")
+
+
+def default_cache_path() -> str:
+    """The user's digest cache, in ``default_cache_folder()``."""
+    return os.path.join(default_cache_folder(), "source-digests.json")
 
 
 def _segments_key(segments) -> str | None:

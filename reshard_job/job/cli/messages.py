@@ -17,6 +17,9 @@ def one_line(exc: BaseException) -> str:
     from hydra.errors import OverrideParseException
     from omegaconf.errors import OmegaConfBaseException
 
+    unknown = _unknown_key(exc)
+    if unknown:
+        return unknown
     if isinstance(exc, OmegaConfBaseException) and getattr(exc, "msg", None):
         key = getattr(exc, "full_key", None)
         msg = str(exc.msg).strip().splitlines()[0]
@@ -33,6 +36,25 @@ def one_line(exc: BaseException) -> str:
     cause = exc.__cause__
     detail = f" ({one_line(cause)})" if cause is not None and cause is not exc and not options else ""
     return head + (f" (available: {', '.join(options)})" if options else "") + detail + hint
+
+
+def _unknown_key(exc: BaseException) -> str | None:
+    """``target.devcies=4`` (no ``+``): Hydra cannot override a key the schema lacks. Told as settle
+    tells ``+target.devcies=4``, with the closest known key, so both spellings read the same."""
+    from hydra.errors import ConfigCompositionException
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError
+
+    cause = exc.__cause__
+    if not isinstance(exc, ConfigCompositionException):
+        return None
+    if not isinstance(cause, (ConfigKeyError, ConfigAttributeError)):
+        return None
+    key = getattr(cause, "full_key", None)
+    if not key or key.split(".")[0] == "hydra":  # Hydra's own settings are not the job's schema
+        return None
+    from reshard_job.job.config.settle import unknown_key_line
+
+    return unknown_key_line(key)
 
 
 def _hint(text: str) -> str:

@@ -90,12 +90,33 @@ def _check_known_keys(node: Any, cls: type, prefix: str) -> None:
     for key, value in node.items():
         full = f"{prefix}{key}"
         if key not in known:
-            close = difflib.get_close_matches(str(key), sorted(known), n=1, cutoff=0.6)
-            hint = f"; did you mean {prefix}{close[0]}?" if close else f" (known keys: {', '.join(sorted(known))})"
-            raise ConfigError(f"unknown configuration key {full}{hint}")
+            raise ConfigError(_unknown_key_line(str(key), known, prefix))
         sub = _dataclass_of(hints[key])
         if sub is not None:
             _check_known_keys(value, sub, full + ".")
+
+
+def unknown_key_line(full_key: str) -> str | None:
+    """The line for a dotted key the schema does not know (``target.devcies``), naming the closest
+    known one; None where the schema knows it or cannot tell (free-form maps such as storage.options).
+    Hydra refuses ``target.devcies=4`` itself: its error is told with this same line."""
+    cls: type | None = schema.ReshardConfig
+    prefix = ""
+    for part in full_key.split("."):
+        if cls is None:
+            return None
+        known = {f.name for f in fields(cls)}
+        if part not in known:
+            return _unknown_key_line(part, known, prefix)
+        cls = _dataclass_of(typing.get_type_hints(cls)[part])
+        prefix += part + "."
+    return None
+
+
+def _unknown_key_line(key: str, known: set[str], prefix: str) -> str:
+    close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+    hint = f"; did you mean {prefix}{close[0]}?" if close else f" (known keys: {', '.join(sorted(known))})"
+    return f"unknown configuration key {prefix}{key}{hint}"
 
 
 def _dataclass_of(hint: Any) -> type | None:

@@ -262,7 +262,8 @@ def _with_demo(source: SourceSpec, demo_root: str | None) -> SourceSpec:
     if demo_root is None:
         raise ConfigError("source.checkpoints is not set")
     checkpoints, strategy = ensure_demo(demo_root)
-    log.info("no source.checkpoints given: using the built-in demo (MLP 784-512-512-10 on 8 ranks) at %s",
+    log.info("no source.checkpoints given: using the built-in demo (MLP 784-512-512-10 on 8 ranks), "
+             "built once in the user's cache folder and reused: %s",
              checkpoints)
     return SourceSpec(checkpoints, strategy, source.select, source.unsharded, source.iteration)
 

@@ -64,6 +64,11 @@ def test_no_argument_demo_converts_8_to_4_and_records_lineage(tmp_path):
         statuses = [r[0] for r in con.execute("select status from runs")]
     assert statuses == ["completed"]
     assert manifest["run_id"] in res.stdout
+    # the demo sources are the user's, built once in the cache folder (the session's, under tests)
+    demo = Path(os.environ["RESHARD_JOB_CACHE_DIR"]) / "demo" / "mlp_784-512-512-10_8ranks"
+    assert not (tmp_path / "runs" / "demo").exists()
+    assert {Path(f["path"]).parent.parent for f in manifest["source"]["files"]} == {demo}
+    assert f"built once in the user's cache folder and reused: {demo}" in res.stderr + res.stdout
     # the 4 outputs hold the demo network, resharded: merging them back gives the original tensors
     merged = merge_to_one(out, tmp_path / "merged")
     for name, want in global_tensors().items():
@@ -163,6 +168,28 @@ def test_user_errors_exit_nonzero_with_one_line(tmp_path, args, expected):
     assert lines[0].startswith("reshard_job: error: ") and expected in lines[0], lines[0]
     assert "Traceback" not in res.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_a_misspelt_key_gets_the_same_suggestion_with_or_without_plus(tmp_path):
+    """Hydra refuses ``target.devcies=4`` itself, settle refuses ``+target.devcies=4``: one line each,
+    the same one, naming the closest key."""
+    for override in ("target.devcies=4", "+target.devcies=4"):
+        res = run_app(tmp_path, override, "job.mode=plan")
+        assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+        lines = [ln for ln in res.stderr.splitlines() if ln.strip() and "[INFO]" not in ln]
+        assert lines == ["reshard_job: error: unknown configuration key target.devcies; did you mean "
+                         "target.devices?"], (override, res.stderr)
+    res = run_app(tmp_path, "devcies=4", "job.mode=plan")
+    assert res.returncode == 2 and "unknown configuration key devcies (known keys: job, " in res.stderr
+
+
+@pytest.mark.parametrize("key", ["job.max_memory", "target.max_shard_size"])
+def test_both_size_keys_take_the_same_spellings_on_the_command_line(tmp_path, key):
+    for text in ("512M", "512MiB", "5GB", "1.5GiB"):
+        res = run_app(tmp_path, "target=hf_export", f"{key}={text}", "job.mode=plan")
+        assert res.returncode == 0, (text, res.stderr)
+    res = run_app(tmp_path, "target=hf_export", f"{key}=12Mo", "job.mode=plan")
+    assert res.returncode == 2 and f"reshard_job: error: {key}" in res.stderr, res.stderr
 
 
 def test_full_traceback_only_with_hydra_full_error(tmp_path):
