@@ -81,6 +81,21 @@ def interruptible(deferred: bool = False):
 
 
 @contextmanager
+def _noting(noted: list[int]):
+    """Replace the callable SIGINT/SIGTERM handlers by ones that only note the signal in `noted`;
+    yield the handlers replaced (to act later as they would have), then put them back."""
+    previous = {s: signal.getsignal(s) for s in EXIT_CODES}
+    held_here = [s for s, h in previous.items() if callable(h)]
+    for s in held_here:
+        signal.signal(s, lambda signum, frame: noted.append(signum))
+    try:
+        yield previous
+    finally:
+        for s in held_here:
+            signal.signal(s, previous[s])
+
+
+@contextmanager
 def held():
     """Hold SIGINT/SIGTERM while code we do not own runs (a database driver closing its connection
     logs an exception raised inside it with a traceback), then act on a signal that came meanwhile
@@ -89,16 +104,9 @@ def held():
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = {s: signal.getsignal(s) for s in EXIT_CODES}
     noted: list[int] = []
-    held_here = [s for s, h in previous.items() if callable(h)]
-    for s in held_here:
-        signal.signal(s, lambda signum, frame: noted.append(signum))
-    try:
+    with _noting(noted) as previous:
         yield
-    finally:
-        for s in held_here:
-            signal.signal(s, previous[s])
     if noted:
         previous[noted[0]](noted[0], None)
 
@@ -112,17 +120,14 @@ def committing():
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = {s: signal.getsignal(s) for s in EXIT_CODES}
     noted: list[int] = []
-    held_here = [s for s, h in previous.items() if callable(h)]
-    for s in held_here:
-        signal.signal(s, lambda signum, frame: noted.append(signum))
+    previous: dict = {}
     try:
-        yield
-        _committed.append(True)
+        with _noting(noted) as replaced:
+            previous = replaced
+            yield
+            _committed.append(True)
     finally:
-        for s in held_here:
-            signal.signal(s, previous[s])
         if noted and not _committed:
             previous[noted[0]](noted[0], None)
 
