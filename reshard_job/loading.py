@@ -18,6 +18,7 @@ does not want everything in memory at once. ``to_mindspore_parameters`` turns th
 from __future__ import annotations
 
 import os
+from math import prod
 from typing import Iterator
 
 import numpy as np
@@ -58,20 +59,33 @@ class _Arrays:
 
 
 class _Filling:
-    """One tensor's bytes, in order, into a buffer of its size."""
+    """One tensor's bytes, in order, into a buffer of its size (allocated once: the array returned
+    is that buffer, so a large tensor costs its own size and no copy)."""
 
     def __init__(self, owner: _Arrays, name: str, dtype: str, dims):
         self.owner, self.name, self.dtype, self.dims = owner, name, dtype, tuple(dims)
-        self.parts: list[np.ndarray] = []
+        dt = dtypes.BY_NAME[dtype]
+        self.buf = np.empty(prod(self.dims) * dt.itemsize, np.uint8) if dt.sliceable else None
+        self.parts: list[np.ndarray] = []  # a packed dtype's size is known only once written
+        self.done = 0
 
     def write(self, data) -> None:
-        self.parts.append(np.frombuffer(memoryview(data).cast("B"), np.uint8).copy())
+        chunk = np.frombuffer(memoryview(data).cast("B"), np.uint8)
+        if self.buf is None:
+            self.parts.append(chunk.copy())
+            return
+        if self.done + chunk.size > self.buf.size:
+            raise ValueError(f"parameter {self.name!r}: more bytes than its shape {list(self.dims)} holds")
+        self.buf[self.done:self.done + chunk.size] = chunk
+        self.done += chunk.size
 
     def close(self) -> None:
-        buf = self.parts[0] if len(self.parts) == 1 else np.concatenate(self.parts) if self.parts \
-            else np.empty(0, np.uint8)
+        if self.buf is None:
+            self.buf = np.concatenate(self.parts) if self.parts else np.empty(0, np.uint8)
+        elif self.done != self.buf.size:
+            raise ValueError(f"parameter {self.name!r}: {self.done} of its {self.buf.size} bytes were read")
         self.parts = []
-        self.owner.out.append((self.name, _typed(buf, self.dtype, self.dims)))
+        self.owner.out.append((self.name, _typed(self.buf, self.dtype, self.dims)))
 
 
 def _typed(raw: np.ndarray, dtype: str, dims) -> np.ndarray:
