@@ -24,6 +24,7 @@ from reshard_job.formats.strategy import read_strategy
 from reshard_job.core.layout import Layout
 from reshard_job.core.topology import Topology
 from reshard_job.sources.file_digests import default_cache_folder
+from reshard_job.storage import LOCAL
 from reshard_job.storage.local_files import exclusive_lock, make_folder, publish_folder, replace_file
 
 DEMO_NAME = "mlp_784-512-512-10_8ranks"
@@ -80,8 +81,7 @@ def ensure_demo(root: str) -> tuple[str, str]:
         if _intact(ckpt_dir, listing):
             return ckpt_dir, strategy
         topo = Topology.from_strategy(read_strategy(strategy))
-        if os.path.exists(listing):
-            os.unlink(listing)  # the set it lists is about to be replaced
+        LOCAL.remove(listing)  # the set it lists is about to be replaced
         # an incomplete, altered or older set is replaced
         publish_folder(ckpt_dir, lambda staging: _write_demo(staging, topo))
         sizes = dict(sorted((os.path.relpath(os.path.join(d, f), ckpt_dir), os.path.getsize(os.path.join(d, f)))
