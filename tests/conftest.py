@@ -58,6 +58,35 @@ def no_user_cache(monkeypatch, tmp_path_factory):
     monkeypatch.setenv("RESHARD_JOB_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "user-cache"))
 
 
+@pytest.fixture
+def silent_server():
+    """The port of a server on 127.0.0.1 that accepts every connection and never answers (a store
+    or database that hangs), closed afterwards."""
+    import threading
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(64)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        server.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(server.accept()[0])
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield server.getsockname()[1]
+    stop.set()
+    thread.join()
+    for s in held + [server]:
+        s.close()
+
+
 # ============================================================================ golden scenarios
 
 

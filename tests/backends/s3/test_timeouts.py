@@ -11,9 +11,7 @@ the sources or the outputs are in the silent store. No SeaweedFS is needed.
 
 from __future__ import annotations
 
-import socket
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -30,30 +28,9 @@ QUICK = [f"+storage.options.config_kwargs.{k}={v}" for k, v in
 
 
 @pytest.fixture
-def silent_endpoint():
+def silent_endpoint(silent_server) -> str:
     """http://127.0.0.1:<port>: accepts every connection, reads nothing, answers nothing."""
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(64)
-    held: list[socket.socket] = []
-    stop = threading.Event()
-
-    def accept() -> None:
-        server.settimeout(0.2)
-        while not stop.is_set():
-            try:
-                held.append(server.accept()[0])
-            except OSError:
-                continue
-
-    thread = threading.Thread(target=accept, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.getsockname()[1]}"
-    stop.set()
-    thread.join()
-    for s in held + [server]:
-        s.close()
-
+    return f"http://127.0.0.1:{silent_server}"
 
 @pytest.fixture
 def aws_env(monkeypatch, tmp_path):

@@ -20,11 +20,9 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 from pathlib import Path
 
@@ -394,32 +392,6 @@ def test_the_audit_given_a_checkpoint_instead_of_a_database_says_so(tmp_path, s1
 
 
 # ================================================================================== 7. an unreachable PostgreSQL
-
-
-@pytest.fixture
-def silent_server():
-    """127.0.0.1:<port> that accepts connections and never answers."""
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(64)
-    held: list[socket.socket] = []
-    stop = threading.Event()
-
-    def accept() -> None:
-        server.settimeout(0.2)
-        while not stop.is_set():
-            try:
-                held.append(server.accept()[0])
-            except OSError:
-                continue
-
-    thread = threading.Thread(target=accept, daemon=True)
-    thread.start()
-    yield server.getsockname()[1]
-    stop.set()
-    thread.join()
-    for s in held + [server]:
-        s.close()
 
 
 def test_an_unreachable_postgresql_lineage_database_is_one_line(tmp_path, s1, silent_server):
