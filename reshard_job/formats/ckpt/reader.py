@@ -21,6 +21,7 @@ from reshard_job.errors import CheckpointFormatError
 import reshard_job.core.dtypes as dtypes
 from reshard_job.formats.tensorfile import KIND_MAP, KIND_STR, KIND_TENSOR, PositionedReader, TensorEntry
 from reshard_job.formats.ckpt.records import CRC_TRAILER_LEN, Record
+from reshard_job.core.sizes import shape_problem
 from reshard_job.formats.ckpt.walk import HEAD, KINDS, RecordWalk, intern_shape
 from reshard_job.text import quoted
 
@@ -206,7 +207,7 @@ class CheckpointReader(RecordWalk, PositionedReader):
                     raise self._error(f"parameter {self._names[i]!r}: str content of {stored} bytes is not UTF-32")
                 continue
             dt = by_name.get(dtype)
-            if dt is None or dt.storage is None or any(d < 0 for d in dims) or (
+            if dt is None or dt.storage is None or shape_problem(dims, dt.itemsize) or (
                     stored != prod(dims) * dt.itemsize and not (dims == (0,) and stored == dt.itemsize)):
                 self._entry(i)  # the detailed error
 
@@ -258,6 +259,9 @@ class CheckpointReader(RecordWalk, PositionedReader):
         if any(d < 0 for d in dims):
             raise self._error(f"parameter {quoted(tag)}: negative dimension in dims {list(dims)}")
         dt = dtypes.BY_NAME[dtype]
+        problem = shape_problem(dims, dt.itemsize if dt.storage is not None else 1)
+        if problem:  # e.g. zero-size dims beside 2**62: no array can have them, whatever the data size
+            raise self._error(f"parameter {quoted(tag)}: dims {_brief_dims(dims)}: {problem}")
         shape = dims
         if dt.storage is None:  # packed Int4: carried, not checked element-wise
             return TensorEntry(tag, dtype, shape, stored, pieces, KIND_TENSOR, extra=extra).finish()
@@ -408,3 +412,9 @@ def crc_of_file(reader: CheckpointReader, length: int) -> int:
         crc = zlib.crc32(mv[:n], crc)
         pos += n
     return crc
+
+
+def _brief_dims(dims: tuple) -> str:
+    """Dims for an error line: a hostile record may declare thousands of huge ones."""
+    shown = [str(d) if d < 10**12 else f"2**{d.bit_length() - 1}+" for d in dims[:8]]
+    return "[" + ", ".join(shown) + (", …]" if len(dims) > 8 else "]")

@@ -763,3 +763,25 @@ def test_a_tensor_in_more_records_than_any_real_file_has_is_refused_at_once(tmp_
             with CheckpointReader(path) as r:
                 assert np.array_equal(r.read("chunked"), data)
                 assert len(r.entries["chunked"].pieces) == count
+
+
+@pytest.mark.parametrize("dims, needle", [
+    ([0, 2**62, 2**62], "more than 2**63-1 bytes"),
+    ([2**62, 0, 2**62, 2**62], "more than 2**63-1 bytes"),
+    ([0] + [2**40] * 60, "more than 2**63-1 bytes"),
+])
+def test_zero_size_dims_beyond_any_array_are_refused_naming_the_parameter(tmp_path, dims, needle):
+    """A zero-size tensor keeps its declared dims only where an array could have them (as in the
+    safetensors and MindFormers readers): numpy refuses the rest, so the reader does, in one line."""
+    path = write_file(tmp_path / "c.ckpt", proto_record("w", dims, "Float32", b""))
+    with pytest.raises(CheckpointFormatError) as err:
+        CheckpointReader(path).entries
+    line = str(err.value)
+    assert "'w'" in line and needle in line and str(tmp_path / "c.ckpt") in line
+    assert "\n" not in line and len(line) < 400
+
+
+def test_a_zero_size_ckpt_tensor_keeps_its_dims(tmp_path):
+    path = write_file(tmp_path / "c.ckpt", proto_record("w", [0, 2**60], "Float32", b""))
+    with CheckpointReader(path) as r:
+        assert r.entries["w"].shape == (0, 2**60) and r.read("w").shape == (0, 2**60)
