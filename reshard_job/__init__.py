@@ -12,6 +12,9 @@ __all__ = [
     "rank_list_for_transform",
     "merge_pipeline_strategies",
     "merge_pipeline_strategys",
+    "convert_checkpoints",
+    "convert_checkpoint_by_rank",
+    "rank_list_for_convert",
     "load_rank",
     "iter_rank",
     "ReshardError",
@@ -21,7 +24,8 @@ __all__ = [
 
 def __getattr__(name):
     if name in ("transform_checkpoints", "transform_checkpoint_by_rank", "rank_list_for_transform",
-                "merge_pipeline_strategies", "merge_pipeline_strategys"):
+                "merge_pipeline_strategies", "merge_pipeline_strategys", "convert_checkpoints",
+                "convert_checkpoint_by_rank", "rank_list_for_convert"):
         from reshard_job import api
 
         return getattr(api, name)

@@ -1,7 +1,10 @@
 """MindSpore-compatible functions: ``transform_checkpoints``, ``transform_checkpoint_by_rank``,
-``rank_list_for_transform``, ``merge_pipeline_strategies`` (alias ``merge_pipeline_strategys``).
+``rank_list_for_transform``, ``merge_pipeline_strategies`` (alias ``merge_pipeline_strategys``), and
+the names ``mindspore.parallel`` gives them since MindSpore 2.5: ``convert_checkpoints``,
+``convert_checkpoint_by_rank``, ``rank_list_for_convert`` (the same functions).
 
-Same arguments as MindSpore 2.10's, plus ``output_format`` and a few keyword-only extras. They run
+Same arguments as MindSpore 2.10's, positional ones included (``transform_checkpoints(src, dst,
+prefix, src_strategy, dst_strategy, process_num, output_format)``), plus a few keyword-only extras. They run
 the batch job's own stages (``job.prepare``: sources, strategies, cross-checks, plan; then one rank
 task per target file), without its output-directory bookkeeping (journal, manifest, lineage). The
 differences from MindSpore are the point of the project: any M→N pair works (MindSpore rejects
@@ -53,6 +56,9 @@ __all__ = [
     "rank_list_for_transform",
     "merge_pipeline_strategies",
     "merge_pipeline_strategys",
+    "convert_checkpoints",
+    "convert_checkpoint_by_rank",
+    "rank_list_for_convert",
     "mindformers_rank_files",
     "build_plan",
 ]
@@ -123,7 +129,7 @@ def _run(prepared, paths: dict[int, str], options: WriteOptions, workers: int = 
 
 
 def transform_checkpoints(src_checkpoints_dir, dst_checkpoints_dir, ckpt_prefix, src_strategy_file=None,
-                          dst_strategy_file=None, process_num: int = 1, *, output_format: str = FORMAT_CKPT,
+                          dst_strategy_file=None, process_num: int = 1, output_format: str = FORMAT_CKPT, *,
                           unmapped: str = UNMAPPED_OMIT, max_memory: int = DEFAULT_MAX_MEMORY,
                           select: str = "latest_step", iteration: int | None = None,
                           max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
@@ -220,3 +226,10 @@ def _source_topology(src_strategy: str):
     source, _ = _specs(src_strategy, None, src_dir=src_strategy)
     return reader_for(source).layouts(source.strategy).topology
 
+
+
+# MindSpore 2.5+ names (``mindspore.parallel.convert_checkpoints`` & co.): the same functions, so the
+# same arguments by position and by keyword (``ckpt_prefix``, ``src_strategy_file``, ``process_num``, ...)
+convert_checkpoints = transform_checkpoints
+convert_checkpoint_by_rank = transform_checkpoint_by_rank
+rank_list_for_convert = rank_list_for_transform
