@@ -42,7 +42,7 @@ from reshard_job.formats.strategy import merge_pipeline_strategies, merge_pipeli
 from reshard_job.plan.model import UNMAPPED_OMIT, Plan
 from reshard_job.plan.rank_list import source_ranks_for
 from reshard_job.formats.mindformers_metadata import METADATA_FILE
-from reshard_job.sources.base import reader_for, reader_for_files
+from reshard_job.sources.base import reader_for_files
 from reshard_job.sources.mindformers import MindFormersFolder, discover_mindformers
 from reshard_job.sources.rank_folders import load_strategy
 from reshard_job.storage import absolute, storage_for
@@ -222,9 +222,9 @@ def _source_topology(src_strategy: str):
     """A strategy file's (or per-stage folder's) topology; a MindFormers folder's or metadata.json's layouts."""
     if os.path.basename(src_strategy) == METADATA_FILE and os.path.isfile(src_strategy):
         return MindFormersFolder(os.path.dirname(src_strategy)).layouts().topology
-    # the strategy file named is read as the source it describes: a MindFormers folder is its own
-    source, _ = _specs(src_strategy, None, src_dir=src_strategy)
-    return reader_for(source).layouts(source.strategy).topology
+    if MindFormersFolder.detect(src_strategy):  # a MindFormers folder is its own strategy
+        return MindFormersFolder(src_strategy).layouts().topology
+    return load_strategy(src_strategy).topology  # a strategy file, or a folder of per-stage files
 
 
 

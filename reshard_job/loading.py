@@ -186,9 +186,9 @@ def load_rank(rank_id: int, src_checkpoints, src_strategy_file=None, dst_strateg
               unmapped: str = UNMAPPED_OMIT) -> dict[str, np.ndarray]:
     """The tensors target rank `rank_id` needs, as the job would write them for that rank.
 
-    `src_checkpoints`: a folder of ``rank_<r>/`` files, a MindFormers save, an export folder, local
-    or ``s3://``; `src_strategy_file`: its strategy file or per-stage folder (None: unsharded, or
-    the layouts a MindFormers save holds); `dst_strategy_file`: the target's (None: one whole
+    `src_checkpoints`: a folder of ``rank_<r>/`` files, a MindFormers save, an export folder, or a
+    single ``.ckpt``/``.safetensors`` file of a whole model, local or ``s3://``; `src_strategy_file`:
+    its strategy file or per-stage folder (None: unsharded, or the layouts a MindFormers save holds); `dst_strategy_file`: the target's (None: one whole
     model). `storage_options`: ``{"endpoint_url": ..., "options": {...}}`` for object stores.
     `consumer` and `lineage_url` name who loads and where the load is recorded (see README)."""
     from reshard_job.lineage.database import url_from_environment

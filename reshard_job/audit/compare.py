@@ -11,7 +11,8 @@ safetensors export of one model are equal. A side is
   are read from the files, with the target strategy the manifest lists;
 - a run id (or a unique prefix) of the lineage database: the output directory that run wrote, as above;
 - any folder the job reads as a source (``rank_<r>/`` folders with their strategy, none for an
-  unsharded one; a MindFormers 2.x save; an export folder): read from the files. A strategy given
+  unsharded one; a MindFormers 2.x save; an export folder), or a single checkpoint file of a whole
+  model: read from the files. A strategy given
   for an output directory means "read it with this strategy", so its record is not used.
 
 Reading is the job's own (``job.stages.proof.checkpoint_fingerprints``: the checkpoint planned onto
@@ -34,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from reshard_job.core.fingerprint import ALGORITHM
-from reshard_job.errors import ConfigError, ReshardError
+from reshard_job.errors import ReshardError
 from reshard_job.formats.manifest_file import MANIFEST_FILE
 from reshard_job.lineage.errors import LineageError
 from reshard_job.lineage.hash_names import MIN_PREFIX_LENGTH
@@ -190,15 +191,9 @@ def _fingerprints(side: Side, loc: _Located, wanted, progress: bool | None) -> S
     from reshard_job.job.config.spec import SourceSpec
     from reshard_job.job.stages.proof import checkpoint_fingerprints
 
-    try:
-        found = checkpoint_fingerprints(SourceSpec(loc.path, loc.strategy), wanted=wanted, progress=progress,
-                                        desc=f"fingerprinting {side.label}", check_replicas=True)
-    except ConfigError:
-        if is_directory(loc.path) or not exists(loc.path):
-            raise
-        # sources are folders (SourceSpec reads no single file yet)
-        raise CompareError(f"{side.label}: {loc.path}: a single checkpoint file cannot be compared; put it in a "
-                           f"folder as rank_0/{os.path.basename(loc.path)} and compare that folder") from None
+    # a folder of any kind the job reads, or a single checkpoint file (one whole model)
+    found = checkpoint_fingerprints(SourceSpec(loc.path, loc.strategy), wanted=wanted, progress=progress,
+                                    desc=f"fingerprinting {side.label}", check_replicas=True)
     return SideFingerprints(found.digests, found.algorithm, READ_FILES, loc.path, loc.note)
 
 

@@ -2,8 +2,11 @@
 
 PyTorch DCP's ``StorageReader`` is the model: a small protocol, one implementation per kind, and
 the callers (``job.stages.prepare``, ``api``) never ask which kind they hold. The kinds, in the
-order they are tried (the first that recognises the folder reads it):
+order they are tried (the first that recognises the path reads it):
 
+- a single checkpoint file, ``.ckpt`` or ``.safetensors`` (``sources.single_file.SingleFile``):
+  one whole model, read as the one unsharded source rank; any path that is not a folder is this
+  kind, so that a missing or unfit file is refused naming what it is;
 - a MindFormers 2.x save (``sources.mindformers.MindFormersFolder``), detected from the folder
   itself; its ``metadata.json`` takes the place of the strategy file;
 - an export for inference, shards + ``model.safetensors.index.json``
@@ -26,6 +29,7 @@ from reshard_job.sources.export_folder import ExportFolder
 from reshard_job.sources.mindformers import MindFormersFolder, mindformers_folder_of
 from reshard_job.sources.open_files import SourceFiles
 from reshard_job.sources.rank_folders import LoadedStrategy, RankFiles, RankFolders
+from reshard_job.sources.single_file import SingleFile
 from reshard_job.storage import StorageOptions
 
 
@@ -46,8 +50,8 @@ class SourceReader(Protocol):
 
     @classmethod
     def detect(cls, path: str | None, storage: StorageOptions | None = None) -> bool:
-        """Whether `path` (a folder, or a prefix in a bucket) is of this kind; a path that cannot be
-        listed is not (never raises)."""
+        """Whether `path` (a folder or file, or a prefix or object in a bucket) is of this kind; a path
+        that cannot be listed is not (never raises)."""
 
     def check(self, source: SourceSettings) -> None:
         """Refuse, in one line (``ConfigError``), settings that do not apply to this kind."""
@@ -63,11 +67,11 @@ class SourceReader(Protocol):
         """Check the opened files against what the source says of itself; the checks that ran."""
 
 
-READERS: tuple[type, ...] = (MindFormersFolder, ExportFolder, RankFolders)  # in the order they are tried
+READERS: tuple[type, ...] = (SingleFile, MindFormersFolder, ExportFolder, RankFolders)  # in the order they are tried
 
 
 def reader_for(source: SourceSettings, storage: StorageOptions | None = None) -> SourceReader:
-    """The reader of the folder ``source.checkpoints`` names: the first kind that recognises it."""
+    """The reader of the folder (or file) ``source.checkpoints`` names: the first kind that recognises it."""
     kind = next(kind for kind in READERS if kind.detect(source.checkpoints, storage))
     return kind(source.checkpoints, storage)
 

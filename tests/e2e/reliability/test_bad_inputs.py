@@ -84,7 +84,9 @@ def source_without_rank_dirs(d: Path) -> Setup:
 def source_is_a_file(d: Path) -> Setup:
     ckpts, src, dst, _ = _s1(d)
     f = _rank_file(ckpts, 0)
-    return Setup(s1_args(f, src, dst, d / "out"), [f"must be a directory holding rank_<r>/ folders: {f}"], [ckpts])
+    # one rank's file is read as a whole model, which the 8-device source strategy cannot lay out
+    return Setup(s1_args(f, src, dst, d / "out"), [f"source checkpoints {f} is a single checkpoint file, one whole "
+                                                   f"model, but source.strategy {src} lays out 8 devices"], [ckpts])
 
 
 def rank_dir_without_checkpoint(d: Path) -> Setup:

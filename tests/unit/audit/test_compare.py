@@ -181,11 +181,12 @@ def test_sharded_folders_without_their_strategy_are_refused_with_the_flag_to_giv
     assert "--a-strategy" in err
 
 
-def test_a_single_checkpoint_file_is_refused_saying_what_to_do(audit):
+def test_a_single_checkpoint_file_is_a_whole_model(audit):
     _, d = golden("S5a_merge_8to1")
-    err = one_line_error(audit(d / "src_checkpoints", d / "expected" / "rank_0" / "checkpoint_0.ckpt",
-                               "--a-strategy", d / "src_strategy.ckpt"), "B")
-    assert "single checkpoint file" in err and "rank_0/checkpoint_0.ckpt" in err
+    got = audit(d / "src_checkpoints", d / "expected" / "rank_0" / "checkpoint_0.ckpt",
+                "--a-strategy", d / "src_strategy.ckpt", "--json")
+    assert got.code == 0, got.err
+    assert json.loads(got.out)["equal"] is True
 
 
 def test_a_folder_whose_replicas_disagree_is_refused_naming_the_parameter(audit, tmp_path):

@@ -1,5 +1,5 @@
-"""The ``SourceReader`` protocol (``sources.base``): each kind of source folder is detected from the
-folder itself, in order (MindFormers save, export folder, rank folders), and a folder of no kind is
+"""The ``SourceReader`` protocol (``sources.base``): each kind of source is detected from the path
+itself, in order (single file, MindFormers save, export folder, rank folders), and a folder of no kind is
 refused by rank-folder discovery with the line it always had."""
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from reshard_job.sources.base import READERS, SourceReader, reader_for, reader_f
 from reshard_job.sources.export_folder import ExportFolder
 from reshard_job.sources.mindformers import MindFormersFolder
 from reshard_job.sources.rank_folders import RankFolders, load_strategy
+from reshard_job.sources.single_file import SingleFile
 
 GOLDEN = Path(__file__).resolve().parents[2] / "golden"
 M1A = GOLDEN / "M1a_mf_llama_dp2mp2os_bf16_to_mp4"
@@ -40,7 +41,7 @@ def kind_of(path) -> type:
 
 
 def test_every_kind_implements_the_protocol_and_they_are_tried_in_order():
-    assert READERS == (MindFormersFolder, ExportFolder, RankFolders)
+    assert READERS == (SingleFile, MindFormersFolder, ExportFolder, RankFolders)
     methods = {n for n in vars(SourceReader) if not n.startswith("_") and callable(getattr(SourceReader, n))}
     assert methods == {"detect", "check", "discover", "layouts", "verify"}
     for kind in READERS:
