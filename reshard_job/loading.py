@@ -4,9 +4,31 @@
 as the job does (the same discovery, cross-checks and refusals, every source kind the job reads,
 local or ``s3://``), plans that one target rank, and runs the rank task's own reading code into
 memory instead of into a file: each array is byte-equal to the tensor the job writes for that rank,
-and only the byte ranges the rank needs are read (coalesced by the readers' read-ahead). So the
-copies of a replicated block that the rank does not read are not compared with the one it reads,
-as the job (which reads every source file to hash it) and ``audit compare`` compare them.
+and only the byte ranges the rank needs are read (coalesced by the readers' read-ahead).
+
+What a load verifies (``verify``). The CRCs the formats carry cover whole files: a ``.ckpt``'s
+trailer is the CRC32 of every byte before it, MindSpore safetensors' ``crc_num`` is chained over
+every tensor in name order. No part of a file has a CRC of its own, so a rank that reads part of a
+file cannot check one without reading the rest. The job can, because it reads every source file
+whole anyway, to hash it. A load therefore checks, by default (``verify="read"``), all that needs
+no byte the rank does not read:
+
+- every check of the job's prepare stage: each file's structure (record framing, offsets and
+  lengths within the file, dtypes and shapes against byte counts), the source kind's own
+  cross-checks (a MindFormers ``metadata.json`` against every header, an export's index against
+  its shards), and the job's refusals, with the same one-line errors;
+- each file's identity (size, times, inode; an object's size and ETag) as listed, when it is
+  opened and again after the last read, so bytes that changed under the load are refused rather
+  than returned;
+- the format's CRC, when the load is recorded in lineage: the record names each file by its
+  sha256, so the files are read whole for it anyway, and the CRC is checked in that same read (or
+  taken from the digest cache, for files unchanged since they were hashed).
+
+``verify="full"`` adds what the job's extra read gives: before any tensor is returned, each file
+the rank reads is read whole once, its CRC checked (its sha256 then serves the lineage record, so
+it is not read again; the digest cache is not trusted), and the tensors the source strategy says
+several of those files hold identically (replicas of one block) are compared by content, as the
+job compares them; the rank reads one copy, by default the others are not looked at. It costs a read of every file the rank touches, which is why it is not the default.
 
 Arrays come back in their own dtype; bfloat16 as ``ml_dtypes.bfloat16``; a packed dtype that numpy
 has no type for (Int4) as its raw bytes (uint8). A ``.ckpt``'s string entries are not tensors and
@@ -30,6 +52,9 @@ from reshard_job.plan.model import UNMAPPED_OMIT, ParamPlans, RankPlan
 BATCH_PARAMETERS = 256  # parameters read per step of ``iter_rank`` (small ones are most of a large model)
 READ_MEMORY = 64 << 20  # in-flight buffer bound of the rank task's reads (``job.max_memory``)
 CONSUMER_ENV_VAR = "RESHARD_JOB_CONSUMER"  # who loads, when load_rank is not told
+VERIFY_READ = "read"  # check what the bytes read allow (module docstring)
+VERIFY_FULL = "full"  # also read each file whole: its CRC, and replicas compared
+VERIFY_LEVELS = (VERIFY_READ, VERIFY_FULL)
 
 
 class _Arrays:
@@ -100,7 +125,8 @@ def _typed(raw: np.ndarray, dtype: str, dims) -> np.ndarray:
     return raw.view(dt.storage).reshape(dims)
 
 
-def _prepared(rank_id: int, src_checkpoints, src_strategy_file, dst_strategy_file, storage_options, unmapped):
+def _prepared(rank_id: int, src_checkpoints, src_strategy_file, dst_strategy_file, storage_options, unmapped,
+              verify: str = VERIFY_READ):
     from reshard_job.errors import ConfigError, MissingRankError
     from reshard_job.job.config.spec import SourceSpec, TargetSpec
     from reshard_job.job.stages.prepare import prepare_from
@@ -112,6 +138,8 @@ def _prepared(rank_id: int, src_checkpoints, src_strategy_file, dst_strategy_fil
 
     if isinstance(rank_id, bool) or not isinstance(rank_id, (int, np.integer)) or rank_id < 0:
         raise ConfigError(f"rank_id must be a target rank (an integer >= 0), got {rank_id!r}")
+    if verify not in VERIFY_LEVELS:
+        raise ConfigError(f"verify must be {' or '.join(map(repr, VERIFY_LEVELS))}, got {verify!r}")
     options = StorageOptions(**(storage_options or {})) if isinstance(storage_options, dict) else storage_options
     source = SourceSpec(absolute(src_checkpoints), absolute(src_strategy_file))
     target = TargetSpec(strategy=absolute(dst_strategy_file), unmapped=unmapped)
@@ -152,16 +180,32 @@ def _only_ranks_read(reader, found, source, target, rank_id: int, options):
 
 
 def iter_rank(rank_id: int, src_checkpoints, src_strategy_file=None, dst_strategy_file=None, *,
-              storage_options=None, unmapped: str = UNMAPPED_OMIT) -> Iterator[tuple[str, np.ndarray]]:
+              storage_options=None, unmapped: str = UNMAPPED_OMIT,
+              verify: str = VERIFY_READ) -> Iterator[tuple[str, np.ndarray]]:
     """``(name, array)`` of every tensor target rank `rank_id` holds, in the order the job writes
-    them, read a few parameters at a time (see the module docstring)."""
+    them, read a few parameters at a time (see the module docstring, ``verify`` included). A file
+    found changed after the last read raises then, after the arrays were yielded: a caller that
+    must not use such arrays keeps them until the iteration ends."""
     from reshard_job.storage.s3file import lean_index
 
     with lean_index():  # an object store: fetch record heads and the rank's ranges, not what it skips
         prepared = _prepared(rank_id, src_checkpoints, src_strategy_file, dst_strategy_file, storage_options,
-                             unmapped)
+                             unmapped, verify)
         with prepared:
+            if verify == VERIFY_FULL:
+                check_whole_files(prepared)
             yield from _read(prepared, int(rank_id))
+            prepared.readers.check_unchanged()
+
+
+def check_whole_files(prepared, *, use_cache: bool = False):
+    """The job's integrity pass over the files this rank reads (``job.stages.integrity``): each read
+    whole once for its sha256, its format's CRC checked in that read, and the tensors the rank
+    loads that several of those files hold as replicas compared by the CRCs taken in it. Returns
+    the digests (``SourceDigests``), which name the files in the lineage record."""
+    from reshard_job.job.stages.integrity import hash_sources
+
+    return hash_sources(prepared, use_cache=use_cache, progress=False, storage=prepared.readers.storage)
 
 
 def _read(prepared, rank_id: int) -> Iterator[tuple[str, np.ndarray]]:
@@ -183,28 +227,33 @@ def _slice(params, start: int):
 
 def load_rank(rank_id: int, src_checkpoints, src_strategy_file=None, dst_strategy_file=None, *,
               consumer: str | None = None, lineage_url: str | None = None, storage_options=None,
-              unmapped: str = UNMAPPED_OMIT) -> dict[str, np.ndarray]:
+              unmapped: str = UNMAPPED_OMIT, verify: str = VERIFY_READ) -> dict[str, np.ndarray]:
     """The tensors target rank `rank_id` needs, as the job would write them for that rank.
 
     `src_checkpoints`: a folder of ``rank_<r>/`` files, a MindFormers save, an export folder, or a
     single ``.ckpt``/``.safetensors`` file of a whole model, local or ``s3://``; `src_strategy_file`:
-    its strategy file or per-stage folder (None: unsharded, or the layouts a MindFormers save holds); `dst_strategy_file`: the target's (None: one whole
-    model). `storage_options`: ``{"endpoint_url": ..., "options": {...}}`` for object stores.
-    `consumer` and `lineage_url` name who loads and where the load is recorded (see README)."""
+    its strategy file or per-stage folder (None: unsharded, or the layouts a MindFormers save
+    holds); `dst_strategy_file`: the target's (None: one whole model). `storage_options`: ``{"endpoint_url": ..., "options": {...}}`` for object stores.
+    `consumer` and `lineage_url` name who loads and where the load is recorded (see README).
+    `verify`: ``"read"`` checks what the bytes the rank reads allow (and the CRCs, when the load is
+    recorded), ``"full"`` also reads each file whole for its CRC and compares replicas (module
+    docstring); a file that fails is refused in one line naming it, and nothing is returned."""
     from reshard_job.lineage.database import url_from_environment
 
     url = lineage_url or url_from_environment()
     if url is None:
         return dict(iter_rank(rank_id, src_checkpoints, src_strategy_file, dst_strategy_file,
-                              storage_options=storage_options, unmapped=unmapped))
+                              storage_options=storage_options, unmapped=unmapped, verify=verify))
     from reshard_job.storage.s3file import lean_index
 
     with lean_index():
         prepared = _prepared(rank_id, src_checkpoints, src_strategy_file, dst_strategy_file, storage_options,
-                             unmapped)
+                             unmapped, verify)
         with prepared:
+            digests = check_whole_files(prepared) if verify == VERIFY_FULL else None
             arrays = dict(_read(prepared, int(rank_id)))
-            record_load(prepared, int(rank_id), consumer or _consumer_from_environment(), url)
+            prepared.readers.check_unchanged()
+            record_load(prepared, int(rank_id), consumer or _consumer_from_environment(), url, digests)
     return arrays
 
 
@@ -214,29 +263,26 @@ def _consumer_from_environment() -> str:
     return os.environ.get(CONSUMER_ENV_VAR) or os.path.basename(sys.argv[0] or "") or "python"
 
 
-def record_load(prepared, rank_id: int, consumer: str, url: str) -> str:
+def record_load(prepared, rank_id: int, consumer: str, url: str, digests=None) -> str:
     """Record in the lineage database at `url` that `consumer` loaded target rank `rank_id` from
-    the source files the rank read (with their sha256: from the digest cache where the files are
-    unchanged since hashed, else hashed now, once); returns the run id. ``audit trace
-    --descendants`` of any of those files lists it."""
+    the source files the rank read, with their sha256: `digests` (``check_whole_files``'s), else
+    taken now by the job's integrity pass, CRCs and replicas checked as the job checks them (from
+    the digest cache where the files are unchanged since hashed, else in one read of each file);
+    returns the run id. ``audit trace --descendants`` of any of those files lists it."""
     from reshard_job import __version__
     from reshard_job.lineage import FileRecord, LineageStore
-    from reshard_job.sources.file_digests import HashCache, HashRequest, default_cache_path, digest_files
-    from reshard_job.sources.open_files import files_of
+    from reshard_job.sources.file_digests import HashRequest, digest_files
 
     storage = prepared.readers.storage
-    read = [(r, f) for r in prepared.plan.rank(rank_id).source_ranks for f in files_of(prepared.source_paths[r])]
-    strategies = list(prepared.strategy.files)
+    if digests is None:
+        digests = check_whole_files(prepared, use_cache=True)
+    strategies = list(digests.strategies)
     target_strategy = prepared.target.strategy_from
-    if target_strategy and target_strategy not in strategies and (
+    if target_strategy and target_strategy not in prepared.strategy.files and (
             "://" in target_strategy or os.path.isfile(target_strategy)):
-        strategies.append(target_strategy)
-    cache = HashCache(default_cache_path(), storage)
-    digests = digest_files([HashRequest(f) for _, f in read] + [HashRequest(f) for f in strategies], threads=2,
-                           cache=cache, storage_options=storage)
-    cache.save()
-    inputs = [FileRecord(d.path, d.sha256, d.size, "source_checkpoint", r) for (r, _), d in zip(read, digests)]
-    inputs += [FileRecord(d.path, d.sha256, d.size, "strategy") for d in digests[len(read):]]
+        strategies += digest_files([HashRequest(target_strategy)], threads=1, storage_options=storage)
+    inputs = [FileRecord(f["path"], f["sha256"], f["size"], "source_checkpoint", f["rank"]) for f in digests.files]
+    inputs += [FileRecord(d.path, d.sha256, d.size, "strategy") for d in strategies]
     load = {"consumer": consumer, "rank": rank_id, "source": prepared.source.checkpoints,
             "source_strategy": prepared.source.strategy, "target_strategy": prepared.target.strategy_from}
     with LineageStore(url) as store:
