@@ -48,3 +48,23 @@ def test_a_rank_loads_from_the_bucket_what_it_loads_from_disk_fetching_only_its_
     overhead = _headers(files) + os.path.getsize(source.root / "src_strategy.ckpt")
     assert needed > 0 and served <= 1.05 * needed + overhead, (served, needed, overhead)
     assert served < sum(os.path.getsize(f) for f in files)  # not the whole files
+
+
+def test_a_single_file_in_the_bucket_is_one_whole_model(bucket, s3_storage_options):
+    """A whole model stored as one object splits as the same file on disk does; a missing one is
+    refused in one line naming it."""
+    from pathlib import Path
+
+    from reshard_job.errors import ConfigError
+
+    s5b = Path(__file__).resolve().parents[2] / "golden" / "S5b_split_1to8"
+    whole, dst = s5b / "src_checkpoints" / "rank_0" / "checkpoint_0.ckpt", s5b / "dst_strategy.ckpt"
+    url = bucket.url("whole", "model.ckpt")
+    bucket.put(url, whole.read_bytes())
+    for rank in (0, 6):
+        remote = reshard_job.load_rank(rank, url, None, dst, storage_options=s3_storage_options)
+        local = reshard_job.load_rank(rank, whole, None, dst)
+        assert [(n, a.tobytes()) for n, a in remote.items()] == [(n, a.tobytes()) for n, a in local.items()]
+    missing = bucket.url("whole", "absent.safetensors")
+    with pytest.raises(ConfigError, match=f"^source checkpoint file not found: {missing}$"):
+        reshard_job.load_rank(0, missing, None, dst, storage_options=s3_storage_options)
