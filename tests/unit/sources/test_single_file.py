@@ -94,8 +94,11 @@ def test_a_missing_unfit_or_garbled_file_is_refused_in_one_line_naming_it(tmp_pa
     garbled.write_bytes(b"%PDF-1.4 not a checkpoint" * 8)
     notes = tmp_path / "notes.txt"
     notes.write_text("x")
+    fifo = tmp_path / "pipe.ckpt"
+    os.mkfifo(fifo)  # never opened: it would block
     cases = [(tmp_path / "missing.ckpt", ConfigError, f"source checkpoint file not found: {tmp_path / 'missing.ckpt'}"),
              (notes, ConfigError, f"source checkpoints {notes} is a file but not a checkpoint"),
+             (fifo, ConfigError, f"source checkpoints {fifo} is neither a folder nor a regular file"),
              (garbled, FormatError, f"{garbled}: wrong magic")]
     for path, kind, line in cases:
         for load in (lambda: reshard_job.load_rank(0, path, None, DST),
