@@ -64,6 +64,7 @@ class Prepared:
     checks: list[str] = field(default_factory=list)  # the cross-checks that ran
     mindformers: MindFormersSource | None = None  # the save, when the source is a MindFormers folder
     export: ExportLayout | None = None  # the shards, for target.format=safetensors_index
+    every_file: RankFiles | None = None  # a MindFormers save's files, before narrowing to those the plan reads
 
     @property
     def source_paths(self) -> dict[int, str | tuple[str, ...]]:
@@ -220,12 +221,13 @@ def _prepare_mindformers(reader: MindFormersFolder, found: RankFiles, source: So
                         "rank), which cannot be planned yet") from None
     export = _export_layout(target, plan)
     _warn_omitted(plan, missing)
-    found = reader.files_read(found, plan)
+    every_file, found = found, reader.files_read(found, plan)
     readers = SourceFiles(found.files, verify_crc=False, identities=found.identities, storage=storage)
     try:
         checks = ["MindFormers metadata.json agrees with every file's header (dtypes, shapes, placement)"]
         checks += list(plan.checks)
-        return Prepared(source, found, strategy, readers, index, tgt, plan, missing, checks, reader.save, export)
+        return Prepared(source, found, strategy, readers, index, tgt, plan, missing, checks, reader.save, export,
+                        every_file)
     except BaseException:
         readers.close()
         raise

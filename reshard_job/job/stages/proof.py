@@ -23,6 +23,7 @@ from reshard_job.errors import ProofError
 from reshard_job.job.config.spec import PLACEMENT_SHARED, JobSpec, SourceSpec, TargetSpec
 from reshard_job.job.run.progress import Progress
 from reshard_job.plan.model import UNMAPPED_FULL
+from reshard_job.sources.open_files import SourceFiles
 from reshard_job.proof.collect import Fingerprints, fingerprint_plan, quiet, single_device_plan
 from reshard_job.storage import StorageOptions
 
@@ -132,13 +133,36 @@ def prove(spec: JobSpec, prepared, out_path: str, strategy_path: str | None,
 
 def _source_fingerprints(spec: JobSpec, prepared, names: set[str]) -> dict[str, str]:
     """The converted parameters' fingerprints in the sources, through the files the job has open
-    and indexed already; a MindFormers save's rank keeps open only the files the conversion reads,
-    so it is opened again for the one-device plan."""
-    if prepared.mindformers is not None:
-        return checkpoint_fingerprints(prepared.source, storage=spec.storage, wanted=names,
-                                       progress=spec.run.progress, desc="fingerprinting sources").digests
+    and indexed already. A MindFormers save's rank keeps open only the files the conversion reads;
+    the one-device plan may read a replica from another file, which is opened beside them (the save
+    itself, its metadata and headers, is not loaded a second time: for 600,000 parameters that was
+    hundreds of MiB)."""
     rank_plan = single_device_plan(prepared.strategy, prepared.index, unmapped=UNMAPPED_FULL)
-    return _fingerprint(rank_plan, prepared.readers, names, spec.run.progress, "fingerprinting sources").digests
+    if prepared.every_file is None:
+        return _fingerprint(rank_plan, prepared.readers, names, spec.run.progress, "fingerprinting sources").digests
+    with _WiderSources(prepared.readers, prepared.every_file, spec.storage) as sources:
+        return _fingerprint(rank_plan, sources, names, spec.run.progress, "fingerprinting sources").digests
+
+
+class _WiderSources:
+    """The job's open readers where a rank's files are all open, else that rank's every file."""
+
+    def __init__(self, readers, every_file, storage):
+        self.readers = readers
+        wider = {r: files for r, files in every_file.files.items()
+                 if readers.paths.get(r) != (files if isinstance(files, str) else tuple(files))}
+        identities = {r: every_file.identities[r] for r in wider if r in every_file.identities}
+        self.others = SourceFiles(wider, verify_crc=False, identities=identities, storage=storage)
+        self.storage = getattr(readers, "storage", None)
+
+    def reader(self, rank: int):
+        return self.others.reader(rank) if rank in self.others.paths else self.readers.reader(rank)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.others.close()
 
 
 def _why_unchecked(spec: JobSpec) -> str | None:
