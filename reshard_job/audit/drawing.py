@@ -8,8 +8,12 @@ works offline and from an archive years later. The output is deterministic: the 
 give the same bytes, which keeps pictures reviewable in version control.
 
 Boxes: a run shows its short id, status, devices and start time, with a status-coloured band;
-a file shows its name (the last two path parts), kind, rank(s), size and short sha256, coloured
-by what it is (checkpoint, strategy, manifest). Where the walk started is outlined in amber.
+a file shows its name, its folder (the last two folders, more where two folders of the picture
+would read alike), kind, rank(s), size and short sha256, coloured by what it is (checkpoint,
+strategy, manifest). Names too long for a box lose their front, never their distinctive tail.
+Where the walk started is outlined in pink. Every status and role has its own colour, at least
+``MIN_COLOUR_DISTANCE`` apart in CIELAB from every other, so none is mistaken for another.
+Edges follow the layout's routes: through the gaps between boxes, never under one.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import json
 import os
 from html import escape
 from typing import Any
+
+from collections import Counter
 
 from reshard_job.text import human_size, rank_ranges
 from reshard_job.audit.graph import FileVertex, LineageGraph, Layout, RunVertex, layered_layout
@@ -28,22 +34,35 @@ from reshard_job.lineage.status import RunStatus
 FORMATS = ("dot", "svg", "html")
 
 BOX_WIDTH = 288
-BOX_HEIGHT = 64
+RUN_HEIGHT = 64  # three lines
+FILE_HEIGHT = 80  # four lines: the name, its folder, what it is, its digest
 TITLE_SPACE = 78  # heading and legend above the boxes
 NAME_CHARACTERS = 34  # what fits in a box at the name's font size
+FOLDER_CHARACTERS = 40  # the same at the folder's smaller size
+FOLDER_PARTS = 2  # folders shown above a file's name, at least
+ARROW_ROOM = 3  # an edge ends this far before its box: the arrow head's tip is there
 
 FONT = "DejaVu Sans, Verdana, Helvetica, Arial, sans-serif"
 MONO = "DejaVu Sans Mono, Menlo, Consolas, monospace"
 INK = "#1f2933"
 MUTED = "#52606d"
 EDGE = "#9aa5b1"
-SUBJECT = "#f0b429"
+SUBJECT = "#e64980"  # pink: no status or file class is near it
 
-STATUS_COLOURS = {RunStatus.COMPLETED: "#2f9e44", RunStatus.FAILED: "#e03131", RunStatus.INTERRUPTED: "#f08c00",
-                  RunStatus.ABANDONED: "#868e96", RunStatus.STARTED: "#1c7ed6"}
+STATUS_COLOURS = {RunStatus.COMPLETED: "#2b8a3e", RunStatus.FAILED: "#e03131", RunStatus.INTERRUPTED: "#f76707",
+                  RunStatus.ABANDONED: "#495057", RunStatus.STARTED: "#1098ad"}
 # (fill, border) per file class
-FILE_COLOURS = {"checkpoint": ("#e7f0fb", "#5b8fd0"), "strategy": ("#f3ebfb", "#9a6fcb"),
+FILE_COLOURS = {"checkpoint": ("#e8eefd", "#4263eb"), "strategy": ("#f5ebf8", "#9c36b5"),
                 "manifest": ("#f1f3f5", "#adb5bd")}
+MIN_COLOUR_DISTANCE = 30.0  # CIE76 ΔE between any two of the colours above; 2.3 is just noticeable
+
+
+def role_colours() -> dict[str, str]:
+    """Every colour that says what a box is: run statuses, file classes (their border and band), the subject."""
+    colours = {f"run {status}": colour for status, colour in STATUS_COLOURS.items()}
+    colours.update({name: border for name, (_, border) in FILE_COLOURS.items()})
+    colours["asked about"] = SUBJECT
+    return colours
 
 
 def file_class(vertex: FileVertex) -> str:
@@ -56,23 +75,48 @@ def file_class(vertex: FileVertex) -> str:
 
 
 def shorten(text: str, limit: int) -> str:
-    """`text` cut in the middle with an ellipsis when longer than `limit` characters."""
+    """`text` cut from the front with an ellipsis when longer than `limit` characters: the tail (a
+    file's rank, step and suffix; a folder's nearest parts) is what tells similar names apart."""
     if len(text) <= limit:
         return text
-    keep = limit - 1
-    return text[:keep // 2] + "…" + text[len(text) - (keep - keep // 2):]
+    return "…" + text[len(text) - (limit - 1):]
 
 
-def _name(path: str | None) -> str:
+def _folder_parts(path: str) -> tuple[str, ...]:
+    return tuple(path.replace(os.sep, "/").rstrip("/").split("/")[:-1])
+
+
+def folder_labels(files: tuple[FileVertex, ...]) -> dict[str, str]:
+    """Each file's folder as its box shows it: the last `FOLDER_PARTS` folders, more for a folder
+    whose tail reads like another folder's of the same picture (``…/a/ckpt/rank_0/`` and
+    ``…/b/ckpt/rank_0/``), the whole folder where it is no longer; '' for a file with no path."""
+    folders = {v.key: _folder_parts(v.paths[0]) for v in files if v.paths}
+    distinct = set(folders.values())
+    shown: dict[tuple[str, ...], int] = {}
+    parts = FOLDER_PARTS
+    while len(shown) < len(distinct):
+        tails = Counter(folder[-parts:] for folder in distinct)
+        for folder in distinct - set(shown):
+            if tails[folder[-parts:]] == 1 or parts >= len(folder):
+                shown[folder] = parts
+        parts += 1
+    labels = {}
+    for key, folder in folders.items():
+        cut = shown[folder] < len(folder)
+        text = ("…/" if cut else "") + "/".join(folder[-shown[folder]:] if cut else folder) + "/"
+        labels[key] = shorten(text, FOLDER_CHARACTERS) if folder else ""
+    return labels
+
+
+def _base_name(path: str | None) -> str:
     if not path:
         return "(no known path)"
-    parent, base = os.path.split(path)
-    return f"{os.path.basename(parent)}/{base}" if os.path.basename(parent) else base
+    return path.replace(os.sep, "/").rstrip("/").rsplit("/", 1)[-1]
 
 
-def file_lines(vertex: FileVertex) -> tuple[str, str, str]:
-    """Name, 'kind · rank · size', 'sha256 <short>' (and how many paths, if several)."""
-    name = shorten(_name(vertex.paths[0] if vertex.paths else None), NAME_CHARACTERS)
+def file_lines(vertex: FileVertex, folder: str = "") -> tuple[str, str, str, str]:
+    """Name, folder, 'kind · rank · size', 'sha256 <short>' (and how many paths, if several)."""
+    name = shorten(_base_name(vertex.paths[0] if vertex.paths else None), NAME_CHARACTERS)
     kinds = {kind_words(k) for k in vertex.kinds}
     parts = [kind_words(vertex.kinds[0]) if len(kinds) == 1 else file_class(vertex)]
     if vertex.ranks:
@@ -81,7 +125,7 @@ def file_lines(vertex: FileVertex) -> tuple[str, str, str]:
     digest = f"{vertex.hash_algo} {vertex.digest[:SHORT_DIGEST]}"
     if len(vertex.paths) > 1:
         digest += f" · {len(vertex.paths)} paths"
-    return name, " · ".join(parts), digest
+    return name, folder, " · ".join(parts), digest
 
 
 def run_lines(vertex: RunVertex) -> tuple[str, str, str]:
@@ -93,7 +137,8 @@ def run_lines(vertex: RunVertex) -> tuple[str, str, str]:
 
 
 def file_details(vertex: FileVertex, direction: str) -> dict[str, Any]:
-    details: dict[str, Any] = {"file": _name(vertex.paths[0] if vertex.paths else None),
+    path = vertex.paths[0] if vertex.paths else None
+    details: dict[str, Any] = {"file": _base_name(path), "folder": os.path.dirname(path) if path else "-",
                                "kind": ", ".join(kind_words(k) for k in vertex.kinds)}
     if vertex.ranks:
         details["rank"] = rank_ranges(vertex.ranks)
@@ -124,8 +169,9 @@ def run_details(vertex: RunVertex) -> dict[str, Any]:
 
 
 def layout_of(graph: LineageGraph) -> Layout:
+    files = {v.key for v in graph.files}
     return layered_layout(graph.keys, [(e.source, e.target) for e in graph.edges],
-                          lambda key: (BOX_WIDTH, BOX_HEIGHT), top=TITLE_SPACE)
+                          lambda key: (BOX_WIDTH, FILE_HEIGHT if key in files else RUN_HEIGHT), top=TITLE_SPACE)
 
 
 # -- DOT -----------------------------------------------------------------------------------------
@@ -142,11 +188,13 @@ def to_dot(graph: LineageGraph) -> str:
         "  node [shape=box, style=\"rounded,filled\", fontname=\"Helvetica\", fontsize=10, penwidth=1.2];",
         f"  edge [color=\"{EDGE}\", arrowsize=0.7];",
     ]
+    folders = folder_labels(graph.files)
     for vertex in graph.files:
         fill, border = FILE_COLOURS[file_class(vertex)]
         pen = f', penwidth=2.5, color="{SUBJECT}"' if vertex.subject else f', color="{border}"'
         tooltip = "\n".join(vertex.paths) + f"\n{vertex.hash_algo} {vertex.digest}"
-        lines.append(f"  {_dot_text(vertex.key)} [label={_dot_text(chr(10).join(file_lines(vertex)))}, "
+        label = chr(10).join(line for line in file_lines(vertex, folders.get(vertex.key, "")) if line)
+        lines.append(f"  {_dot_text(vertex.key)} [label={_dot_text(label)}, "
                      f"fillcolor=\"{fill}\"{pen}, tooltip={_dot_text(tooltip)}];")
     for vertex in graph.runs:
         colour = STATUS_COLOURS.get(vertex.run.status, MUTED)
@@ -166,15 +214,25 @@ def _number(value: float) -> str:
     return text[:-2] if text.endswith(".0") else text
 
 
-def _edge_path(layout: Layout, source: str, target: str) -> str:
-    (x1, y1), (x2, y2) = layout.boxes[source].right_middle, layout.boxes[target].left_middle
-    x2 -= 3  # leave room for the arrow head
-    bend = max(36.0, abs(x2 - x1) / 2)
-    return (f"M{_number(x1)},{_number(y1)} C{_number(x1 + bend)},{_number(y1)} "
-            f"{_number(x2 - bend)},{_number(y2)} {_number(x2)},{_number(y2)}")
+def edge_path(layout: Layout, source: str, target: str) -> str:
+    """SVG path data along the edge's route: straight where the route keeps its height (through a
+    column, where no box is), an S-curve where it changes height (across the gap between two
+    columns); the curve's control points lie between the waypoints' x, so the curve does too."""
+    points = list(layout.routes[(source, target)])
+    (x1, _), (x2, y2) = points[-2], points[-1]
+    points[-1] = (x2 - ARROW_ROOM if x2 > x1 else x2 + ARROW_ROOM, y2)
+    parts = [f"M{_number(points[0][0])},{_number(points[0][1])}"]
+    for (x1, y1), (x2, y2) in zip(points, points[1:]):
+        if y1 == y2:
+            parts.append(f"L{_number(x2)},{_number(y2)}")
+        else:
+            middle = _number((x1 + x2) / 2)
+            parts.append(f"C{middle},{_number(y1)} {middle},{_number(y2)} {_number(x2)},{_number(y2)}")
+    return " ".join(parts)
 
 
-def _legend() -> list[str]:
+def legend() -> list[str]:
+    """The legend's SVG pieces: a swatch and a word for every file class, run status and the subject."""
     items = [("checkpoint", *FILE_COLOURS["checkpoint"]), ("strategy", *FILE_COLOURS["strategy"]),
              ("manifest", *FILE_COLOURS["manifest"])]
     parts, x = [], 0
@@ -192,23 +250,27 @@ def _legend() -> list[str]:
     return parts
 
 
-def _box(key: str, layout: Layout, classes: str, lines: tuple[str, str, str], band: str, fill: str, border: str,
+def _box(key: str, layout: Layout, classes: str, lines: tuple[str, ...], band: str, fill: str, border: str,
          subject: bool, details: dict[str, Any]) -> str:
+    """A box with a bold first line, then smaller lines; the last (a digest or a time) monospaced."""
     box = layout.boxes[key]
     title = "\n".join(f"{name}: {value}" for name, value in details.items())
     stroke = SUBJECT if subject else border
     width = "2.5" if subject else "1.2"
-    name, meta, last = (escape(text) for text in lines)
+    first, *middle, last = (escape(text) for text in lines)
+    texts = [f'<text x="16" y="21" font-size="12.5" font-weight="600" fill="{INK}">{first}</text>']
+    baseline = 21 + 18
+    for text in middle:
+        texts.append(f'<text x="16" y="{baseline}" font-size="11" fill="{MUTED}">{text}</text>')
+        baseline += 16
+    texts.append(f'<text x="16" y="{baseline}" font-size="11" font-family="{MONO}" fill="{MUTED}">{last}</text>')
     return (f'<g class="{classes}" id="{escape(key)}" transform="translate({_number(box.x)},{_number(box.y)})" '
             f"data-details='{escape(json.dumps(details, ensure_ascii=False), quote=True)}'>"
             f"<title>{escape(title)}</title>"
             f'<rect class="box" width="{box.width:g}" height="{box.height:g}" rx="8" fill="{fill}" '
             f'stroke="{stroke}" stroke-width="{width}"/>'
             f'<rect x="0.6" y="0.6" width="6" height="{box.height - 1.2:g}" rx="3" fill="{band}"/>'
-            f'<text x="16" y="21" font-size="12.5" font-weight="600" fill="{INK}">{name}</text>'
-            f'<text x="16" y="39" font-size="11" fill="{MUTED}">{meta}</text>'
-            f'<text x="16" y="55" font-size="11" font-family="{MONO}" fill="{MUTED}">{last}</text>'
-            "</g>")
+            + "".join(texts) + "</g>")
 
 
 def to_svg(graph: LineageGraph, layout: Layout | None = None) -> str:
@@ -224,7 +286,7 @@ def to_svg(graph: LineageGraph, layout: Layout | None = None) -> str:
         '<rect width="100%" height="100%" fill="#ffffff"/>',
         f'<text class="heading" x="24" y="32" font-size="17" font-weight="600" fill="{INK}">'
         f"{escape(graph.title)}</text>",
-        f'<g class="legend" transform="translate(24,46)" font-size="11" fill="{MUTED}">{"".join(_legend())}</g>',
+        f'<g class="legend" transform="translate(24,46)" font-size="11" fill="{MUTED}">{"".join(legend())}</g>',
         '<g class="edges">',
     ]
     for edge in graph.edges:
@@ -232,15 +294,17 @@ def to_svg(graph: LineageGraph, layout: Layout | None = None) -> str:
         back = (edge.source, edge.target) in layout.back_edges
         dashes = ' stroke-dasharray="5 4"' if back else ""
         out.append(f'<path class="edge{" back" if back else ""}" data-from="{escape(edge.source)}" '
-                   f'data-to="{escape(edge.target)}" d="{_edge_path(layout, edge.source, edge.target)}" fill="none" '
+                   f'data-to="{escape(edge.target)}" d="{edge_path(layout, edge.source, edge.target)}" fill="none" '
                    f'stroke="{EDGE}" stroke-width="1.4"{dashes} marker-end="url(#arrow)"/>')
     out.append("</g>")
     out.append('<g class="nodes">')
+    folders = folder_labels(graph.files)
     for vertex in graph.files:
         fill, border = FILE_COLOURS[file_class(vertex)]
         classes = f"node file {file_class(vertex)}" + (" subject" if vertex.subject else "") + (
             " end" if vertex.end else "")
-        out.append(_box(vertex.key, layout, classes, file_lines(vertex), border, fill, border, vertex.subject,
+        out.append(_box(vertex.key, layout, classes, file_lines(vertex, folders.get(vertex.key, "")), border, fill,
+                        border, vertex.subject,
                         file_details(vertex, graph.direction)))
     for vertex in graph.runs:
         colour = STATUS_COLOURS.get(vertex.run.status, MUTED)
