@@ -115,8 +115,12 @@ def layered_layout(keys: Sequence[str], edges: Sequence[tuple[str, str]], size: 
                 w, h = sizes[key]
                 boxes[key] = Box(column_left(number) + (column - w) / 2, top + ys[key], w, h, number)
     routes = {}
+    both_ways = set(pairs)
     for (a, b), (start, end), chain in zip(pairs, forward, chains):
-        points = _route(boxes[start], boxes[end], [top + ys[d] for d in chain], column_left, column)
+        # A file a run both read and wrote (a byte copy of an input): the way back leaves and enters
+        # the boxes lower than the way there, so the two are not drawn over each other.
+        shift = min(sizes[a][1], sizes[b][1]) / 4 if (a, b) in back and (b, a) in both_ways else 0.0
+        points = _route(boxes[start], boxes[end], [top + ys[d] for d in chain], column_left, column, shift)
         routes[(a, b)] = tuple(reversed(points)) if (a, b) in back else points
     width = left + right + (len(layers) * column + max(len(layers) - 1, 0) * layer_gap)
     height = top + bottom + max((ys[k] + sizes[k][1] for k in index), default=0)
@@ -131,17 +135,17 @@ def _chains(forward: list[tuple[str, str]], layer: dict[Hashable, int], index: d
     and replaces the long edge there by its chain. Returns each edge's dummies, left to right.
     """
     chains = []
-    made: dict[tuple[str, str], list[_Dummy]] = {}
     for number, (a, b) in enumerate(forward):
-        if (a, b) in made:  # a back edge turned round onto an edge of the other way: the same route
-            chains.append(made[(a, b)])
-            continue
-        chain = made[(a, b)] = [_Dummy(number, n) for n in range(layer[a] + 1, layer[b])]
+        chain = [_Dummy(number, n) for n in range(layer[a] + 1, layer[b])]
         chains.append(chain)
         if not chain:
             continue
-        succs[a][succs[a].index(b)] = chain[0]
-        preds[b][preds[b].index(a)] = chain[-1]
+        if b in succs[a]:
+            succs[a][succs[a].index(b)] = chain[0]
+            preds[b][preds[b].index(a)] = chain[-1]
+        else:  # a back edge turned round onto an edge of the other way: a chain of its own beside it
+            succs[a].append(chain[0])
+            preds[b].append(chain[-1])
         for before, dummy, after in zip([a] + chain, chain, chain[1:] + [b]):
             layer[dummy] = dummy.layer
             index[dummy] = len(index)
@@ -150,19 +154,20 @@ def _chains(forward: list[tuple[str, str]], layer: dict[Hashable, int], index: d
     return chains
 
 
-def _route(start: Box, end: Box, heights: list[float], column_left: Callable[[int], float],
-           column: float) -> tuple[Point, ...]:
-    """Waypoints from `start`'s right side to `end`'s left side through a column at each of `heights`."""
+def _route(start: Box, end: Box, heights: list[float], column_left: Callable[[int], float], column: float,
+           shift: float = 0.0) -> tuple[Point, ...]:
+    """Waypoints from `start`'s right side to `end`'s left side through a column at each of `heights`;
+    `shift` moves where the route meets the boxes down from their middles."""
     x, y = start.right_middle
-    points = [(x, y)]
+    points = [(x, y + shift)]
     if x < column_left(start.layer) + column:  # a narrow box: straight on to its column's edge
-        points.append((column_left(start.layer) + column, y))
+        points.append((column_left(start.layer) + column, y + shift))
     for number, height in zip(range(start.layer + 1, end.layer), heights):
         points += [(column_left(number), height), (column_left(number) + column, height)]
     x, y = end.left_middle
     if x > column_left(end.layer):
-        points.append((column_left(end.layer), y))
-    points.append((x, y))
+        points.append((column_left(end.layer), y + shift))
+    points.append((x, y + shift))
     return tuple(points)
 
 

@@ -141,11 +141,13 @@ def test_layout_places_every_box_without_overlap_and_edges_left_to_right(graph):
         assert not layout.back_edges
     assert_no_edge_passes_under_a_box(layout, edges)
     for a, b in real:  # each edge leaves one box's side and enters the other's
-        route = layout.routes[(a, b)]
+        (x0, y0), (x1, y1) = layout.routes[(a, b)][0], layout.routes[(a, b)][-1]
+        start, end = layout.boxes[a], layout.boxes[b]
         if (a, b) in layout.back_edges:
-            assert route[0] == layout.boxes[a].left_middle and route[-1] == layout.boxes[b].right_middle
+            assert x0 == start.x and x1 == end.x + end.width
         else:
-            assert route[0] == layout.boxes[a].right_middle and route[-1] == layout.boxes[b].left_middle
+            assert x0 == start.x + start.width and x1 == end.x
+        assert start.y < y0 < start.y + start.height and end.y < y1 < end.y + end.height
 
 
 def _two_hop(skip: bool):
@@ -186,9 +188,11 @@ def _skipping_layers():
 
 @pytest.mark.parametrize("graph", [_two_hop(False), _two_hop(True), _fan_in(8), _long_chain(30), _skipping_layers()],
                          ids=["two-hop", "two-hop-skipping", "fan-in-8", "chain-30", "skipping-layers"])
-def test_no_edge_passes_under_a_box(graph):
+@pytest.mark.parametrize("run_width", [288.0, 150.0], ids=["same-widths", "narrow-runs"])
+def test_no_edge_passes_under_a_box(graph, run_width):
     keys, edges = graph
-    layout = layered_layout(keys, edges, lambda key: (288.0, 80.0 if key.startswith(("f", "s", "m", "o")) else 64.0))
+    files = ("f", "s", "m", "o")  # files are 288 × 80, runs `run_width` × 64 (centred in their column)
+    layout = layered_layout(keys, edges, lambda key: (288.0, 80.0) if key.startswith(files) else (run_width, 64.0))
     assert_no_edge_passes_under_a_box(layout, edges)
     assert set(layout.routes) == set(edges)
 
@@ -217,3 +221,16 @@ def test_a_fan_in_is_centred_on_its_run():
     layout = layered_layout(sources + ["run"], [(s, "run") for s in sources], lambda key: (100, 40))
     centres = [layout.boxes[s].y + 20 for s in sources]
     assert abs(layout.boxes["run"].y + 20 - sum(centres) / len(centres)) < 1e-6
+
+
+def test_a_file_read_and_written_by_one_run_shows_both_ways_apart():
+    """A run that read a file and wrote the same bytes back (a copied strategy): two edges, not one on the other."""
+    keys, edges = ["source", "strategy", "run", "output"], [("source", "run"), ("strategy", "run"),
+                                                             ("run", "strategy"), ("run", "output")]
+    layout = layered_layout(keys, edges, lambda key: (288.0, 80.0))
+    (a, b), = layout.back_edges
+    assert {(a, b)} < {("run", "strategy"), ("strategy", "run")}
+    there, back = layout.routes[(b, a)], layout.routes[(a, b)]
+    assert back[0][0] == layout.boxes[a].x and back[-1][0] == layout.boxes[b].x + 288  # right to left
+    assert not set(there) & set(back)
+    assert_no_edge_passes_under_a_box(layout, edges)
