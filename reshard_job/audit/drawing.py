@@ -28,6 +28,7 @@ from collections import Counter
 from reshard_job.text import human_size, rank_ranges
 from reshard_job.audit.graph import FileVertex, LineageGraph, Layout, RunVertex, layered_layout
 from reshard_job.audit.entities import ANCESTORS
+from reshard_job.audit.text_width import fit_from_front, text_width
 from reshard_job.audit.render import SHORT_DIGEST, SHORT_RUN_ID, devices, kind_words, plural, when
 from reshard_job.lineage.status import RunStatus
 
@@ -37,8 +38,10 @@ BOX_WIDTH = 288
 RUN_HEIGHT = 64  # three lines
 FILE_HEIGHT = 80  # four lines: the name, its folder, what it is, its digest
 TITLE_SPACE = 78  # heading and legend above the boxes
-NAME_CHARACTERS = 34  # what fits in a box at the name's font size
-FOLDER_CHARACTERS = 40  # the same at the folder's smaller size
+TEXT_LEFT = 16  # where a box's lines start; they end by TEXT_RIGHT short of its right side
+TEXT_RIGHT = 10
+NAME_SIZE = 12.5  # the first line's font size (bold); the others' is LINE_SIZE
+LINE_SIZE = 11
 FOLDER_PARTS = 2  # folders shown above a file's name, at least
 ARROW_ROOM = 3  # an edge ends this far before its box: the arrow head's tip is there
 
@@ -102,9 +105,9 @@ def folder_labels(files: tuple[FileVertex, ...]) -> dict[str, str]:
         parts += 1
     labels = {}
     for key, folder in folders.items():
-        cut = shown[folder] < len(folder)
+        cut = shown[folder] < len(folder) and folder[:-shown[folder]] != ("",)  # not just the root's "/"
         text = ("…/" if cut else "") + "/".join(folder[-shown[folder]:] if cut else folder) + "/"
-        labels[key] = shorten(text, FOLDER_CHARACTERS) if folder else ""
+        labels[key] = fit_from_front(text, BOX_WIDTH - TEXT_LEFT - TEXT_RIGHT, LINE_SIZE) if folder else ""
     return labels
 
 
@@ -116,7 +119,8 @@ def _base_name(path: str | None) -> str:
 
 def file_lines(vertex: FileVertex, folder: str = "") -> tuple[str, str, str, str]:
     """Name, folder, 'kind · rank · size', 'sha256 <short>' (and how many paths, if several)."""
-    name = shorten(_base_name(vertex.paths[0] if vertex.paths else None), NAME_CHARACTERS)
+    name = fit_from_front(_base_name(vertex.paths[0] if vertex.paths else None), BOX_WIDTH - TEXT_LEFT - TEXT_RIGHT,
+                          NAME_SIZE, bold=True)
     kinds = {kind_words(k) for k in vertex.kinds}
     parts = [kind_words(vertex.kinds[0]) if len(kinds) == 1 else file_class(vertex)]
     if vertex.ranks:
@@ -231,23 +235,18 @@ def edge_path(layout: Layout, source: str, target: str) -> str:
     return " ".join(parts)
 
 
-def legend() -> list[str]:
-    """The legend's SVG pieces: a swatch and a word for every file class, run status and the subject."""
-    items = [("checkpoint", *FILE_COLOURS["checkpoint"]), ("strategy", *FILE_COLOURS["strategy"]),
-             ("manifest", *FILE_COLOURS["manifest"])]
-    parts, x = [], 0
-    for label, fill, border in items:
-        parts.append(f'<rect x="{x}" y="0" width="14" height="14" rx="3" fill="{fill}" stroke="{border}"/>'
-                     f'<text x="{x + 20}" y="11.5">{label}</text>')
-        x += 30 + 7 * len(label)
-    for status in RunStatus:
-        parts.append(f'<rect x="{x}" y="0" width="14" height="14" rx="3" fill="#ffffff" '
-                     f'stroke="{STATUS_COLOURS[status]}" stroke-width="2"/>'
-                     f'<text x="{x + 20}" y="11.5">run {status}</text>')
-        x += 58 + 7 * len(status)
-    parts.append(f'<rect x="{x}" y="0" width="14" height="14" rx="3" fill="#ffffff" stroke="{SUBJECT}" '
-                 f'stroke-width="2.5"/><text x="{x + 20}" y="11.5">asked about</text>')
-    return parts
+def legend() -> tuple[list[str], float]:
+    """The legend's SVG pieces, a swatch and a word for every file class, run status and the subject,
+    and how wide they are together."""
+    items = [(name, fill, border, "1") for name, (fill, border) in FILE_COLOURS.items()]
+    items += [(f"run {status}", "#ffffff", STATUS_COLOURS[status], "2") for status in RunStatus]
+    items.append(("asked about", "#ffffff", SUBJECT, "2.5"))
+    parts, x = [], 0.0
+    for label, fill, border, stroke in items:
+        parts.append(f'<rect x="{_number(x)}" y="0" width="14" height="14" rx="3" fill="{fill}" stroke="{border}" '
+                     f'stroke-width="{stroke}"/><text x="{_number(x + 20)}" y="11.5">{label}</text>')
+        x += 20 + text_width(label, LINE_SIZE) + 18
+    return parts, x - 18
 
 
 def _box(key: str, layout: Layout, classes: str, lines: tuple[str, ...], band: str, fill: str, border: str,
@@ -258,12 +257,13 @@ def _box(key: str, layout: Layout, classes: str, lines: tuple[str, ...], band: s
     stroke = SUBJECT if subject else border
     width = "2.5" if subject else "1.2"
     first, *middle, last = (escape(text) for text in lines)
-    texts = [f'<text x="16" y="21" font-size="12.5" font-weight="600" fill="{INK}">{first}</text>']
+    texts = [f'<text x="{TEXT_LEFT}" y="21" font-size="{NAME_SIZE}" font-weight="600" fill="{INK}">{first}</text>']
     baseline = 21 + 18
     for text in middle:
-        texts.append(f'<text x="16" y="{baseline}" font-size="11" fill="{MUTED}">{text}</text>')
+        texts.append(f'<text x="{TEXT_LEFT}" y="{baseline}" font-size="{LINE_SIZE}" fill="{MUTED}">{text}</text>')
         baseline += 16
-    texts.append(f'<text x="16" y="{baseline}" font-size="11" font-family="{MONO}" fill="{MUTED}">{last}</text>')
+    texts.append(f'<text x="{TEXT_LEFT}" y="{baseline}" font-size="{LINE_SIZE}" font-family="{MONO}" '
+                 f'fill="{MUTED}">{last}</text>')
     return (f'<g class="{classes}" id="{escape(key)}" transform="translate({_number(box.x)},{_number(box.y)})" '
             f"data-details='{escape(json.dumps(details, ensure_ascii=False), quote=True)}'>"
             f"<title>{escape(title)}</title>"
@@ -275,7 +275,8 @@ def _box(key: str, layout: Layout, classes: str, lines: tuple[str, ...], band: s
 
 def to_svg(graph: LineageGraph, layout: Layout | None = None) -> str:
     layout = layout or layout_of(graph)
-    width = max(layout.width, 760)
+    pieces, legend_width = legend()
+    width = max(layout.width, 24 + legend_width + 24)
     height = layout.height
     out = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{_number(width)}" height="{_number(height)}" '
@@ -286,7 +287,7 @@ def to_svg(graph: LineageGraph, layout: Layout | None = None) -> str:
         '<rect width="100%" height="100%" fill="#ffffff"/>',
         f'<text class="heading" x="24" y="32" font-size="17" font-weight="600" fill="{INK}">'
         f"{escape(graph.title)}</text>",
-        f'<g class="legend" transform="translate(24,46)" font-size="11" fill="{MUTED}">{"".join(legend())}</g>',
+        f'<g class="legend" transform="translate(24,46)" font-size="11" fill="{MUTED}">{"".join(pieces)}</g>',
         '<g class="edges">',
     ]
     for edge in graph.edges:

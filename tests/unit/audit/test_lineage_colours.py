@@ -46,6 +46,7 @@ def test_the_bound_rejects_the_amber_that_read_as_interrupted():
 
 
 def test_the_legend_shows_every_colour():
-    drawn = "".join(legend())
+    pieces, _ = legend()
+    drawn = "".join(pieces)
     for name, colour in role_colours().items():
         assert colour in drawn and f">{name}<" in drawn, name
