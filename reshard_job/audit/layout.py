@@ -29,7 +29,7 @@ from __future__ import annotations
 import heapq
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Callable, Hashable, Sequence
+from typing import Callable, Hashable, NamedTuple, Sequence
 
 ORDER_SWEEPS = 4
 PLACEMENT_SWEEPS = 3
@@ -67,9 +67,9 @@ class Layout:
     routes: dict[tuple[str, str], tuple[Point, ...]]
 
 
-@dataclass(frozen=True)
-class _Dummy:
-    """Where edge number `edge` crosses layer `layer`; never equal to a key (those are strings)."""
+class _Dummy(NamedTuple):
+    """Where edge number `edge` crosses layer `layer`; never equal to a key (those are strings).
+    A tuple, not a dataclass: the ordering sweeps hash these millions of times."""
     edge: int
     layer: int
 
@@ -222,14 +222,19 @@ def _ordered_layers(vertices: list[Hashable], layer, preds, succs, index) -> lis
     for vertex in vertices:
         layers[layer[vertex]].append(vertex)
 
-    def centred_positions() -> dict[Hashable, float]:
-        return {key: i - (len(members) - 1) / 2 for members in layers for i, key in enumerate(members)}
+    position: dict[Hashable, float] = {}
 
+    def centre(members: list[Hashable]) -> None:
+        position.update((key, i - (len(members) - 1) / 2) for i, key in enumerate(members))
+
+    for members in layers:
+        centre(members)
     for _ in range(ORDER_SWEEPS):
         # Left to right by the predecessors' positions, then right to left by the successors'.
         for numbers, neighbours in ((range(1, count), preds), (range(count - 2, -1, -1), succs)):
             for number in numbers:
-                layers[number] = _by_barycenter(layers[number], neighbours, centred_positions(), index)
+                layers[number] = _by_barycenter(layers[number], neighbours, position, index)
+                centre(layers[number])
     return layers
 
 
