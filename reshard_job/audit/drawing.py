@@ -8,8 +8,12 @@ works offline and from an archive years later. The output is deterministic: the 
 give the same bytes, which keeps pictures reviewable in version control.
 
 Boxes: a run shows its short id, status, devices and start time, with a status-coloured band;
-a file shows its name (the last two path parts), kind, rank(s), size and short sha256, coloured
-by what it is (checkpoint, strategy, manifest). Where the walk started is outlined in amber.
+a file shows its name, its folder (the last two folders, more where two folders of the picture
+would read alike), kind, rank(s), size and short sha256, coloured by what it is (checkpoint,
+strategy, manifest). Names too long for a box lose their front, never their distinctive tail.
+Where the walk started is outlined in pink. Every status and role has its own colour, at least
+``MIN_COLOUR_DISTANCE`` apart in CIELAB from every other, so none is mistaken for another.
+Edges follow the layout's routes: through the gaps between boxes, never under one.
 """
 
 from __future__ import annotations
@@ -19,31 +23,49 @@ import os
 from html import escape
 from typing import Any
 
+from collections import Counter
+
 from reshard_job.text import human_size, rank_ranges
 from reshard_job.audit.graph import FileVertex, LineageGraph, Layout, RunVertex, layered_layout
 from reshard_job.audit.entities import ANCESTORS
+from reshard_job.audit.text_width import fit_from_front, text_width
 from reshard_job.audit.render import SHORT_DIGEST, SHORT_RUN_ID, devices, kind_words, plural, when
 from reshard_job.lineage.status import RunStatus
 
 FORMATS = ("dot", "svg", "html")
 
 BOX_WIDTH = 288
-BOX_HEIGHT = 64
+RUN_HEIGHT = 64  # three lines
+FILE_HEIGHT = 80  # four lines: the name, its folder, what it is, its digest
 TITLE_SPACE = 78  # heading and legend above the boxes
-NAME_CHARACTERS = 34  # what fits in a box at the name's font size
+TEXT_LEFT = 16  # where a box's lines start; they end by TEXT_RIGHT short of its right side
+TEXT_RIGHT = 10
+NAME_SIZE = 12.5  # the first line's font size (bold); the others' is LINE_SIZE
+LINE_SIZE = 11
+FOLDER_PARTS = 2  # folders shown above a file's name, at least
+ARROW_ROOM = 3  # an edge ends this far before its box: the arrow head's tip is there
 
 FONT = "DejaVu Sans, Verdana, Helvetica, Arial, sans-serif"
 MONO = "DejaVu Sans Mono, Menlo, Consolas, monospace"
 INK = "#1f2933"
 MUTED = "#52606d"
 EDGE = "#9aa5b1"
-SUBJECT = "#f0b429"
+SUBJECT = "#e64980"  # pink: no status or file class is near it
 
-STATUS_COLOURS = {RunStatus.COMPLETED: "#2f9e44", RunStatus.FAILED: "#e03131", RunStatus.INTERRUPTED: "#f08c00",
-                  RunStatus.ABANDONED: "#868e96", RunStatus.STARTED: "#1c7ed6"}
+STATUS_COLOURS = {RunStatus.COMPLETED: "#2b8a3e", RunStatus.FAILED: "#e03131", RunStatus.INTERRUPTED: "#f76707",
+                  RunStatus.ABANDONED: "#495057", RunStatus.STARTED: "#1098ad"}
 # (fill, border) per file class
-FILE_COLOURS = {"checkpoint": ("#e7f0fb", "#5b8fd0"), "strategy": ("#f3ebfb", "#9a6fcb"),
+FILE_COLOURS = {"checkpoint": ("#e8eefd", "#4263eb"), "strategy": ("#f5ebf8", "#9c36b5"),
                 "manifest": ("#f1f3f5", "#adb5bd")}
+MIN_COLOUR_DISTANCE = 30.0  # CIE76 ΔE between any two of the colours above; 2.3 is just noticeable
+
+
+def role_colours() -> dict[str, str]:
+    """Every colour that says what a box is: run statuses, file classes (their border and band), the subject."""
+    colours = {f"run {status}": colour for status, colour in STATUS_COLOURS.items()}
+    colours.update({name: border for name, (_, border) in FILE_COLOURS.items()})
+    colours["asked about"] = SUBJECT
+    return colours
 
 
 def file_class(vertex: FileVertex) -> str:
@@ -56,23 +78,49 @@ def file_class(vertex: FileVertex) -> str:
 
 
 def shorten(text: str, limit: int) -> str:
-    """`text` cut in the middle with an ellipsis when longer than `limit` characters."""
+    """`text` cut from the front with an ellipsis when longer than `limit` characters: the tail (a
+    file's rank, step and suffix; a folder's nearest parts) is what tells similar names apart."""
     if len(text) <= limit:
         return text
-    keep = limit - 1
-    return text[:keep // 2] + "…" + text[len(text) - (keep - keep // 2):]
+    return "…" + text[len(text) - (limit - 1):]
 
 
-def _name(path: str | None) -> str:
+def _folder_parts(path: str) -> tuple[str, ...]:
+    return tuple(path.replace(os.sep, "/").rstrip("/").split("/")[:-1])
+
+
+def folder_labels(files: tuple[FileVertex, ...]) -> dict[str, str]:
+    """Each file's folder as its box shows it: the last `FOLDER_PARTS` folders, more for a folder
+    whose tail reads like another folder's of the same picture (``…/a/ckpt/rank_0/`` and
+    ``…/b/ckpt/rank_0/``), the whole folder where it is no longer; '' for a file with no path."""
+    folders = {v.key: _folder_parts(v.paths[0]) for v in files if v.paths}
+    distinct = set(folders.values())
+    shown: dict[tuple[str, ...], int] = {}
+    parts = FOLDER_PARTS
+    while len(shown) < len(distinct):
+        tails = Counter(folder[-parts:] for folder in distinct)
+        for folder in distinct - set(shown):
+            if tails[folder[-parts:]] == 1 or parts >= len(folder):
+                shown[folder] = parts
+        parts += 1
+    labels = {}
+    for key, folder in folders.items():
+        cut = shown[folder] < len(folder) and folder[:-shown[folder]] != ("",)  # not just the root's "/"
+        text = ("…/" if cut else "") + "/".join(folder[-shown[folder]:] if cut else folder) + "/"
+        labels[key] = fit_from_front(text, BOX_WIDTH - TEXT_LEFT - TEXT_RIGHT, LINE_SIZE) if folder else ""
+    return labels
+
+
+def _base_name(path: str | None) -> str:
     if not path:
         return "(no known path)"
-    parent, base = os.path.split(path)
-    return f"{os.path.basename(parent)}/{base}" if os.path.basename(parent) else base
+    return path.replace(os.sep, "/").rstrip("/").rsplit("/", 1)[-1]
 
 
-def file_lines(vertex: FileVertex) -> tuple[str, str, str]:
-    """Name, 'kind · rank · size', 'sha256 <short>' (and how many paths, if several)."""
-    name = shorten(_name(vertex.paths[0] if vertex.paths else None), NAME_CHARACTERS)
+def file_lines(vertex: FileVertex, folder: str = "") -> tuple[str, str, str, str]:
+    """Name, folder, 'kind · rank · size', 'sha256 <short>' (and how many paths, if several)."""
+    name = fit_from_front(_base_name(vertex.paths[0] if vertex.paths else None), BOX_WIDTH - TEXT_LEFT - TEXT_RIGHT,
+                          NAME_SIZE, bold=True)
     kinds = {kind_words(k) for k in vertex.kinds}
     parts = [kind_words(vertex.kinds[0]) if len(kinds) == 1 else file_class(vertex)]
     if vertex.ranks:
@@ -81,7 +129,7 @@ def file_lines(vertex: FileVertex) -> tuple[str, str, str]:
     digest = f"{vertex.hash_algo} {vertex.digest[:SHORT_DIGEST]}"
     if len(vertex.paths) > 1:
         digest += f" · {len(vertex.paths)} paths"
-    return name, " · ".join(parts), digest
+    return name, folder, " · ".join(parts), digest
 
 
 def run_lines(vertex: RunVertex) -> tuple[str, str, str]:
@@ -93,7 +141,8 @@ def run_lines(vertex: RunVertex) -> tuple[str, str, str]:
 
 
 def file_details(vertex: FileVertex, direction: str) -> dict[str, Any]:
-    details: dict[str, Any] = {"file": _name(vertex.paths[0] if vertex.paths else None),
+    path = vertex.paths[0] if vertex.paths else None
+    details: dict[str, Any] = {"file": _base_name(path), "folder": os.path.dirname(path) if path else "-",
                                "kind": ", ".join(kind_words(k) for k in vertex.kinds)}
     if vertex.ranks:
         details["rank"] = rank_ranges(vertex.ranks)
@@ -124,8 +173,9 @@ def run_details(vertex: RunVertex) -> dict[str, Any]:
 
 
 def layout_of(graph: LineageGraph) -> Layout:
+    files = {v.key for v in graph.files}
     return layered_layout(graph.keys, [(e.source, e.target) for e in graph.edges],
-                          lambda key: (BOX_WIDTH, BOX_HEIGHT), top=TITLE_SPACE)
+                          lambda key: (BOX_WIDTH, FILE_HEIGHT if key in files else RUN_HEIGHT), top=TITLE_SPACE)
 
 
 # -- DOT -----------------------------------------------------------------------------------------
@@ -142,11 +192,13 @@ def to_dot(graph: LineageGraph) -> str:
         "  node [shape=box, style=\"rounded,filled\", fontname=\"Helvetica\", fontsize=10, penwidth=1.2];",
         f"  edge [color=\"{EDGE}\", arrowsize=0.7];",
     ]
+    folders = folder_labels(graph.files)
     for vertex in graph.files:
         fill, border = FILE_COLOURS[file_class(vertex)]
         pen = f', penwidth=2.5, color="{SUBJECT}"' if vertex.subject else f', color="{border}"'
         tooltip = "\n".join(vertex.paths) + f"\n{vertex.hash_algo} {vertex.digest}"
-        lines.append(f"  {_dot_text(vertex.key)} [label={_dot_text(chr(10).join(file_lines(vertex)))}, "
+        label = chr(10).join(line for line in file_lines(vertex, folders.get(vertex.key, "")) if line)
+        lines.append(f"  {_dot_text(vertex.key)} [label={_dot_text(label)}, "
                      f"fillcolor=\"{fill}\"{pen}, tooltip={_dot_text(tooltip)}];")
     for vertex in graph.runs:
         colour = STATUS_COLOURS.get(vertex.run.status, MUTED)
@@ -166,54 +218,65 @@ def _number(value: float) -> str:
     return text[:-2] if text.endswith(".0") else text
 
 
-def _edge_path(layout: Layout, source: str, target: str) -> str:
-    (x1, y1), (x2, y2) = layout.boxes[source].right_middle, layout.boxes[target].left_middle
-    x2 -= 3  # leave room for the arrow head
-    bend = max(36.0, abs(x2 - x1) / 2)
-    return (f"M{_number(x1)},{_number(y1)} C{_number(x1 + bend)},{_number(y1)} "
-            f"{_number(x2 - bend)},{_number(y2)} {_number(x2)},{_number(y2)}")
+def edge_path(layout: Layout, source: str, target: str) -> str:
+    """SVG path data along the edge's route: straight where the route keeps its height (through a
+    column, where no box is), an S-curve where it changes height (across the gap between two
+    columns); the curve's control points lie between the waypoints' x, so the curve does too."""
+    points = list(layout.routes[(source, target)])
+    (x1, _), (x2, y2) = points[-2], points[-1]
+    points[-1] = (x2 - ARROW_ROOM if x2 > x1 else x2 + ARROW_ROOM, y2)
+    parts = [f"M{_number(points[0][0])},{_number(points[0][1])}"]
+    for (x1, y1), (x2, y2) in zip(points, points[1:]):
+        if y1 == y2:
+            parts.append(f"L{_number(x2)},{_number(y2)}")
+        else:
+            middle = _number((x1 + x2) / 2)
+            parts.append(f"C{middle},{_number(y1)} {middle},{_number(y2)} {_number(x2)},{_number(y2)}")
+    return " ".join(parts)
 
 
-def _legend() -> list[str]:
-    items = [("checkpoint", *FILE_COLOURS["checkpoint"]), ("strategy", *FILE_COLOURS["strategy"]),
-             ("manifest", *FILE_COLOURS["manifest"])]
-    parts, x = [], 0
-    for label, fill, border in items:
-        parts.append(f'<rect x="{x}" y="0" width="14" height="14" rx="3" fill="{fill}" stroke="{border}"/>'
-                     f'<text x="{x + 20}" y="11.5">{label}</text>')
-        x += 30 + 7 * len(label)
-    for status in RunStatus:
-        parts.append(f'<rect x="{x}" y="0" width="14" height="14" rx="3" fill="#ffffff" '
-                     f'stroke="{STATUS_COLOURS[status]}" stroke-width="2"/>'
-                     f'<text x="{x + 20}" y="11.5">run {status}</text>')
-        x += 58 + 7 * len(status)
-    parts.append(f'<rect x="{x}" y="0" width="14" height="14" rx="3" fill="#ffffff" stroke="{SUBJECT}" '
-                 f'stroke-width="2.5"/><text x="{x + 20}" y="11.5">asked about</text>')
-    return parts
+def legend() -> tuple[list[str], float]:
+    """The legend's SVG pieces, a swatch and a word for every file class, run status and the subject,
+    and how wide they are together."""
+    items = [(name, fill, border, "1") for name, (fill, border) in FILE_COLOURS.items()]
+    items += [(f"run {status}", "#ffffff", STATUS_COLOURS[status], "2") for status in RunStatus]
+    items.append(("asked about", "#ffffff", SUBJECT, "2.5"))
+    parts, x = [], 0.0
+    for label, fill, border, stroke in items:
+        parts.append(f'<rect x="{_number(x)}" y="0" width="14" height="14" rx="3" fill="{fill}" stroke="{border}" '
+                     f'stroke-width="{stroke}"/><text x="{_number(x + 20)}" y="11.5">{label}</text>')
+        x += 20 + text_width(label, LINE_SIZE) + 18
+    return parts, x - 18
 
 
-def _box(key: str, layout: Layout, classes: str, lines: tuple[str, str, str], band: str, fill: str, border: str,
+def _box(key: str, layout: Layout, classes: str, lines: tuple[str, ...], band: str, fill: str, border: str,
          subject: bool, details: dict[str, Any]) -> str:
+    """A box with a bold first line, then smaller lines; the last (a digest or a time) monospaced."""
     box = layout.boxes[key]
     title = "\n".join(f"{name}: {value}" for name, value in details.items())
     stroke = SUBJECT if subject else border
     width = "2.5" if subject else "1.2"
-    name, meta, last = (escape(text) for text in lines)
+    first, *middle, last = (escape(text) for text in lines)
+    texts = [f'<text x="{TEXT_LEFT}" y="21" font-size="{NAME_SIZE}" font-weight="600" fill="{INK}">{first}</text>']
+    baseline = 21 + 18
+    for text in middle:
+        texts.append(f'<text x="{TEXT_LEFT}" y="{baseline}" font-size="{LINE_SIZE}" fill="{MUTED}">{text}</text>')
+        baseline += 16
+    texts.append(f'<text x="{TEXT_LEFT}" y="{baseline}" font-size="{LINE_SIZE}" font-family="{MONO}" '
+                 f'fill="{MUTED}">{last}</text>')
     return (f'<g class="{classes}" id="{escape(key)}" transform="translate({_number(box.x)},{_number(box.y)})" '
             f"data-details='{escape(json.dumps(details, ensure_ascii=False), quote=True)}'>"
             f"<title>{escape(title)}</title>"
             f'<rect class="box" width="{box.width:g}" height="{box.height:g}" rx="8" fill="{fill}" '
             f'stroke="{stroke}" stroke-width="{width}"/>'
             f'<rect x="0.6" y="0.6" width="6" height="{box.height - 1.2:g}" rx="3" fill="{band}"/>'
-            f'<text x="16" y="21" font-size="12.5" font-weight="600" fill="{INK}">{name}</text>'
-            f'<text x="16" y="39" font-size="11" fill="{MUTED}">{meta}</text>'
-            f'<text x="16" y="55" font-size="11" font-family="{MONO}" fill="{MUTED}">{last}</text>'
-            "</g>")
+            + "".join(texts) + "</g>")
 
 
 def to_svg(graph: LineageGraph, layout: Layout | None = None) -> str:
     layout = layout or layout_of(graph)
-    width = max(layout.width, 760)
+    pieces, legend_width = legend()
+    width = max(layout.width, 24 + legend_width + 24)
     height = layout.height
     out = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{_number(width)}" height="{_number(height)}" '
@@ -224,7 +287,7 @@ def to_svg(graph: LineageGraph, layout: Layout | None = None) -> str:
         '<rect width="100%" height="100%" fill="#ffffff"/>',
         f'<text class="heading" x="24" y="32" font-size="17" font-weight="600" fill="{INK}">'
         f"{escape(graph.title)}</text>",
-        f'<g class="legend" transform="translate(24,46)" font-size="11" fill="{MUTED}">{"".join(_legend())}</g>',
+        f'<g class="legend" transform="translate(24,46)" font-size="11" fill="{MUTED}">{"".join(pieces)}</g>',
         '<g class="edges">',
     ]
     for edge in graph.edges:
@@ -232,15 +295,17 @@ def to_svg(graph: LineageGraph, layout: Layout | None = None) -> str:
         back = (edge.source, edge.target) in layout.back_edges
         dashes = ' stroke-dasharray="5 4"' if back else ""
         out.append(f'<path class="edge{" back" if back else ""}" data-from="{escape(edge.source)}" '
-                   f'data-to="{escape(edge.target)}" d="{_edge_path(layout, edge.source, edge.target)}" fill="none" '
+                   f'data-to="{escape(edge.target)}" d="{edge_path(layout, edge.source, edge.target)}" fill="none" '
                    f'stroke="{EDGE}" stroke-width="1.4"{dashes} marker-end="url(#arrow)"/>')
     out.append("</g>")
     out.append('<g class="nodes">')
+    folders = folder_labels(graph.files)
     for vertex in graph.files:
         fill, border = FILE_COLOURS[file_class(vertex)]
         classes = f"node file {file_class(vertex)}" + (" subject" if vertex.subject else "") + (
             " end" if vertex.end else "")
-        out.append(_box(vertex.key, layout, classes, file_lines(vertex), border, fill, border, vertex.subject,
+        out.append(_box(vertex.key, layout, classes, file_lines(vertex, folders.get(vertex.key, "")), border, fill,
+                        border, vertex.subject,
                         file_details(vertex, graph.direction)))
     for vertex in graph.runs:
         colour = STATUS_COLOURS.get(vertex.run.status, MUTED)

@@ -4,36 +4,26 @@ Vertices are runs and file contents; an edge goes from a file to each run that r
 a run to each file it wrote, so time flows along the edges. A content used at several paths or
 ranks is one vertex listing them all, as the database records it.
 
-The layout is the classic layered (Sugiyama-style) drawing, kept small so that no Graphviz is
-needed and the output is byte-for-byte reproducible:
-
-1. cycles (a round trip that reproduces its source) are broken by dropping DFS back edges from
-   the layering; they are still drawn;
-2. layers by longest path from the sources, then sources pulled right to just before their first
-   reader, so a strategy file read late does not sit in the first column;
-3. order within layers by barycenter sweeps (fewer crossings), ties broken by a fixed key order;
-4. vertical positions pulled toward the neighbours' mean and made non-overlapping by averaging a
-   top-down and a bottom-up packing (both feasible, so their mean is too).
-
-Its cost is O(sweeps × edges × log) — fine for the thousands of files of a large conversion.
+Its layout (``layout.layered_layout``, re-exported here) places them in columns, time flowing
+left to right, and routes every edge through the gaps between boxes.
 """
 
 from __future__ import annotations
 
-import heapq
-from collections import defaultdict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from reshard_job.audit.entities import ANCESTORS, KIND_ORDER, RunInfo
+from reshard_job.audit.layout import Box, Layout, layered_layout
+
+__all__ = ["Box", "Edge", "FileVertex", "Layout", "LineageGraph", "RunVertex", "file_key", "graph_of",
+           "layered_layout", "run_key"]
 
 if TYPE_CHECKING:  # the walker imports SQLAlchemy; drawing does not need it
     from reshard_job.audit.trace import Trace, TraceHop, TraceNode
 
 FILE = "file"
 RUN = "run"
-ORDER_SWEEPS = 4
-PLACEMENT_SWEEPS = 3
 
 
 # -- the graph -----------------------------------------------------------------------------------
@@ -176,181 +166,3 @@ def graph_of(trace: Trace, title: str) -> LineageGraph:
                   key=lambda v: (v.run.started_at, v.run.id))
     edges = tuple(Edge(source, target) for source, target in sorted(collector.edges))
     return LineageGraph(trace.direction, title, tuple(files), tuple(runs), edges)
-
-
-# -- the layout ----------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Box:
-    x: float
-    y: float
-    width: float
-    height: float
-    layer: int
-
-    @property
-    def left_middle(self) -> tuple[float, float]:
-        return self.x, self.y + self.height / 2
-
-    @property
-    def right_middle(self) -> tuple[float, float]:
-        return self.x + self.width, self.y + self.height / 2
-
-
-@dataclass(frozen=True)
-class Layout:
-    boxes: dict[str, Box]
-    width: float
-    height: float
-    back_edges: frozenset[tuple[str, str]]  # drawn, but not used to order the layers
-
-
-def layered_layout(keys: Sequence[str], edges: Sequence[tuple[str, str]], size: Callable[[str], tuple[float, float]],
-                   *, layer_gap: float = 72, node_gap: float = 14, left: float = 24, top: float = 24,
-                   right: float = 24, bottom: float = 24) -> Layout:
-    """Positions for `keys` (their order is the tie-breaker everywhere) with `edges` drawn left to right.
-
-    `size(key)` gives a box's (width, height). Edges naming unknown keys and self-loops are ignored.
-    """
-    index = {key: i for i, key in enumerate(dict.fromkeys(keys))}
-    keys = list(index)
-    pairs = sorted({(a, b) for a, b in edges if a in index and b in index and a != b},
-                   key=lambda e: (index[e[0]], index[e[1]]))
-    successors: dict[str, list[str]] = defaultdict(list)
-    for a, b in pairs:
-        successors[a].append(b)
-
-    back = _back_edges(keys, successors)
-    dag = [(a, b) for a, b in pairs if (a, b) not in back]
-    preds: dict[str, list[str]] = defaultdict(list)
-    succs: dict[str, list[str]] = defaultdict(list)
-    for a, b in dag:
-        succs[a].append(b)
-        preds[b].append(a)
-
-    layer = _layers(keys, index, preds, succs)
-    layers = _ordered_layers(keys, layer, preds, succs, index)
-    sizes = {key: size(key) for key in keys}
-    column = max((w for w, _ in sizes.values()), default=0)
-    ys = _vertical_positions(layers, sizes, preds, succs, node_gap)
-
-    boxes = {}
-    for number, members in enumerate(layers):
-        for key in members:
-            w, h = sizes[key]
-            boxes[key] = Box(left + number * (column + layer_gap) + (column - w) / 2, top + ys[key], w, h, number)
-    width = left + right + (len(layers) * column + max(len(layers) - 1, 0) * layer_gap)
-    height = top + bottom + max((ys[k] + sizes[k][1] for k in keys), default=0)
-    return Layout(boxes, width, height, frozenset(back))
-
-
-def _back_edges(keys: list[str], successors: dict[str, list[str]]) -> set[tuple[str, str]]:
-    """Edges closing a cycle in a depth-first search started from each key in order (iterative)."""
-    state: dict[str, int] = {}  # 1 on the stack, 2 done
-    back: set[tuple[str, str]] = set()
-    for start in keys:
-        if start in state:
-            continue
-        state[start] = 1
-        stack = [(start, iter(successors.get(start, ())))]
-        while stack:
-            key, children = stack[-1]
-            child = next(children, None)
-            if child is None:
-                state[key] = 2
-                stack.pop()
-            elif state.get(child) == 1:
-                back.add((key, child))
-            elif child not in state:
-                state[child] = 1
-                stack.append((child, iter(successors.get(child, ()))))
-    return back
-
-
-def _layers(keys: list[str], index: dict[str, int], preds, succs) -> dict[str, int]:
-    remaining = {key: len(preds[key]) for key in keys}
-    ready = [(index[key], key) for key in keys if remaining[key] == 0]
-    heapq.heapify(ready)
-    order = []
-    while ready:
-        _, key = heapq.heappop(ready)
-        order.append(key)
-        for child in succs[key]:
-            remaining[child] -= 1
-            if remaining[child] == 0:
-                heapq.heappush(ready, (index[child], child))
-    layer: dict[str, int] = {}
-    for key in order:
-        layer[key] = max((layer[p] + 1 for p in preds[key]), default=0)
-    # Sources sit just before their first reader, not all in the first column.
-    for key in reversed(order):
-        if not preds[key] and succs[key]:
-            layer[key] = min(layer[s] for s in succs[key]) - 1
-    return layer
-
-
-def _ordered_layers(keys: list[str], layer: dict[str, int], preds, succs, index) -> list[list[str]]:
-    count = max(layer.values(), default=-1) + 1
-    layers: list[list[str]] = [[] for _ in range(count)]
-    for key in keys:
-        layers[layer[key]].append(key)
-
-    def centred_positions() -> dict[str, float]:
-        return {key: i - (len(members) - 1) / 2 for members in layers for i, key in enumerate(members)}
-
-    for _ in range(ORDER_SWEEPS):
-        # Left to right by the predecessors' positions, then right to left by the successors'.
-        for numbers, neighbours in ((range(1, count), preds), (range(count - 2, -1, -1), succs)):
-            for number in numbers:
-                layers[number] = _by_barycenter(layers[number], neighbours, centred_positions(), index)
-    return layers
-
-
-def _by_barycenter(members: list[str], neighbours, position: dict[str, float], index) -> list[str]:
-    current = {key: i for i, key in enumerate(members)}
-
-    def barycenter(key: str) -> float:
-        linked = neighbours[key]
-        return sum(position[n] for n in linked) / len(linked) if linked else position[key]
-
-    return sorted(members, key=lambda key: (barycenter(key), current[key], index[key]))
-
-
-def _vertical_positions(layers: list[list[str]], sizes, preds, succs, gap: float) -> dict[str, float]:
-    """Top y of every box: stacked and centred first, then pulled toward the neighbours' centres."""
-    heights = [sum(sizes[k][1] for k in members) + gap * max(len(members) - 1, 0) for members in layers]
-    tallest = max(heights, default=0)
-    y: dict[str, float] = {}
-    for members, total in zip(layers, heights):
-        cursor = (tallest - total) / 2
-        for key in members:
-            y[key] = cursor
-            cursor += sizes[key][1] + gap
-
-    def centre(key: str) -> float:
-        return y[key] + sizes[key][1] / 2
-
-    for _ in range(PLACEMENT_SWEEPS):
-        for members in layers + layers[::-1]:
-            wanted = []
-            for key in members:
-                linked = preds[key] + succs[key]
-                target = sum(centre(n) for n in linked) / len(linked) if linked else centre(key)
-                wanted.append(target - sizes[key][1] / 2)
-            packed = _pack(wanted, [sizes[k][1] for k in members], gap)
-            for key, top in zip(members, packed):
-                y[key] = top
-    lowest = min(y.values(), default=0.0)
-    return {key: value - lowest for key, value in y.items()}
-
-
-def _pack(wanted: list[float], heights: list[float], gap: float) -> list[float]:
-    """Tops as close to `wanted` as keeps the boxes in order and `gap` apart: the mean of a
-    top-down and a bottom-up packing (the constraints are linear, so the mean satisfies them)."""
-    down = []
-    for i, target in enumerate(wanted):
-        down.append(target if i == 0 else max(target, down[-1] + heights[i - 1] + gap))
-    up = [0.0] * len(wanted)
-    for i in range(len(wanted) - 1, -1, -1):
-        up[i] = wanted[i] if i == len(wanted) - 1 else min(wanted[i], up[i + 1] - heights[i] - gap)
-    return [(a + b) / 2 for a, b in zip(down, up)]

@@ -87,8 +87,15 @@ def test_svg_has_a_box_per_run_and_file_and_an_arrow_per_edge(ancestry, recorded
     final = nodes[file_key(lineage.final.sha256)]
     assert "subject" in final.get("class").split()
     texts = ["".join(t.itertext()) for t in final.iter(f"{SVG}text")]
-    assert texts == ["rank_0/checkpoint_0.ckpt", f"target checkpoint · rank 0 · {human_size(lineage.final.size)}",
+    assert texts == ["checkpoint_0.ckpt", "…/out_b/rank_0/",
+                     f"target checkpoint · rank 0 · {human_size(lineage.final.size)}",
                      f"sha256 {lineage.final.sha256[:12]}"]
+    # Files of the same name in different folders read differently: each box names its folder.
+    first_lines = {key: ["".join(t.itertext()) for t in node.iter(f"{SVG}text")][:2] for key, node in nodes.items()
+                   if "file" in node.get("class").split()}
+    assert first_lines[file_key(lineage.sources[0].sha256)] == ["checkpoint_0.ckpt", "…/src/rank_0/"]
+    assert first_lines[file_key(lineage.outputs_a[1].sha256)] == ["checkpoint_1.ckpt", "…/out_a/rank_1/"]
+    assert len({tuple(lines) for lines in first_lines.values()}) == len(first_lines)
     assert lineage.final.path in "".join(final.find(f"{SVG}title").itertext())
     edges = [p for p in root.iter(f"{SVG}path") if "edge" in (p.get("class") or "").split()]
     assert {(p.get("data-from"), p.get("data-to")) for p in edges} == _expected_edges(lineage)
@@ -229,7 +236,7 @@ def test_layout_of_many_files_stays_in_order(tmp_path, make_file):
     boxes = [g for g in _svg_nodes(svg).values() if "file" in g.get("class").split() and
              "subject" not in g.get("class").split()]
     ys = [float(re.match(r"translate\(([\d.]+),([\d.]+)\)", g.get("transform")).group(2)) for g in boxes]
-    names = ["".join(next(g.iter(f"{SVG}text")).itertext()) for g in boxes]
+    names = ["/".join("".join(t.itertext()) for t in list(g.iter(f"{SVG}text"))[1::-1]) for g in boxes]
     order = sorted(range(len(ys)), key=ys.__getitem__)
-    assert [names[i] for i in order] == [f"rank_{r}/checkpoint_{r}.ckpt" for r in range(512)]
-    assert all(b - a >= 64 for a, b in zip(sorted(ys), sorted(ys)[1:]))
+    assert [names[i] for i in order] == [f"…/src/rank_{r}//checkpoint_{r}.ckpt" for r in range(512)]
+    assert all(b - a >= 80 for a, b in zip(sorted(ys), sorted(ys)[1:]))
