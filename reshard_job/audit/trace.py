@@ -1,9 +1,14 @@
 """Lineage in both directions: where a file came from, and what was built from it.
 
 Walks go by content, so they cross copies and moves. Backwards (``ANCESTORS``): a content ←
-the runs that wrote it ← their inputs ← ..., down to the original files no recorded run wrote.
-Forwards (``DESCENDANTS``): a content → the runs that read it → their outputs → ..., up to the
-final files no recorded run read. Any number of hops.
+the runs that made it ← their inputs ← ..., down to the original files no recorded run made.
+Forwards (``DESCENDANTS``): a content → the runs that read it → the outputs they made → ..., up to
+the final files no recorded run read. Any number of hops.
+
+Only bytes a run *made* tie it to others by content. An output a run copied from its inputs (the
+target strategy it was given, written beside its outputs: ``Event.copied``) is listed among the
+run's files but never links: two conversions of unrelated checkpoints to one target strategy copy
+the same bytes, and linking through them would make each the other's ancestor.
 
 A lineage is a DAG with shared parts (the four outputs of one run all feed the next), so each
 run is expanded once; later mentions carry ``expanded_elsewhere`` and no files. That also ends
@@ -191,8 +196,11 @@ class _Walker:
         return self._files[run_id]
 
     def linked_runs(self, artifact_id: int) -> list[Run]:
+        # Backwards, only runs that made these bytes: a run that merely copied them (a target strategy
+        # written beside its outputs) did not produce them from its sources.
         # DISTINCT over ids only: PostgreSQL cannot compare the JSON columns of whole rows.
-        ids = select(Event.run_id).where(Event.artifact_id == artifact_id, Event.direction == self._linking_event)
+        ids = select(Event.run_id).where(Event.artifact_id == artifact_id, Event.direction == self._linking_event,
+                                         Event.copied.is_(False))
         return list(self.session.scalars(select(Run).where(Run.id.in_(ids)).order_by(Run.started_at, Run.id)))
 
     def node(self, root: Root, depth: int) -> TraceNode:
@@ -220,8 +228,9 @@ class _Walker:
         self.expanded.add(run.id)
         hop = TraceHop(info, files, expanded_elsewhere=False)
         self.runs.append(hop)
+        # Forwards, a copy is not built from what the run read: the walk does not go on through it.
         hop.next = [self.node(Root(f.artifact_id, f.path, f.kind, f.rank), depth + 1)
-                    for f in files if f.direction == self._next_side]
+                    for f in files if f.direction == self._next_side and not f.copied]
         return hop
 
     def result(self, query: dict, roots: list[TraceNode], **extra) -> Trace:
@@ -251,7 +260,7 @@ def _trace_run(session: Session, walker: _Walker, subject: RunSubject) -> Trace:
     hop = walker.hop(run, depth=0)
     other_side = "output" if walker.direction == ANCESTORS else "input"
     roots = []
-    for f in (f for f in hop.files if f.direction == other_side):
+    for f in (f for f in hop.files if f.direction == other_side and not f.copied):
         link = hop if not roots else TraceHop(hop.run, hop.files, expanded_elsewhere=True)
         roots.append(TraceNode(walker.artifact(f.artifact_id), f.path, f.kind, f.rank, [link]))
     return walker.result(dict(subject.query), roots, single_root=False, subject_run=hop)

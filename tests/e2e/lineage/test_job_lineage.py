@@ -123,3 +123,22 @@ def test_four_sweep_jobs_in_parallel_share_one_database(tmp_path, lineage_url):
     assert sorted((r["status"], r["target_devices"]) for r in rows) == [
         ("completed", 1), ("completed", 2), ("completed", 4), ("completed", 8)]
     assert len({r["sweep_id"] for r in rows}) == 1
+
+
+def test_the_given_target_strategy_is_an_input_and_its_copy_beside_the_outputs_a_copy(tmp_path):
+    url = f"sqlite:///{tmp_path / 'lineage.db'}"
+    given = S2 / "dst_strategy.ckpt"
+    args = (f"source.checkpoints={S2 / 'src_checkpoints'}", f"source.strategy={S2 / 'src_strategy.ckpt'}",
+            "target=strategy", f"target.strategy={given}", "output.dir=out", f"lineage.url='{url}'")
+    job(tmp_path, *args)
+    job(tmp_path, *args)  # the same job again: nothing to do, and recorded the same way
+    runs = json.loads(audit(tmp_path, url, "runs", "--json").stdout)
+    assert len(runs) == 2
+    for run in runs:
+        shown = json.loads(audit(tmp_path, url, "show", run["id"], "--json").stdout)
+        inputs = {f["path"]: f for f in shown["inputs"]}
+        outputs = {f["path"]: f for f in shown["outputs"]}
+        assert inputs[str(given)]["sha256"] == sha256(given) and not inputs[str(given)].get("copied")
+        copy = outputs[str(tmp_path / "out" / "strategy.ckpt")]
+        assert copy["sha256"] == sha256(given) and copy["copied"] is True
+        assert not any(f.get("copied") for path, f in outputs.items() if path != copy["path"])
