@@ -218,36 +218,25 @@ def record_load(prepared, rank_id: int, consumer: str, url: str) -> str:
     """Record in the lineage database at `url` that `consumer` loaded target rank `rank_id` from
     the source files the rank read (with their sha256: from the digest cache where the files are
     unchanged since hashed, else hashed now, once); returns the run id. ``audit trace
-    --descendants`` of any of those files lists it."""
-    from reshard_job import __version__
-    from reshard_job.lineage import FileRecord, LineageStore
-    from reshard_job.sources.file_digests import HashCache, HashRequest, default_cache_path, digest_files
+    --descendants`` of any of those files lists it. The same core as ``record_use`` records it
+    (``lineage.uses``): a load is a use whose plan is the rank's."""
+    from reshard_job.lineage.uses import UseRun, digest_records, record_run
     from reshard_job.sources.open_files import files_of
 
-    storage = prepared.readers.storage
-    read = [(r, f) for r in prepared.plan.rank(rank_id).source_ranks for f in files_of(prepared.source_paths[r])]
+    read = [(f, "source_checkpoint", r) for r in prepared.plan.rank(rank_id).source_ranks
+            for f in files_of(prepared.source_paths[r])]
     strategies = list(prepared.strategy.files)
     target_strategy = prepared.target.strategy_from
     if target_strategy and target_strategy not in strategies and (
             "://" in target_strategy or os.path.isfile(target_strategy)):
         strategies.append(target_strategy)
-    cache = HashCache(default_cache_path(), storage)
-    digests = digest_files([HashRequest(f) for _, f in read] + [HashRequest(f) for f in strategies], threads=2,
-                           cache=cache, storage_options=storage)
-    cache.save()
-    inputs = [FileRecord(d.path, d.sha256, d.size, "source_checkpoint", r) for (r, _), d in zip(read, digests)]
-    inputs += [FileRecord(d.path, d.sha256, d.size, "strategy") for d in digests[len(read):]]
+    inputs = digest_records(read + [(f, "strategy", None) for f in strategies], prepared.readers.storage)
     load = {"consumer": consumer, "rank": rank_id, "source": prepared.source.checkpoints,
             "source_strategy": prepared.source.strategy, "target_strategy": prepared.target.strategy_from}
-    with LineageStore(url) as store:
-        store.ensure_schema()
-        run_id = store.start_run(config={"load": load}, overrides=[], tool_version=__version__,
-                                 output_dir=f"(loaded into memory by {consumer}, target rank {rank_id})",
-                                 source_devices=prepared.strategy.topology.devices,
-                                 target_devices=prepared.target.devices)
-        store.record_inputs(run_id, inputs)
-        store.complete_run(run_id, outputs=[], plan=prepared.plan.to_json())
-    return run_id
+    return record_run(url, UseRun(consumer, inputs, details={"load": load},
+                                  where=f"(loaded into memory by {consumer}, target rank {rank_id})",
+                                  plan=prepared.plan.to_json(), source_devices=prepared.strategy.topology.devices,
+                                  target_devices=prepared.target.devices))
 
 
 def to_mindspore_parameters(arrays: dict[str, np.ndarray]) -> dict:
