@@ -31,8 +31,9 @@ run, as a job does): the other commands refuse
 stops quietly when its reader goes away (``audit runs | head -1``), with status 141.
 
 Exit codes: 0 success, 1 verification found missing or changed files or fingerprints that disagree
-(``compare``: a parameter differs or is on one side only), 2 usage or lookup error, 130 interrupted,
-141 output pipe closed.
+(``compare``: a parameter differs or is on one side only), 2 usage or lookup error, 3 verify found an
+output directory complete but not recorded (stopped after its manifest was written: rerun the job to
+record it; the database vouches for nothing there yet, so not 0), 130 interrupted, 141 output pipe closed.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ import threading
 
 from reshard_job import __version__
 from reshard_job.audit.commands.base import (EXIT_BROKEN_PIPE, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_MISMATCH,
-                                             ArgumentParser, UsageError, parse_when)
+                                             EXIT_UNRECORDED, ArgumentParser, UsageError, parse_when)
 from reshard_job.audit.commands.database import DB_HELP, database_url, open_store
 from reshard_job.audit.commands.output import PipeClosed, complain, printable, save, write
 
@@ -69,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="REF: a file path, an output directory, a sha256 or a run id; digests and run ids may be "
                "unique prefixes of 8 or more characters. Times are UTC. Exit status: 0 ok, 1 verify found "
                "missing or changed files or disagreeing fingerprints, or compare found a difference, 2 usage "
-               "error or nothing found.")
+               "error or nothing found, 3 verify found a directory complete but not recorded (rerun to record).")
     parser.add_argument("--version", action="version", version=f"reshard_job {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=ArgumentParser)
     commands.required = True
@@ -168,6 +169,8 @@ def _main(argv: list[str] | None) -> int:
 
     if not getattr(args, "output", None):
         write(text)
+    if answer.code == EXIT_UNRECORDED:
+        complain(f"verify: {answer.result.path}: complete, not recorded: rerun the job into it to record the run")
     if answer.code == EXIT_MISMATCH:
         # Scripts that only look at stderr still learn which files are at fault.
         bad = "; ".join(f"{f.path} {f.state}" for f in answer.result.problems)

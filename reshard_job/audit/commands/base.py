@@ -11,6 +11,9 @@ from typing import Any, Callable
 EXIT_OK = 0
 EXIT_MISMATCH = 1
 EXIT_ERROR = 2
+# verify: every file matches its manifest, but no recorded run wrote that manifest (the job was stopped
+# between publishing it and recording itself): not damage, yet nothing the database vouches for
+EXIT_UNRECORDED = 3
 EXIT_INTERRUPTED = 128 + signal.SIGINT
 EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import os
 
 from reshard_job import __version__
-from reshard_job.audit.commands.base import EXIT_MISMATCH, EXIT_OK, Answer, UsageError, parse_when, positive
+from reshard_job.audit.commands.base import (EXIT_MISMATCH, EXIT_OK, EXIT_UNRECORDED, Answer, UsageError, parse_when,
+                                             positive)
 
 PICTURE_SUFFIXES = {".dot": "dot", ".gv": "dot", ".svg": "svg", ".html": "html", ".htm": "html"}
 
@@ -88,7 +89,8 @@ def _verify(session, args) -> Answer:
     from reshard_job.audit.verify import verify
 
     report = verify(session, args.target, include_inputs=args.inputs)
-    return Answer(report, render.verify_report, EXIT_OK if report.intact else EXIT_MISMATCH)
+    code = EXIT_OK if report.intact else EXIT_UNRECORDED if report.complete_unrecorded else EXIT_MISMATCH
+    return Answer(report, render.verify_report, code)
 
 
 def _picture_format(args) -> str:

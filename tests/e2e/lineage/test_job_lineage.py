@@ -125,6 +125,7 @@ def test_four_sweep_jobs_in_parallel_share_one_database(tmp_path, lineage_url):
     assert len({r["sweep_id"] for r in rows}) == 1
 
 
+@pytest.mark.slow
 def test_the_given_target_strategy_is_an_input_and_its_copy_beside_the_outputs_a_copy(tmp_path):
     url = f"sqlite:///{tmp_path / 'lineage.db'}"
     given = S2 / "dst_strategy.ckpt"
@@ -142,3 +143,38 @@ def test_the_given_target_strategy_is_an_input_and_its_copy_beside_the_outputs_a
         copy = outputs[str(tmp_path / "out" / "strategy.ckpt")]
         assert copy["sha256"] == sha256(given) and copy["copied"] is True
         assert not any(f.get("copied") for path, f in outputs.items() if path != copy["path"])
+
+
+@pytest.mark.slow
+def test_a_run_stopped_after_its_manifest_verifies_complete_not_recorded_until_rerun(tmp_path):
+    import sqlite3
+
+    db = tmp_path / "lineage.db"
+    url = f"sqlite:///{db}"
+    args = (f"source.checkpoints={S2 / 'src_checkpoints'}", f"source.strategy={S2 / 'src_strategy.ckpt'}",
+            "target=strategy", f"target.strategy={S2 / 'dst_strategy.ckpt'}", "output.dir=out", f"lineage.url='{url}'")
+    job(tmp_path, *args)
+    run_id = json.loads((tmp_path / "out" / "manifest.json").read_text())["run_id"]
+    # What Ctrl-C just after manifest.json was published leaves: the run recorded as interrupted, with
+    # its inputs and plan but no outputs (the job records its outputs only with its completion).
+    with sqlite3.connect(db) as connection:
+        connection.execute("UPDATE runs SET status = 'interrupted', error = 'SIGINT' WHERE id = ?", (run_id,))
+        connection.execute("DELETE FROM events WHERE run_id = ? AND direction = 'output'", (run_id,))
+
+    stopped = audit(tmp_path, url, "verify", "out")
+    assert stopped.returncode == 3, stopped.stdout + stopped.stderr
+    assert "complete, not recorded: rerun to record" in stopped.stdout
+    assert f"run {run_id} that wrote it is interrupted" in stopped.stdout
+    victim = tmp_path / "out" / "rank_1" / "checkpoint_1.ckpt"
+    original = victim.read_bytes()
+    os.chmod(victim, 0o644)
+    victim.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))
+    damaged = audit(tmp_path, url, "verify", "out")  # damage is damage, recorded or not
+    assert damaged.returncode == 1 and "complete, not recorded" not in damaged.stdout
+    victim.write_bytes(original)
+
+    rerun = job(tmp_path, *args)  # the same job again: nothing to convert, and now recorded
+    assert "already" in rerun.stdout + rerun.stderr
+    recorded = audit(tmp_path, url, "verify", "out")
+    assert recorded.returncode == 0, recorded.stdout + recorded.stderr
+    assert "intact" in recorded.stdout
