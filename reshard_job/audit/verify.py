@@ -38,7 +38,9 @@ from reshard_job.lineage.fingerprint_rows import read_fingerprints
 from reshard_job.lineage.models import FINGERPRINT_SIDES, Artifact, ArtifactLocation, Event, Run
 from reshard_job.lineage.status import RunStatus
 from reshard_job.audit.queries import FingerprintSummary, fingerprint_summary, run_files
-from reshard_job.audit.reading import absolute, content_digest, exists, file_size, is_directory, read_small_file
+from reshard_job.audit.reading import (absolute, content_digest, environment_names_an_endpoint, exists, file_size,
+                                       is_directory, read_small_file, reaching)
+from reshard_job.storage import is_url
 
 STATES = ("ok", "missing", "changed", "unreadable", "unrecorded")
 # What a manifest's fingerprints are, against the database's: a disagreement is the only failure.
@@ -376,7 +378,53 @@ def verify_content(session: Session, artifact_id: int) -> VerifyReport:
 
 def verify(session: Session, ref: str, *, include_inputs: bool = False) -> VerifyReport:
     """Verify an output directory, a file path, a run (id or unique prefix) or a content (sha256 or
-    unique prefix of one, as ``trace`` and ``graph`` take it)."""
+    unique prefix of one, as ``trace`` and ``graph`` take it). Objects are reached at the endpoint
+    the run that recorded them used, where the environment names none (``reading.reaching``)."""
+    with reaching(_recorded_endpoint(session, ref)):
+        return _verify(session, ref, include_inputs)
+
+
+def _recorded_endpoint(session: Session, ref: str) -> str | None:
+    """The object-store endpoint recorded by a run that `ref` names or that recorded files at `ref`."""
+    if environment_names_an_endpoint():
+        return None
+    if is_url(ref):
+        url = absolute(ref)
+        at_or_under = or_(Event.path == url, Event.path.startswith(url + "/", autoescape=True))
+        runs = select(Run).where(or_(Run.output_dir == url, Run.id.in_(select(Event.run_id).where(at_or_under))))
+    else:
+        try:
+            subject = by_id_or_digest(session, ref.strip())
+        except LineageError:
+            return None
+        if isinstance(subject, RunSubject):
+            runs = select(Run).where(Run.id == subject.run_id)
+        elif isinstance(subject, ContentSubject):
+            used = select(Event.run_id).where(Event.artifact_id == subject.root.artifact_id)
+            runs = select(Run).where(Run.id.in_(used))
+        else:
+            return None
+    for run in session.scalars(runs.order_by(Run.started_at.desc(), Run.id)):
+        endpoint = _endpoint_of(run.config)
+        if endpoint is not None:
+            return endpoint
+    return None
+
+
+def _endpoint_of(config) -> str | None:
+    """``storage.endpoint_url`` of a recorded config (or the one its ``storage.options`` name)."""
+    storage = config.get("storage") if isinstance(config, dict) else None
+    if not isinstance(storage, dict):
+        return None
+    options = storage.get("options") if isinstance(storage.get("options"), dict) else {}
+    client = options.get("client_kwargs") if isinstance(options.get("client_kwargs"), dict) else {}
+    for endpoint in (storage.get("endpoint_url"), options.get("endpoint_url"), client.get("endpoint_url")):
+        if isinstance(endpoint, str) and endpoint.strip() and "***" not in endpoint:  # masked: not usable
+            return endpoint.strip()
+    return None
+
+
+def _verify(session: Session, ref: str, include_inputs: bool) -> VerifyReport:
     if is_directory(ref):
         return verify_directory(session, ref)
     if os.sep in ref or exists(ref):
