@@ -74,12 +74,16 @@ def runs_table(runs: list[RunInfo]) -> str:
 
 # -- show ----------------------------------------------------------------------------------------
 
+COPY_NOTE = "  (copy of an input)"  # bytes the run copied, not made: they link no runs
+
+
 def _files_table(files: Iterable[FileUse]) -> str:
     files = list(files)
     if not files:
         return "  (none)"
     return table(["KIND", "RANK", "SIZE", "SHA256", "PATH"],
-                 [[f.kind, f.rank, human_size(f.size), short(f.digest), f.path] for f in files], indent="  ")
+                 [[f.kind, f.rank, human_size(f.size), short(f.digest), f.path + (COPY_NOTE if f.copied else "")]
+                  for f in files], indent="  ")
 
 
 def fingerprint_counts(summary: FingerprintSummary) -> str:

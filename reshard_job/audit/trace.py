@@ -195,19 +195,38 @@ class _Walker:
             self._files[run_id] = run_files(self.session, run_id)
         return self._files[run_id]
 
-    def linked_runs(self, artifact_id: int) -> list[Run]:
-        # Backwards, only runs that made these bytes: a run that merely copied them (a target strategy
-        # written beside its outputs) did not produce them from its sources.
-        # DISTINCT over ids only: PostgreSQL cannot compare the JSON columns of whole rows.
-        ids = select(Event.run_id).where(Event.artifact_id == artifact_id, Event.direction == self._linking_event,
-                                         Event.copied.is_(False))
+    def linked_runs(self, artifact_id: int, path: str | None) -> list[Run]:
+        """The runs that made (backwards) or read (forwards) this content, as the file at `path`
+        (None: the content, wherever it was)."""
+        # Only runs that made these bytes: a run that merely copied them (a target strategy written
+        # beside its outputs) did not produce them from its sources.
+        uses = self.session.execute(select(Event.run_id, Event.path).where(
+            Event.artifact_id == artifact_id, Event.direction == self._linking_event, Event.copied.is_(False))).all()
+        if path is not None:
+            uses = self._of_this_file(artifact_id, path, uses)
+        ids = sorted({run_id for run_id, _ in uses})
+        # (by ids only: PostgreSQL cannot compare the JSON columns of whole rows for DISTINCT)
         return list(self.session.scalars(select(Run).where(Run.id.in_(ids)).order_by(Run.started_at, Run.id)))
+
+    def _of_this_file(self, artifact_id: int, path: str, uses: list) -> list:
+        """What produced *this* file: equal bytes that other runs made elsewhere (the same strategy
+        compiled twice, say) are another file. Crossing to them by content is right only where
+        no run made the bytes at this path: a copy made outside any run."""
+        if self.direction == ANCESTORS:
+            return [use for use in uses if use[1] == path] or uses
+        # forwards: a run that read these bytes where another run made them read that run's file
+        makers: dict[str, set[str]] = {}
+        for run_id, made_at in self.session.execute(select(Event.run_id, Event.path).where(
+                Event.artifact_id == artifact_id, Event.direction == "output", Event.copied.is_(False))):
+            makers.setdefault(made_at, set()).add(run_id)
+        mine = makers.get(path, set())
+        return [use for use in uses if use[1] == path or use[1] not in makers or makers[use[1]] & mine]
 
     def node(self, root: Root, depth: int) -> TraceNode:
         info = self.artifact(root.artifact_id)
         path = root.path or (info.paths[-1] if info.paths else None)
         node = TraceNode(info, path, root.kind or info.kind, root.rank if root.rank is not None else info.rank)
-        runs = self.linked_runs(info.id)
+        runs = self.linked_runs(info.id, root.path)
         if depth > 0:
             seen = self.related.get(info.id)
             if seen is None or depth < seen.depth:

@@ -11,11 +11,13 @@ Each file ends in one state: ``ok``, ``missing``, ``changed``, ``unreadable``, o
 directory's manifest) ``unrecorded``. A manifest that no recorded run wrote, over files that all
 verify, whose run is recorded as stopped before completing (Ctrl-C just after the manifest was
 published), is *complete, not recorded*: ``complete_unrecorded``, which the command line reports
-as such (its own exit status, 3) rather than as damage; rerunning the job records it. For a run (given by id, or found from a directory's
-manifest), the per-parameter fingerprints recorded for it are checked too: every output parameter's
-must equal its source's, and the run's manifests that list fingerprints must list the recorded
-ones. A run recorded before fingerprints existed has none, which is said, not failed. The report
-is intact only if every file is ``ok`` and no fingerprint disagrees.
+as such (its own exit status, 3) rather than as damage; rerunning the job records it.
+
+For a run (given by id, or found from a directory's manifest), the per-parameter fingerprints
+recorded for it are checked too: every output parameter's must equal its source's, and the run's
+manifests that list fingerprints must list the recorded ones. A run recorded before fingerprints
+existed has none, which is said, not failed. The report is intact only if every file is ``ok`` and
+no fingerprint disagrees.
 """
 
 from __future__ import annotations
@@ -30,8 +32,8 @@ from sqlalchemy.orm import Session
 
 from reshard_job.audit.entities import iso
 from reshard_job.lineage.errors import AmbiguousRunError, LineageError, UnknownRunError
-from reshard_job.audit.lookup import (ContentSubject, RunSubject, artifact_at_path, artifacts_by_digest, by_id_or_digest,
-                                      resolve_run_id)
+from reshard_job.audit.lookup import (ContentSubject, RunSubject, artifact_at_path, artifacts_by_digest,
+                                      by_id_or_digest, resolve_run_id)
 from reshard_job.audit.manifests import OutputListing, node_listings, read_listing
 from reshard_job.formats.manifest_file import MANIFEST_FILE
 from reshard_job.lineage.fingerprint_rows import read_fingerprints
@@ -386,8 +388,8 @@ def verify(session: Session, ref: str, *, include_inputs: bool = False) -> Verif
 
 def _recorded_endpoint(session: Session, ref: str) -> str | None:
     """The object-store endpoint recorded by a run that `ref` names or that recorded files at `ref`."""
-    if environment_names_an_endpoint():
-        return None
+    if environment_names_an_endpoint() or (not is_url(ref) and (os.sep in ref or exists(ref))):
+        return None  # the environment's endpoint wins; a local path needs none
     if is_url(ref):
         url = absolute(ref)
         at_or_under = or_(Event.path == url, Event.path.startswith(url + "/", autoescape=True))

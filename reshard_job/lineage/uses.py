@@ -106,7 +106,8 @@ def expand(paths: Iterable, direction: str) -> list[tuple[str, str, int | None]]
         storage = storage_for(path)
         info = storage.info(path)
         if info is None:
-            raise ConfigError(f"{path}: no such file or folder (given as {'an input' if direction == INPUT else 'an output'})")
+            given_as = "an input" if direction == INPUT else "an output"
+            raise ConfigError(f"{path}: no such file or folder (given as {given_as})")
         files = [path] if info.is_file else list(_files_under(storage, path))
         if not files:
             raise ConfigError(f"{path}: folder holds no files to record")

@@ -41,7 +41,8 @@ def add_parsers(commands, common) -> None:
 
     verify = commands.add_parser("verify", parents=[common], help="re-hash recorded files and compare")
     verify.add_argument("target", metavar="REF",
-                        help="a run id, a sha256 (or a prefix of 8+ characters of either), a file, or an output directory")
+                        help="a run id, a sha256 (or a prefix of 8+ characters of either), a file, "
+                             "or an output directory")
     verify.add_argument("--inputs", action="store_true", help="for a run, also check its input files")
 
     graph = commands.add_parser("graph", parents=[common], help="draw the lineage as DOT, SVG or HTML")

@@ -71,7 +71,8 @@ def _from_file(spec: TargetSpec, storage_options: StorageOptions | None) -> Targ
     if spec.devices is not None and spec.devices != topology.devices:
         raise ConfigError(f"target.devices={spec.devices} but target.strategy {spec.strategy} describes "
                           f"{topology.devices} devices")
-    return Target(topology, topology.devices, name, data, spec.strategy, strategy_copied=not (info is not None and info.is_dir))
+    merged = info is not None and info.is_dir
+    return Target(topology, topology.devices, name, data, spec.strategy, strategy_copied=not merged)
 
 
 def global_shapes(source: LoadedStrategy, index: Mapping[int, Mapping[str, TensorMeta]]) -> dict[str, tuple[int, ...]]:

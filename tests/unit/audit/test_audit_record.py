@@ -71,7 +71,8 @@ def test_audit_record_on_the_command_line_reads_the_database_from_the_environmen
     from reshard_job.lineage import LineageStore
 
     url = f"sqlite:///{tmp_path / 'team' / 'lineage.db'}"
-    source = make_file(tmp_path / "converted" / "rank_0" / "checkpoint_0.ckpt", b"converted rank 0", "target_checkpoint", 0)
+    source = make_file(tmp_path / "converted" / "rank_0" / "checkpoint_0.ckpt", b"converted rank 0",
+                       "target_checkpoint", 0)
     with LineageStore(url) as store:
         store.ensure_schema()
         conversion = store.start_run(config={}, overrides=[], tool_version="0.1.0",

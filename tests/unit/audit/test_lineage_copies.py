@@ -30,7 +30,8 @@ class TwoSaves:
     copies: dict  # run -> its copy of the target strategy
 
 
-def _convert(store, make_file, name: str, root: Path, inputs: list, ranks: int, content: str, copy_of=None):
+def _convert(store, make_file, name: str, root: Path, inputs: list, ranks: int, content: str, copy_of=None,
+             copied: bool = True):
     run_id = store.start_run(config={"run": name}, overrides=[], tool_version="0.1.0", output_dir=str(root),
                              source_devices=len([f for f in inputs if f.kind == "source_checkpoint"]),
                              target_devices=ranks)
@@ -40,13 +41,13 @@ def _convert(store, make_file, name: str, root: Path, inputs: list, ranks: int, 
     copy = None
     if copy_of is not None:
         copy = make_file(root / "strategy.ckpt", Path(copy_of.path).read_bytes(), "strategy")
-        copy = FileRecord(copy.path, copy.sha256, copy.size, copy.kind, copied=True)
+        copy = FileRecord(copy.path, copy.sha256, copy.size, copy.kind, copied=copied)
     made.append(make_file(root / "manifest.json", f'{{"run_id": "{run_id}"}}'.encode(), "manifest"))
     store.complete_run(run_id, outputs=made + ([copy] if copy else []), plan={"ranks": []})
     return run_id, made, copy
 
 
-def _record(store, make_file, root: Path) -> TwoSaves:
+def _record(store, make_file, root: Path, copied: bool = True) -> TwoSaves:
     sources, runs, inputs, made, copies = {}, {}, {}, {}, {}
     strategies = {}
     for step in ("A", "B"):
@@ -56,9 +57,9 @@ def _record(store, make_file, root: Path) -> TwoSaves:
         strategies[step] = make_file(root / f"save_{step}" / "strategy.ckpt", b"layout of 8 ranks", "strategy")
     target = make_file(root / "given" / "dst_strategy.ckpt", b"layout of 4 ranks", "strategy")
     for step in ("A", "B"):
-        inputs[step] = sources[step] + [strategies[step], target]
+        inputs[step] = sources[step] + [strategies[step]] + ([target] if copied else [])
         runs[step], made[step], copies[step] = _convert(store, make_file, step, root / f"out_{step}", inputs[step],
-                                                        4, f"step {step} as 4", copy_of=target)
+                                                        4, f"step {step} as 4", copy_of=target, copied=copied)
     read_back = [FileRecord(f.path, f.sha256, f.size, "source_checkpoint", f.rank) for f in made["B"][:4]]
     inputs["C"] = read_back + [FileRecord(copies["B"].path, copies["B"].sha256, copies["B"].size, "strategy")]
     runs["C"], made["C"], copies["C"] = _convert(store, make_file, "C", root / "out_C", inputs["C"], 1, "step B as 1")
@@ -122,3 +123,19 @@ def test_the_copy_is_listed_with_its_run_and_marked_a_copy(store, saves):
     # the given strategy still reaches every run that read it, copies included
     from_given = _trace(store, saves.target_strategy.path, DESCENDANTS)
     assert {run["run_id"] for run in from_given["runs"]} == set(saves.runs.values())
+
+
+def test_equal_strategies_two_runs_made_are_two_files_when_read_where_they_were_made(store, make_file, tmp_path):
+    # target.layout instead of a file: each run *makes* its strategy.ckpt, and both make the same bytes
+    saves = _record(store, make_file, tmp_path / "files", copied=False)
+    back = _trace(store, saves.made["C"][0].path, ANCESTORS)
+    assert [run["run_id"] for run in back["runs"]] == [saves.runs["C"], saves.runs["B"]]
+    assert not _digests(saves.sources["A"]) & {a["sha256"] for a in back["ancestors"]}
+    forward = _trace(store, saves.sources["A"][0].path, DESCENDANTS)
+    assert [run["run_id"] for run in forward["runs"]] == [saves.runs["A"]]
+    assert {d["sha256"] for d in forward["descendants"]} == _digests(saves.made["A"]) | _digests([saves.copies["A"]])
+    # a copy made outside any run is crossed by content: to every run that made those bytes
+    elsewhere = make_file(tmp_path / "elsewhere" / "strategy.ckpt", Path(saves.copies["B"].path).read_bytes(),
+                          "strategy")
+    copied_back = _trace(store, elsewhere.path, ANCESTORS)
+    assert {run["run_id"] for run in copied_back["runs"]} == {saves.runs["A"], saves.runs["B"]}
