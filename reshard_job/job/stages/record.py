@@ -54,7 +54,8 @@ class LineageRecorder:
                 log.warning("lineage: marked %d run(s) left 'started' by killed processes as abandoned: %s",
                             len(abandoned), ", ".join(a[:8] for a in abandoned))
             ctx = self.spec.context
-            run_id = store.start_run(config=recorded_config(self.spec), overrides=[mask_text(o) for o in ctx.overrides],
+            run_id = store.start_run(config=recorded_config(self.spec),
+                                     overrides=[mask_text(o) for o in ctx.overrides],
                                      tool_version=__version__, output_dir=mask_url(self.spec.output.dir),
                                      source_devices=None, target_devices=None, sweep_id=ctx.sweep_id,
                                      job_num=ctx.job_num)
