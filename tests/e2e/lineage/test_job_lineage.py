@@ -178,3 +178,23 @@ def test_a_run_stopped_after_its_manifest_verifies_complete_not_recorded_until_r
     recorded = audit(tmp_path, url, "verify", "out")
     assert recorded.returncode == 0, recorded.stdout + recorded.stderr
     assert "intact" in recorded.stdout
+
+
+@pytest.mark.slow
+def test_a_model_trained_from_a_conversion_traces_back_to_its_sources(tmp_path, lineage_url):
+    job(tmp_path, f"source.checkpoints={S2 / 'src_checkpoints'}", f"source.strategy={S2 / 'src_strategy.ckpt'}",
+        "target=strategy", f"target.strategy={S2 / 'dst_strategy.ckpt'}", "output.dir=out",
+        f"lineage.url='{lineage_url}'")
+    model = tmp_path / "finetuned" / "model.safetensors"
+    model.parent.mkdir()
+    model.write_bytes(b"weights after fine-tuning")
+    recorded = audit(tmp_path, lineage_url, "record", "--consumer", "finetune", "--inputs", "out",
+                     "--outputs", str(model), "--json")
+    assert recorded.returncode == 0, recorded.stderr
+    sources = sorted((S2 / "src_checkpoints").glob("rank_*/*.ckpt"))
+    back = json.loads(audit(tmp_path, lineage_url, "trace", str(model), "--json").stdout)
+    assert {(o["path"], o["sha256"]) for o in back["original_sources"] if o["kind"] == "source_checkpoint"} == \
+        {(str(p), sha256(p)) for p in sources}
+    forward = json.loads(audit(tmp_path, lineage_url, "trace", "--descendants", str(sources[5]), "--json").stdout)
+    assert json.loads(recorded.stdout)["run_id"] in {run["run_id"] for run in forward["runs"]}
+    assert [f["path"] for f in forward["final_outputs"]] == [str(model)]
