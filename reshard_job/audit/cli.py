@@ -12,6 +12,8 @@ Commands:
   compare A B [--a-strategy FILE] [--b-strategy FILE] [--weights]
                              whether two checkpoints hold the same parameters, whatever their
                              layouts and formats (by per-parameter fingerprints); exit 1 if not
+  openlineage [RUN...] [--output FILE]
+                             recorded runs as OpenLineage run events (JSON lines: its file transport)
   record --consumer NAME --inputs PATH... [--outputs PATH...]
                              record that another program read (and wrote) these files or folders,
                              so trace and --descendants reach the model it trained
@@ -54,7 +56,7 @@ __all__ = ["build_parser", "main", "parse_when", "printable"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from reshard_job.audit.commands import compare, inspect, record, schema
+    from reshard_job.audit.commands import compare, export, inspect, record, schema
 
     # --db and --json are accepted before or after the command; SUPPRESS keeps a value given
     # before the command from being reset by the subparser's default.
@@ -75,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=ArgumentParser)
     commands.required = True
     inspect.add_parsers(commands, common)
+    export.add_parser(commands, common)
     compare.add_parser(commands, common)
     record.add_parser(commands, common)
     schema.add_parser(commands, common)
@@ -136,7 +139,7 @@ def _main(argv: list[str] | None) -> int:
     from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
     from reshard_job.errors import ReshardError
-    from reshard_job.audit.commands.inspect import HANDLERS
+    from reshard_job.audit.commands import export, inspect
     from reshard_job.audit.entities import to_json
     from reshard_job.lineage.migrate import check_at_head
 
@@ -147,7 +150,7 @@ def _main(argv: list[str] | None) -> int:
         with store.read_session() as session:
             check_at_head(session.connection())
             session.rollback()
-            answer = HANDLERS[args.command](session, args)
+            answer = {**inspect.HANDLERS, **export.HANDLERS}[args.command](session, args)
             # Built inside the session: nothing may lazy-load once it is closed.
             text = json.dumps((answer.to_json or to_json)(answer.result), indent=2) if want_json \
                 else answer.to_text(answer.result)
