@@ -17,6 +17,7 @@ __all__ = [
     "rank_list_for_convert",
     "load_rank",
     "iter_rank",
+    "record_use",
     "ReshardError",
     "__version__",
 ]
@@ -33,6 +34,10 @@ def __getattr__(name):
         from reshard_job import loading
 
         return getattr(loading, name)
+    if name == "record_use":
+        from reshard_job.lineage.uses import record_use
+
+        return record_use
     if name == "ReshardError":
         from reshard_job.errors import ReshardError
 

@@ -268,9 +268,10 @@ def record_load(prepared, rank_id: int, consumer: str, url: str, digests=None) -
     the source files the rank read, with their sha256: `digests` (``check_whole_files``'s), else
     taken now by the job's integrity pass, CRCs and replicas checked as the job checks them (from
     the digest cache where the files are unchanged since hashed, else in one read of each file);
-    returns the run id. ``audit trace --descendants`` of any of those files lists it."""
-    from reshard_job import __version__
-    from reshard_job.lineage import FileRecord, LineageStore
+    returns the run id. ``audit trace --descendants`` of any of those files lists it. The same
+    core as ``record_use`` records it (``lineage.uses``): a load is a use whose plan is the rank's."""
+    from reshard_job.lineage import FileRecord
+    from reshard_job.lineage.uses import UseRun, record_run
     from reshard_job.sources.file_digests import HashRequest, digest_files
 
     storage = prepared.readers.storage
@@ -285,15 +286,10 @@ def record_load(prepared, rank_id: int, consumer: str, url: str, digests=None) -
     inputs += [FileRecord(d.path, d.sha256, d.size, "strategy") for d in strategies]
     load = {"consumer": consumer, "rank": rank_id, "source": prepared.source.checkpoints,
             "source_strategy": prepared.source.strategy, "target_strategy": prepared.target.strategy_from}
-    with LineageStore(url) as store:
-        store.ensure_schema()
-        run_id = store.start_run(config={"load": load}, overrides=[], tool_version=__version__,
-                                 output_dir=f"(loaded into memory by {consumer}, target rank {rank_id})",
-                                 source_devices=prepared.strategy.topology.devices,
-                                 target_devices=prepared.target.devices)
-        store.record_inputs(run_id, inputs)
-        store.complete_run(run_id, outputs=[], plan=prepared.plan.to_json())
-    return run_id
+    return record_run(url, UseRun(consumer, inputs, details={"load": load},
+                                  where=f"(loaded into memory by {consumer}, target rank {rank_id})",
+                                  plan=prepared.plan.to_json(), source_devices=prepared.strategy.topology.devices,
+                                  target_devices=prepared.target.devices))
 
 
 def to_mindspore_parameters(arrays: dict[str, np.ndarray]) -> dict:

@@ -1,6 +1,7 @@
 """The read side of lineage: ``python -m reshard_job.audit`` (``reshard-audit``) and what it asks.
 
-* ``cli``       — the command line: ``runs``, ``show``, ``trace``, ``verify``, ``graph``
+* ``cli``       — the command line; ``commands`` — its subcommands (``runs``, ``show``, ``trace``,
+  ``verify``, ``graph``, ``compare``, ``record``, ``db``)
 * ``entities``  — read-side dataclasses built from the ORM rows, with their JSON
 * ``reading``, ``manifests`` — how files and an output directory's manifest are read
 * ``lookup``    — from a path, directory, digest or run id (or prefix) to what the database holds

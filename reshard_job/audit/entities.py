@@ -91,12 +91,13 @@ class FileUse:
     digest: str
     direction: str
     artifact_id: int
+    copied: bool = False  # an output the run copied from an input, not one it made
 
     @classmethod
     def from_model(cls, event, artifact) -> FileUse:
         return cls(path=event.path, kind=event.role, rank=event.rank, size=artifact.size,
                    hash_algo=artifact.hash_algo, digest=artifact.digest, direction=event.direction,
-                   artifact_id=artifact.id)
+                   artifact_id=artifact.id, copied=bool(event.copied))
 
     @property
     def sha256(self) -> str | None:
@@ -110,6 +111,8 @@ class FileUse:
                  "hash_algo": self.hash_algo, "digest": self.digest}
         if self.sha256 is not None:
             entry["sha256"] = self.sha256
+        if self.copied:
+            entry["copied"] = True
         return entry
 
 

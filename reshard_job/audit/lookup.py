@@ -160,7 +160,7 @@ def resolve(session: Session, ref: str) -> Subject:
     if exists(ref):
         return _existing_file(session, ref)
     if os.sep not in ref:
-        found = _by_id_or_digest(session, ref.strip())
+        found = by_id_or_digest(session, ref.strip())
         if found is not None:
             return found
     return _recorded_path(session, ref)
@@ -197,7 +197,7 @@ def _existing_file(session: Session, ref: str) -> ContentSubject:
     return ContentSubject(root_at_path(session, found[0].id, path), {"path": path, "sha256": digest})
 
 
-def _by_id_or_digest(session: Session, ref: str) -> Subject | None:
+def by_id_or_digest(session: Session, ref: str) -> Subject | None:
     run_ids: list[str] = []
     if ref:
         if session.get(Run, ref) is not None:

@@ -4,8 +4,9 @@
 so they read through these few functions and nothing else. A reference may be a local path or an
 object-store URL (``s3://bucket/run7/ckpt_4cards/rank_0/checkpoint_0.ckpt``): both are read
 through ``reshard_job.storage``, objects with ranged GETs, and a store is reached through the
-standard chain (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``~/.aws``), as the job's own
-``storage.*`` settings are not the audit's to know. The digest is the job's own
+standard chain (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``~/.aws``); where the environment
+names no endpoint, the one the run recorded (``reaching``): a run's config keeps its endpoint,
+never its credentials. The digest is the job's own
 (``reshard_job.sources.file_digests``), so the audit and the job cannot disagree about what a file's sha256 is.
 
 The audit's callers speak ``OSError``, as ``open`` does, so a store's failures reach them as
@@ -20,10 +21,39 @@ from __future__ import annotations
 import errno
 import os
 import posixpath
-from typing import Callable, TypeVar
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Callable, Iterator, TypeVar
 
 from reshard_job.sources.file_digests import digest_file
-from reshard_job.storage import StorageError, is_url, storage_for
+from reshard_job.storage import StorageError, StorageOptions, is_url
+from reshard_job.storage import storage_for as _storage_for
+
+# How URLs are reached while the audit answers one question (``reaching``); None: the standard chain.
+_REACH: ContextVar[StorageOptions | None] = ContextVar("audit_reach", default=None)
+ENDPOINT_VARIABLES = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
+
+
+def environment_names_an_endpoint() -> bool:
+    return any(os.environ.get(name) for name in ENDPOINT_VARIABLES)
+
+
+@contextmanager
+def reaching(endpoint_url: str | None) -> Iterator[None]:
+    """Within the block, reach object stores at `endpoint_url` (the one a run recorded), unless the
+    environment names an endpoint itself; credentials always come from the environment."""
+    if not endpoint_url or environment_names_an_endpoint():
+        yield
+        return
+    token = _REACH.set(StorageOptions(endpoint_url=endpoint_url))
+    try:
+        yield
+    finally:
+        _REACH.reset(token)
+
+
+def storage_for(path: str):
+    return _storage_for(path, _REACH.get())
 
 # A manifest lists every output with its digest: tens of kilobytes for thousands of ranks.
 MAX_SMALL_FILE = 64 * 1024 * 1024
@@ -87,7 +117,7 @@ def content_digest(path: str) -> tuple[str, int]:
 
     Raises ``OSError`` (``FileNotFoundError``, ``IsADirectoryError``, ...) as ``open`` does.
     """
-    digest = _as_os_error(path, lambda: digest_file(absolute(path)))
+    digest = _as_os_error(path, lambda: digest_file(absolute(path), storage_options=_REACH.get()))
     return digest.sha256, digest.size
 
 

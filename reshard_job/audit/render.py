@@ -74,12 +74,16 @@ def runs_table(runs: list[RunInfo]) -> str:
 
 # -- show ----------------------------------------------------------------------------------------
 
+COPY_NOTE = "  (copy of an input)"  # bytes the run copied, not made: they link no runs
+
+
 def _files_table(files: Iterable[FileUse]) -> str:
     files = list(files)
     if not files:
         return "  (none)"
     return table(["KIND", "RANK", "SIZE", "SHA256", "PATH"],
-                 [[f.kind, f.rank, human_size(f.size), short(f.digest), f.path] for f in files], indent="  ")
+                 [[f.kind, f.rank, human_size(f.size), short(f.digest), f.path + (COPY_NOTE if f.copied else "")]
+                  for f in files], indent="  ")
 
 
 def fingerprint_counts(summary: FingerprintSummary) -> str:
@@ -224,11 +228,16 @@ def verify_report(report: VerifyReport) -> str:
         subject = f"{report.path} (run {report.run_id}, {report.run_status})"
     elif report.run_id is not None:
         subject = f"run {report.run_id} ({report.run_status})"
+    elif report.sha256 is not None:
+        subject = f"sha256 {report.sha256}"
     else:
         subject = report.path
     checked = len(report.files)
     if report.files_intact:
         head = f"{subject}: all {checked} file{'s' if checked != 1 else ''} intact"
+    elif report.complete_unrecorded:
+        intact = report.count("ok")
+        head = f"{subject}: complete, not recorded: rerun to record ({intact} file{'s' if intact != 1 else ''} intact)"
     else:
         problems = [f"{report.count(state)} {state}" for state in ("changed", "missing", "unreadable", "unrecorded")
                     if report.count(state)]

@@ -51,7 +51,7 @@ def _revisions(action: str, url: str) -> dict:
     if database_file is not None:
         if not os.path.exists(database_file):
             raise LineageError(f"no lineage database at {database_file} (a job creates it on its first run; "
-                               "use --db or $RESHARD_LINEAGE_URL)")
+                               "use --db or $RESHARD_JOB_LINEAGE_URL)")
         check_sqlite_file(database_file, shown)
     engine = create_lineage_engine(parsed, read_only=action == "current")
     try:

@@ -1,9 +1,14 @@
 """Lineage in both directions: where a file came from, and what was built from it.
 
 Walks go by content, so they cross copies and moves. Backwards (``ANCESTORS``): a content ←
-the runs that wrote it ← their inputs ← ..., down to the original files no recorded run wrote.
-Forwards (``DESCENDANTS``): a content → the runs that read it → their outputs → ..., up to the
-final files no recorded run read. Any number of hops.
+the runs that made it ← their inputs ← ..., down to the original files no recorded run made.
+Forwards (``DESCENDANTS``): a content → the runs that read it → the outputs they made → ..., up to
+the final files no recorded run read. Any number of hops.
+
+Only bytes a run *made* tie it to others by content. An output a run copied from its inputs (the
+target strategy it was given, written beside its outputs: ``Event.copied``) is listed among the
+run's files but never links: two conversions of unrelated checkpoints to one target strategy copy
+the same bytes, and linking through them would make each the other's ancestor.
 
 A lineage is a DAG with shared parts (the four outputs of one run all feed the next), so each
 run is expanded once; later mentions carry ``expanded_elsewhere`` and no files. That also ends
@@ -190,16 +195,38 @@ class _Walker:
             self._files[run_id] = run_files(self.session, run_id)
         return self._files[run_id]
 
-    def linked_runs(self, artifact_id: int) -> list[Run]:
-        # DISTINCT over ids only: PostgreSQL cannot compare the JSON columns of whole rows.
-        ids = select(Event.run_id).where(Event.artifact_id == artifact_id, Event.direction == self._linking_event)
+    def linked_runs(self, artifact_id: int, path: str | None) -> list[Run]:
+        """The runs that made (backwards) or read (forwards) this content, as the file at `path`
+        (None: the content, wherever it was)."""
+        # Only runs that made these bytes: a run that merely copied them (a target strategy written
+        # beside its outputs) did not produce them from its sources.
+        uses = self.session.execute(select(Event.run_id, Event.path).where(
+            Event.artifact_id == artifact_id, Event.direction == self._linking_event, Event.copied.is_(False))).all()
+        if path is not None:
+            uses = self._of_this_file(artifact_id, path, uses)
+        ids = sorted({run_id for run_id, _ in uses})
+        # (by ids only: PostgreSQL cannot compare the JSON columns of whole rows for DISTINCT)
         return list(self.session.scalars(select(Run).where(Run.id.in_(ids)).order_by(Run.started_at, Run.id)))
+
+    def _of_this_file(self, artifact_id: int, path: str, uses: list) -> list:
+        """What produced *this* file: equal bytes that other runs made elsewhere (the same strategy
+        compiled twice, say) are another file. Crossing to them by content is right only where
+        no run made the bytes at this path: a copy made outside any run."""
+        if self.direction == ANCESTORS:
+            return [use for use in uses if use[1] == path] or uses
+        # forwards: a run that read these bytes where another run made them read that run's file
+        makers: dict[str, set[str]] = {}
+        for run_id, made_at in self.session.execute(select(Event.run_id, Event.path).where(
+                Event.artifact_id == artifact_id, Event.direction == "output", Event.copied.is_(False))):
+            makers.setdefault(made_at, set()).add(run_id)
+        mine = makers.get(path, set())
+        return [use for use in uses if use[1] == path or use[1] not in makers or makers[use[1]] & mine]
 
     def node(self, root: Root, depth: int) -> TraceNode:
         info = self.artifact(root.artifact_id)
         path = root.path or (info.paths[-1] if info.paths else None)
         node = TraceNode(info, path, root.kind or info.kind, root.rank if root.rank is not None else info.rank)
-        runs = self.linked_runs(info.id)
+        runs = self.linked_runs(info.id, root.path)
         if depth > 0:
             seen = self.related.get(info.id)
             if seen is None or depth < seen.depth:
@@ -220,8 +247,9 @@ class _Walker:
         self.expanded.add(run.id)
         hop = TraceHop(info, files, expanded_elsewhere=False)
         self.runs.append(hop)
+        # Forwards, a copy is not built from what the run read: the walk does not go on through it.
         hop.next = [self.node(Root(f.artifact_id, f.path, f.kind, f.rank), depth + 1)
-                    for f in files if f.direction == self._next_side]
+                    for f in files if f.direction == self._next_side and not f.copied]
         return hop
 
     def result(self, query: dict, roots: list[TraceNode], **extra) -> Trace:
@@ -251,7 +279,7 @@ def _trace_run(session: Session, walker: _Walker, subject: RunSubject) -> Trace:
     hop = walker.hop(run, depth=0)
     other_side = "output" if walker.direction == ANCESTORS else "input"
     roots = []
-    for f in (f for f in hop.files if f.direction == other_side):
+    for f in (f for f in hop.files if f.direction == other_side and not f.copied):
         link = hop if not roots else TraceHop(hop.run, hop.files, expanded_elsewhere=True)
         roots.append(TraceNode(walker.artifact(f.artifact_id), f.path, f.kind, f.rank, [link]))
     return walker.result(dict(subject.query), roots, single_root=False, subject_run=hop)

@@ -1,17 +1,23 @@
 """Is the file on disk still the one recorded? Re-read the bytes and compare.
 
-Three subjects: a run (its recorded outputs, optionally its inputs), a file path (against the
-content last recorded at that path), and an output directory (every file its ``manifest.json``
+Four subjects: a run (its recorded outputs, optionally its inputs), a file path (against the
+content last recorded at that path), a content given by sha256 or a prefix of one (at every path
+it was last recorded at), and an output directory (every file its ``manifest.json``
 lists, against the sha256 listed there, and the manifest itself, which must be a content the
 lineage database recorded: a manifest edited to match edited files is caught here). Verification
 never trusts a cache: every byte is read through ``reading.content_digest``.
 
 Each file ends in one state: ``ok``, ``missing``, ``changed``, ``unreadable``, or (for a
-directory's manifest) ``unrecorded``. For a run (given by id, or found from a directory's
-manifest), the per-parameter fingerprints recorded for it are checked too: every output parameter's
-must equal its source's, and the run's manifests that list fingerprints must list the recorded
-ones. A run recorded before fingerprints existed has none, which is said, not failed. The report
-is intact only if every file is ``ok`` and no fingerprint disagrees.
+directory's manifest) ``unrecorded``. A manifest that no recorded run wrote, over files that all
+verify, whose run is recorded as stopped before completing (Ctrl-C just after the manifest was
+published), is *complete, not recorded*: ``complete_unrecorded``, which the command line reports
+as such (its own exit status, 3) rather than as damage; rerunning the job records it.
+
+For a run (given by id, or found from a directory's manifest), the per-parameter fingerprints
+recorded for it are checked too: every output parameter's must equal its source's, and the run's
+manifests that list fingerprints must list the recorded ones. A run recorded before fingerprints
+existed has none, which is said, not failed. The report is intact only if every file is ``ok`` and
+no fingerprint disagrees.
 """
 
 from __future__ import annotations
@@ -26,13 +32,17 @@ from sqlalchemy.orm import Session
 
 from reshard_job.audit.entities import iso
 from reshard_job.lineage.errors import AmbiguousRunError, LineageError, UnknownRunError
-from reshard_job.audit.lookup import artifact_at_path, artifacts_by_digest, resolve_run_id
+from reshard_job.audit.lookup import (ContentSubject, RunSubject, artifact_at_path, artifacts_by_digest,
+                                      by_id_or_digest, resolve_run_id)
 from reshard_job.audit.manifests import OutputListing, node_listings, read_listing
 from reshard_job.formats.manifest_file import MANIFEST_FILE
 from reshard_job.lineage.fingerprint_rows import read_fingerprints
-from reshard_job.lineage.models import FINGERPRINT_SIDES, Event, Run
+from reshard_job.lineage.models import FINGERPRINT_SIDES, Artifact, ArtifactLocation, Event, Run
+from reshard_job.lineage.status import RunStatus
 from reshard_job.audit.queries import FingerprintSummary, fingerprint_summary, run_files
-from reshard_job.audit.reading import absolute, content_digest, exists, file_size, is_directory, read_small_file
+from reshard_job.audit.reading import (absolute, content_digest, environment_names_an_endpoint, exists, file_size,
+                                       is_directory, read_small_file, reaching)
+from reshard_job.storage import is_url
 
 STATES = ("ok", "missing", "changed", "unreadable", "unrecorded")
 # What a manifest's fingerprints are, against the database's: a disagreement is the only failure.
@@ -132,6 +142,7 @@ class VerifyReport:
     run_status: str | None = None
     path: str | None = None  # the file or directory verified, when not a run
     fingerprints: FingerprintCheck | None = None  # None: no run to check them for (a file path)
+    sha256: str | None = None  # the content verified (at every path it was recorded at), when given by digest
 
     def count(self, state: str) -> int:
         return sum(1 for f in self.files if f.state == state)
@@ -145,12 +156,21 @@ class VerifyReport:
         return self.files_intact and (self.fingerprints is None or self.fingerprints.ok)
 
     @property
+    def complete_unrecorded(self) -> bool:
+        """Every listed file verifies, but its manifest was never recorded as written: the job was
+        stopped after publishing the manifest and before recording its run (rerun it to record)."""
+        unrecorded = [f for f in self.files if f.state != "ok"]
+        return bool(unrecorded) and all(f.state == "unrecorded" and f.extra.get("complete") for f in unrecorded) \
+            and (self.fingerprints is None or self.fingerprints.ok)
+
+    @property
     def problems(self) -> list[FileCheck | ParameterProblem]:
         files: list[FileCheck | ParameterProblem] = [f for f in self.files if f.state != "ok"]
         return files + (self.fingerprints.problems if self.fingerprints is not None else [])
 
     def to_json(self) -> dict[str, Any]:
-        return {"run_id": self.run_id, "run_status": self.run_status, "path": self.path, "intact": self.intact,
+        return {"run_id": self.run_id, "run_status": self.run_status, "path": self.path, "sha256": self.sha256,
+                "intact": self.intact, "complete_unrecorded": self.complete_unrecorded,
                 "checked": len(self.files), **{state: self.count(state) for state in STATES},
                 "files": [f.to_json() for f in self.files],
                 "fingerprints": None if self.fingerprints is None else self.fingerprints.to_json()}
@@ -281,7 +301,20 @@ def _manifest_check(session: Session, listing: OutputListing) -> FileCheck:
     if not producers:
         manifest.state = "unrecorded"
         manifest.detail = "no recorded run wrote this manifest"
+        run = session.get(Run, listing.run_id) if listing.run_id else None
+        if run is not None and run.status != RunStatus.COMPLETED:
+            # The run that wrote it was stopped between publishing the manifest and recording itself.
+            manifest.extra["complete"] = True
+            manifest.detail = (f"complete, not recorded: rerun to record (run {listing.run_id} that wrote it "
+                               f"is {run.status})")
     return manifest
+
+
+def _damaged_is_not_unrecorded(manifests: list[FileCheck]) -> None:
+    """Listed files that do not verify: the directory is damaged, whatever its manifest's record says."""
+    for manifest in manifests:
+        if manifest.extra.pop("complete", None):
+            manifest.detail = "no recorded run wrote this manifest"
 
 
 def _listed_checks(listing: OutputListing) -> list[FileCheck]:
@@ -310,6 +343,8 @@ def verify_directory(session: Session, directory: str) -> VerifyReport:
         manifests.append(_manifest_check(session, part))
     if nodes and listing is not None:
         manifests.append(_manifest_check(session, listing))
+    if any(f.state != "ok" for f in files):
+        _damaged_is_not_unrecorded(manifests)
     files = list({f.path: f for f in files}.values()) + manifests  # node manifests each list the strategy
     producers = [r for m in manifests for r in m.extra["run_ids"]]
     listing = listing or nodes[0]
@@ -322,12 +357,85 @@ def verify_directory(session: Session, directory: str) -> VerifyReport:
     return VerifyReport(files, run_id=run_id, run_status=status, path=listing.directory, fingerprints=fingerprints)
 
 
+def verify_content(session: Session, artifact_id: int) -> VerifyReport:
+    """Re-hash a content at every path it was recorded at, where it is still the last content
+    recorded there (a path rewritten since holds another file now, verified by its own record)."""
+    artifact = session.get(Artifact, artifact_id)
+    checks = []
+    for location in session.scalars(select(ArtifactLocation).where(ArtifactLocation.artifact_id == artifact_id)
+                                    .order_by(ArtifactLocation.first_seen, ArtifactLocation.id)):
+        latest = artifact_at_path(session, location.path)
+        if latest is not None and latest[0].id != artifact_id:
+            continue
+        runs = list(session.scalars(select(Event.run_id).where(Event.artifact_id == artifact_id,
+                                                               Event.path == location.path)
+                                    .distinct().order_by(Event.run_id)))
+        checks.append(check_file(location.path, artifact.digest, artifact.size, kind=artifact.kind,
+                                 rank=artifact.rank, last_recorded=iso(location.last_seen), run_ids=runs))
+    if not checks:
+        raise LineageError(f"sha256 {artifact.digest}: every path it was recorded at has held another "
+                           f"recorded file since; verify those paths instead")
+    return VerifyReport(checks, sha256=artifact.digest)
+
+
 def verify(session: Session, ref: str, *, include_inputs: bool = False) -> VerifyReport:
-    """Verify an output directory, a file path, or a run (id or unique prefix)."""
+    """Verify an output directory, a file path, a run (id or unique prefix) or a content (sha256 or
+    unique prefix of one, as ``trace`` and ``graph`` take it). Objects are reached at the endpoint
+    the run that recorded them used, where the environment names none (``reading.reaching``)."""
+    with reaching(_recorded_endpoint(session, ref)):
+        return _verify(session, ref, include_inputs)
+
+
+def _recorded_endpoint(session: Session, ref: str) -> str | None:
+    """The object-store endpoint recorded by a run that `ref` names or that recorded files at `ref`."""
+    if environment_names_an_endpoint() or (not is_url(ref) and (os.sep in ref or exists(ref))):
+        return None  # the environment's endpoint wins; a local path needs none
+    if is_url(ref):
+        url = absolute(ref)
+        at_or_under = or_(Event.path == url, Event.path.startswith(url + "/", autoescape=True))
+        runs = select(Run).where(or_(Run.output_dir == url, Run.id.in_(select(Event.run_id).where(at_or_under))))
+    else:
+        try:
+            subject = by_id_or_digest(session, ref.strip())
+        except LineageError:
+            return None
+        if isinstance(subject, RunSubject):
+            runs = select(Run).where(Run.id == subject.run_id)
+        elif isinstance(subject, ContentSubject):
+            used = select(Event.run_id).where(Event.artifact_id == subject.root.artifact_id)
+            runs = select(Run).where(Run.id.in_(used))
+        else:
+            return None
+    for run in session.scalars(runs.order_by(Run.started_at.desc(), Run.id)):
+        endpoint = _endpoint_of(run.config)
+        if endpoint is not None:
+            return endpoint
+    return None
+
+
+def _endpoint_of(config) -> str | None:
+    """``storage.endpoint_url`` of a recorded config (or the one its ``storage.options`` name)."""
+    storage = config.get("storage") if isinstance(config, dict) else None
+    if not isinstance(storage, dict):
+        return None
+    options = storage.get("options") if isinstance(storage.get("options"), dict) else {}
+    client = options.get("client_kwargs") if isinstance(options.get("client_kwargs"), dict) else {}
+    for endpoint in (storage.get("endpoint_url"), options.get("endpoint_url"), client.get("endpoint_url")):
+        if isinstance(endpoint, str) and endpoint.strip() and "***" not in endpoint:  # masked: not usable
+            return endpoint.strip()
+    return None
+
+
+def _verify(session: Session, ref: str, include_inputs: bool) -> VerifyReport:
     if is_directory(ref):
         return verify_directory(session, ref)
     if os.sep in ref or exists(ref):
         return verify_path(session, ref)
+    subject = by_id_or_digest(session, ref.strip())
+    if isinstance(subject, RunSubject):
+        return verify_run(session, subject.run_id, include_inputs=include_inputs)
+    if isinstance(subject, ContentSubject):
+        return verify_content(session, subject.root.artifact_id)
     try:
         run_id = resolve_run_id(session, ref)
     except AmbiguousRunError:
@@ -336,6 +444,7 @@ def verify(session: Session, ref: str, *, include_inputs: bool = False) -> Verif
         if artifact_at_path(session, absolute(ref)) is not None:
             return verify_path(session, ref)
         if isinstance(not_a_run, UnknownRunError):
-            raise LineageError(f"no run with id {ref!r} and no file recorded at {absolute(ref)}") from None
+            raise LineageError(f"no run with id {ref!r}, no file with a sha256 starting so, and no file "
+                               f"recorded at {absolute(ref)}") from None
         raise
     return verify_run(session, run_id, include_inputs=include_inputs)

@@ -23,6 +23,9 @@ class FileRecord:
     size: int
     kind: str  # source_checkpoint | target_checkpoint | strategy | merged_strategy | manifest
     rank: int | None = None
+    # An output the run copied byte for byte from one of its inputs (the target strategy file it was
+    # given), not one it made from its sources: lineage must not join the runs that copied the same bytes.
+    copied: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in ARTIFACT_KINDS:
@@ -34,9 +37,9 @@ class FileRecord:
             raise ValueError(f"{self.path}: negative size {self.size}")
 
     @classmethod
-    def from_file(cls, path: str, kind: str, rank: int | None = None) -> "FileRecord":
+    def from_file(cls, path: str, kind: str, rank: int | None = None, *, copied: bool = False) -> "FileRecord":
         """Hash the file at `path` (made absolute; a URL as it is) and describe it."""
         from reshard_job.storage import absolute
 
         digest = digest_file(absolute(path))
-        return cls(path=digest.path, sha256=digest.sha256, size=digest.size, kind=kind, rank=rank)
+        return cls(path=digest.path, sha256=digest.sha256, size=digest.size, kind=kind, rank=rank, copied=copied)

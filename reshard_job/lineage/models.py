@@ -21,6 +21,10 @@ Choices and their trade-offs:
 * The full plan (potentially large: every parameter of every target rank) lives in
   ``run_plans``, apart from ``runs``, so listing runs never drags plans along; the per-rank
   summary that audits query (which source ranks fed which target rank) is a real table.
+* An event says whether the run *made* the bytes or only *copied* them from one of its inputs
+  (``copied``: the target strategy file it was given, written beside its outputs). Content ties
+  runs together only through bytes a run made; otherwise every run that copied one strategy file
+  would be an ancestor of every other's outputs.
 * Per-parameter fingerprints (``core.fingerprint``) are rows of ``run_fingerprints``, one per
   parameter and side, not a JSON document: a model of 600,000 parameters is then written in
   batches and compared side against side in SQL. ``Run`` has no relationship to them, so loading
@@ -39,6 +43,7 @@ from typing import Any
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     CheckConstraint,
     DateTime,
     ForeignKey,
@@ -49,6 +54,7 @@ from sqlalchemy import (
     Text,
     TypeDecorator,
     UniqueConstraint,
+    false,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
@@ -275,6 +281,9 @@ class Event(Base):
     rank: Mapped[int | None] = mapped_column(Integer)
     path: Mapped[str] = mapped_column(Text)
     recorded_at: Mapped[dt.datetime]
+    # An output the run copied from one of its inputs (the target strategy given as a file): its bytes
+    # are not the run's product, so ancestry never crosses to the run through them (see ``audit.trace``).
+    copied: Mapped[bool] = mapped_column(Boolean, server_default=false(), default=False)
 
     run: Mapped[Run] = relationship(back_populates="events")
     artifact: Mapped[Artifact] = relationship(back_populates="events")

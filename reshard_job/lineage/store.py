@@ -304,11 +304,11 @@ class LineageStore:
             event = session.scalar(select(Event).where(
                 Event.run_id == run_id, Event.direction == direction, Event.path == record.path))
             if event is None:
-                session.add(Event(run_id=run_id, artifact_id=artifact_id, direction=direction,
-                                  role=record.kind, rank=record.rank, path=record.path, recorded_at=now))
+                session.add(Event(run_id=run_id, artifact_id=artifact_id, direction=direction, role=record.kind,
+                                  rank=record.rank, path=record.path, recorded_at=now, copied=record.copied))
             else:  # recorded again (a resumed job): the latest content at that path wins
-                event.artifact_id, event.role, event.rank, event.recorded_at = (
-                    artifact_id, record.kind, record.rank, now)
+                event.artifact_id, event.role, event.rank, event.recorded_at, event.copied = (
+                    artifact_id, record.kind, record.rank, now, record.copied)
         session.flush()
 
 

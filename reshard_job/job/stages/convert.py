@@ -114,7 +114,7 @@ def convert(spec: JobSpec, prepared: Prepared, out: OutputDir, digests: SourceDi
         target_strategy_sha256=strategy_sha, target=_target_key(spec, prepared))
     choice = choose_executor(spec, prepared, out, fingerprint, executor)
     try:
-        recorder.record_inputs(_input_records(digests))
+        recorder.record_inputs(_input_records(digests, prepared))
         outputs = _convert_into(spec, prepared, out, digests, recorder, fingerprint, choice)
         outputs.nodes = choice.node_summary()  # printed in the job's final summary
         return outputs
@@ -126,7 +126,7 @@ def _convert_into(spec: JobSpec, prepared: Prepared, out: OutputDir, digests: So
                   fingerprint: str, choice: ExecutorChoice) -> Outputs:
     state = out.state(fingerprint)
     if state == COMPLETE:
-        reused = _reuse_if_intact(spec, out, fingerprint, recorder, choice.files)
+        reused = _reuse_if_intact(spec, out, fingerprint, recorder, choice.files, prepared.target.strategy_copied)
         if reused is not None:
             return reused
         state = PARTIAL
@@ -177,12 +177,24 @@ def _target_key(spec: JobSpec, prepared: Prepared) -> dict:
     return key
 
 
-def _input_records(digests: SourceDigests) -> list[FileRecord]:
+def _input_records(digests: SourceDigests, prepared: Prepared) -> list[FileRecord]:
     records = [FileRecord(f["path"], f["sha256"], f["size"], "source_checkpoint", f["rank"]) for f in digests.files]
-    return records + [FileRecord(d.path, d.sha256, d.size, "strategy") for d in digests.strategies]
+    records += [FileRecord(d.path, d.sha256, d.size, "strategy") for d in digests.strategies]
+    copied = _copied_target_strategy(prepared)
+    return records + ([copied] if copied is not None else [])
 
 
-def _reuse_if_intact(spec: JobSpec, out: OutputDir, fingerprint: str, recorder, files) -> Outputs | None:
+def _copied_target_strategy(prepared: Prepared) -> FileRecord | None:
+    """The target strategy file the user gave, as an input, when the job copies it beside its outputs
+    (its bytes, as read once: what was planned against and what the copy holds)."""
+    t = prepared.target
+    if not t.strategy_copied or t.strategy_bytes is None:
+        return None
+    return FileRecord(t.strategy_from, hashlib.sha256(t.strategy_bytes).hexdigest(), len(t.strategy_bytes), "strategy")
+
+
+def _reuse_if_intact(spec: JobSpec, out: OutputDir, fingerprint: str, recorder, files,
+                     strategy_copied: bool) -> Outputs | None:
     """A complete directory of this very job: nothing to do if every listed file still verifies
     (same identity as journaled, else re-hashed; on its node for per-node outputs); otherwise back
     to partial, keeping what verifies."""
@@ -191,7 +203,7 @@ def _reuse_if_intact(spec: JobSpec, out: OutputDir, fingerprint: str, recorder, 
     damaged, whole = files.verify_complete(listed, manifest)
     if spec.run.resume and not damaged and whole:
         log.info("nothing to do: %s already holds this conversion (run %s)", out.path, manifest.get("run_id"))
-        return _record_reuse(out, manifest, listed, recorder)
+        return _record_reuse(out, manifest, listed, recorder, strategy_copied)
     if spec.run.resume:
         log.warning("%s: %d file(s) listed in its manifest are missing or changed (%s); redoing them",
                     out.path, len(damaged), ", ".join(e.path for e in damaged[:8]))
@@ -203,7 +215,8 @@ def _reuse_if_intact(spec: JobSpec, out: OutputDir, fingerprint: str, recorder, 
     return None
 
 
-def _record_reuse(out: OutputDir, manifest: dict, listed: list[JournalEntry], recorder) -> Outputs:
+def _record_reuse(out: OutputDir, manifest: dict, listed: list[JournalEntry], recorder,
+                  strategy_copied: bool) -> Outputs:
     from reshard_job.sources.file_digests import digest_file
 
     m = digest_file(out.manifest_path)
@@ -214,7 +227,7 @@ def _record_reuse(out: OutputDir, manifest: dict, listed: list[JournalEntry], re
     strat = (manifest.get("target") or {}).get("strategy")
     if strat:
         path = out.storage.join(out.path, out.storage.basename(strat["path"]))
-        outputs.append(FileRecord(path, strat["sha256"], strat["size"], "strategy"))
+        outputs.append(FileRecord(path, strat["sha256"], strat["size"], "strategy", copied=strategy_copied))
     outputs += node_manifest_records(manifest.get("target") or {})
     outputs.append(FileRecord(out.manifest_path, m.sha256, m.size, "manifest"))
     run_id = recorder.complete(outputs)
@@ -309,7 +322,8 @@ def _finish(spec: JobSpec, prepared: Prepared, out: OutputDir, digests: SourceDi
     m_size, m_sha = out.write_manifest(build(target=target, tensors=tensors))
     outputs = [FileRecord(f["path"], f["sha256"], f["size"], "target_checkpoint", f["rank"]) for f in target_files]
     if strategy_out is not None:
-        outputs.append(FileRecord(strategy_out["path"], strategy_out["sha256"], strategy_out["size"], "strategy"))
+        outputs.append(FileRecord(strategy_out["path"], strategy_out["sha256"], strategy_out["size"], "strategy",
+                                  copied=prepared.target.strategy_copied))
     outputs += node_manifest_records(target)
     outputs.append(FileRecord(out.manifest_path, m_sha, m_size, "manifest"))
     recorder.complete(outputs)

@@ -54,7 +54,8 @@ class LineageRecorder:
                 log.warning("lineage: marked %d run(s) left 'started' by killed processes as abandoned: %s",
                             len(abandoned), ", ".join(a[:8] for a in abandoned))
             ctx = self.spec.context
-            run_id = store.start_run(config=self.spec.config, overrides=[mask_text(o) for o in ctx.overrides],
+            run_id = store.start_run(config=recorded_config(self.spec),
+                                     overrides=[mask_text(o) for o in ctx.overrides],
                                      tool_version=__version__, output_dir=mask_url(self.spec.output.dir),
                                      source_devices=None, target_devices=None, sweep_id=ctx.sweep_id,
                                      job_num=ctx.job_num)
@@ -193,6 +194,24 @@ class NoRecorder:
     def fail(self, error) -> None: ...
 
     def close(self) -> None: ...
+
+
+def recorded_config(spec: JobSpec) -> dict:
+    """The config as recorded: where an object store was reached at an endpoint the environment named
+    (``AWS_ENDPOINT_URL``), that endpoint too (``storage.endpoint_from: environment``), so that
+    ``audit verify`` finds the outputs again from anywhere. Credentials are never part of it."""
+    from reshard_job.storage import is_url
+    from reshard_job.storage.s3errors import strip_userinfo
+
+    config = spec.config
+    places = (spec.source.checkpoints, spec.source.strategy, spec.target.strategy, spec.output.dir)
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    if spec.storage.endpoint_url or not endpoint or not isinstance(config, dict) \
+            or not any(p and is_url(str(p)) for p in places):
+        return config
+    storage = dict(config.get("storage") or {})
+    storage.update(endpoint_url=strip_userinfo(endpoint.strip()), endpoint_from="environment")
+    return {**config, "storage": storage}
 
 
 def _error_text(e: BaseException) -> str:

@@ -36,6 +36,9 @@ class Target:
     strategy_bytes: bytes | None = None
     strategy_from: str | None = None  # the user's file, or "target.layout"
     notes: tuple[str, ...] = field(default_factory=tuple)
+    # strategy_bytes are the user's file byte for byte (not merged from stages, nor compiled from a
+    # layout): lineage records that file as an input and the one beside the outputs as its copy
+    strategy_copied: bool = False
 
 
 def settle_target(spec: TargetSpec, source: LoadedStrategy, index: Mapping[int, Mapping[str, TensorMeta]],
@@ -68,7 +71,8 @@ def _from_file(spec: TargetSpec, storage_options: StorageOptions | None) -> Targ
     if spec.devices is not None and spec.devices != topology.devices:
         raise ConfigError(f"target.devices={spec.devices} but target.strategy {spec.strategy} describes "
                           f"{topology.devices} devices")
-    return Target(topology, topology.devices, name, data, spec.strategy)
+    merged = info is not None and info.is_dir
+    return Target(topology, topology.devices, name, data, spec.strategy, strategy_copied=not merged)
 
 
 def global_shapes(source: LoadedStrategy, index: Mapping[int, Mapping[str, TensorMeta]]) -> dict[str, tuple[int, ...]]:

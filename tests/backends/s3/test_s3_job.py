@@ -214,3 +214,25 @@ def test_safetensors_rank_folders_in_the_bucket_convert_as_on_disk(bucket, runne
     manifest = json.loads((Path(out) / "manifest.json").read_text())
     for f in manifest["source"]["files"]:  # the digests taken while indexing are those of the bytes
         assert f["sha256"] == sha256(bucket.get(f["path"]))
+
+
+def test_verify_reaches_objects_at_the_endpoint_the_run_recorded(bucket, runner, s3_server):
+    from dataclasses import replace
+
+    out = bucket.url("verify_where")
+    res = runner.job(f"source.checkpoints={S1 / 'src_checkpoints'}", f"source.strategy={S1 / 'src_strategy.ckpt'}",
+                     "target=strategy", f"target.strategy={S1 / 'dst_strategy.ckpt'}", f"output.dir={out}")
+    assert completed(res) == out
+    run_id = json.loads(bucket.get(f"{out}/manifest.json"))["run_id"]
+    # an auditor's shell: credentials, but no AWS_ENDPOINT_URL
+    auditor = replace(runner, env={k: v for k, v in runner.env.items() if k != "AWS_ENDPOINT_URL"})
+    digest = sha256(bucket.get(f"{out}/rank_1/checkpoint_1.ckpt"))
+    for ref in (out, f"{out}/rank_1/checkpoint_1.ckpt", run_id, digest[:12]):
+        checked = auditor.audit("verify", ref)
+        assert checked.returncode == 0, (ref, checked.stdout, checked.stderr)
+        assert "intact" in checked.stdout
+    shown = json.loads(auditor.audit("show", run_id, "--json").stdout)
+    assert shown["config"]["storage"]["endpoint_url"] == s3_server.endpoint
+    assert shown["config"]["storage"]["endpoint_from"] == "environment"
+    key, secret = s3_server.credentials["admin"]
+    assert secret not in json.dumps(shown)

@@ -123,3 +123,78 @@ def test_four_sweep_jobs_in_parallel_share_one_database(tmp_path, lineage_url):
     assert sorted((r["status"], r["target_devices"]) for r in rows) == [
         ("completed", 1), ("completed", 2), ("completed", 4), ("completed", 8)]
     assert len({r["sweep_id"] for r in rows}) == 1
+
+
+@pytest.mark.slow
+def test_the_given_target_strategy_is_an_input_and_its_copy_beside_the_outputs_a_copy(tmp_path):
+    url = f"sqlite:///{tmp_path / 'lineage.db'}"
+    given = S2 / "dst_strategy.ckpt"
+    args = (f"source.checkpoints={S2 / 'src_checkpoints'}", f"source.strategy={S2 / 'src_strategy.ckpt'}",
+            "target=strategy", f"target.strategy={given}", "output.dir=out", f"lineage.url='{url}'")
+    job(tmp_path, *args)
+    job(tmp_path, *args)  # the same job again: nothing to do, and recorded the same way
+    runs = json.loads(audit(tmp_path, url, "runs", "--json").stdout)
+    assert len(runs) == 2
+    for run in runs:
+        shown = json.loads(audit(tmp_path, url, "show", run["id"], "--json").stdout)
+        inputs = {f["path"]: f for f in shown["inputs"]}
+        outputs = {f["path"]: f for f in shown["outputs"]}
+        assert inputs[str(given)]["sha256"] == sha256(given) and not inputs[str(given)].get("copied")
+        copy = outputs[str(tmp_path / "out" / "strategy.ckpt")]
+        assert copy["sha256"] == sha256(given) and copy["copied"] is True
+        assert not any(f.get("copied") for path, f in outputs.items() if path != copy["path"])
+
+
+@pytest.mark.slow
+def test_a_run_stopped_after_its_manifest_verifies_complete_not_recorded_until_rerun(tmp_path):
+    import sqlite3
+
+    db = tmp_path / "lineage.db"
+    url = f"sqlite:///{db}"
+    args = (f"source.checkpoints={S2 / 'src_checkpoints'}", f"source.strategy={S2 / 'src_strategy.ckpt'}",
+            "target=strategy", f"target.strategy={S2 / 'dst_strategy.ckpt'}", "output.dir=out", f"lineage.url='{url}'")
+    job(tmp_path, *args)
+    run_id = json.loads((tmp_path / "out" / "manifest.json").read_text())["run_id"]
+    # What Ctrl-C just after manifest.json was published leaves: the run recorded as interrupted, with
+    # its inputs and plan but no outputs (the job records its outputs only with its completion).
+    with sqlite3.connect(db) as connection:
+        connection.execute("UPDATE runs SET status = 'interrupted', error = 'SIGINT' WHERE id = ?", (run_id,))
+        connection.execute("DELETE FROM events WHERE run_id = ? AND direction = 'output'", (run_id,))
+
+    stopped = audit(tmp_path, url, "verify", "out")
+    assert stopped.returncode == 3, stopped.stdout + stopped.stderr
+    assert "complete, not recorded: rerun to record" in stopped.stdout
+    assert f"run {run_id} that wrote it is interrupted" in stopped.stdout
+    victim = tmp_path / "out" / "rank_1" / "checkpoint_1.ckpt"
+    original = victim.read_bytes()
+    os.chmod(victim, 0o644)
+    victim.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))
+    damaged = audit(tmp_path, url, "verify", "out")  # damage is damage, recorded or not
+    assert damaged.returncode == 1 and "complete, not recorded" not in damaged.stdout
+    victim.write_bytes(original)
+
+    rerun = job(tmp_path, *args)  # the same job again: nothing to convert, and now recorded
+    assert "already" in rerun.stdout + rerun.stderr
+    recorded = audit(tmp_path, url, "verify", "out")
+    assert recorded.returncode == 0, recorded.stdout + recorded.stderr
+    assert "intact" in recorded.stdout
+
+
+@pytest.mark.slow
+def test_a_model_trained_from_a_conversion_traces_back_to_its_sources(tmp_path, lineage_url):
+    job(tmp_path, f"source.checkpoints={S2 / 'src_checkpoints'}", f"source.strategy={S2 / 'src_strategy.ckpt'}",
+        "target=strategy", f"target.strategy={S2 / 'dst_strategy.ckpt'}", "output.dir=out",
+        f"lineage.url='{lineage_url}'")
+    model = tmp_path / "finetuned" / "model.safetensors"
+    model.parent.mkdir()
+    model.write_bytes(b"weights after fine-tuning")
+    recorded = audit(tmp_path, lineage_url, "record", "--consumer", "finetune", "--inputs", "out",
+                     "--outputs", str(model), "--json")
+    assert recorded.returncode == 0, recorded.stderr
+    sources = sorted((S2 / "src_checkpoints").glob("rank_*/*.ckpt"))
+    back = json.loads(audit(tmp_path, lineage_url, "trace", str(model), "--json").stdout)
+    assert {(o["path"], o["sha256"]) for o in back["original_sources"] if o["kind"] == "source_checkpoint"} == \
+        {(str(p), sha256(p)) for p in sources}
+    forward = json.loads(audit(tmp_path, lineage_url, "trace", "--descendants", str(sources[5]), "--json").stdout)
+    assert json.loads(recorded.stdout)["run_id"] in {run["run_id"] for run in forward["runs"]}
+    assert [f["path"] for f in forward["final_outputs"]] == [str(model)]

@@ -81,3 +81,29 @@ def test_nothing_to_verify_is_an_error(store, two_hop, tmp_path):
             queries.verify(session, str(tmp_path / "never.ckpt"))
         with pytest.raises(LineageError, match="no run with id"):
             queries.verify(session, "not-a-run")
+
+
+def test_a_digest_or_a_prefix_of_8_hex_verifies_that_content_at_every_path_it_was_recorded_at(store, two_hop):
+    copied = two_hop.copied  # A's rank-0 output, recorded again where B read its copy
+    with store.read_session() as session:
+        by_prefix = queries.verify(session, copied.sha256[:12])
+        by_whole = queries.verify(session, copied.sha256.upper())
+        shortest = queries.verify(session, two_hop.final.sha256[:8])
+    for report in (by_prefix, by_whole):
+        assert report["intact"] and report["sha256"] == copied.sha256 and report["path"] is None
+        assert {f["path"] for f in report["files"]} == {two_hop.outputs_a[0].path, copied.path}
+    assert [f["path"] for f in shortest["files"]] == [two_hop.final.path]
+    os.remove(copied.path)
+    with store.read_session() as session:
+        gone = queries.verify(session, copied.sha256[:12])
+    assert not gone["intact"] and [f["path"] for f in gone["files"] if f["state"] == "missing"] == [copied.path]
+
+
+def test_verify_by_digest_on_the_command_line_as_trace_takes_it(store, two_hop, capsys):
+    from reshard_job.audit import main
+
+    url = store.url.render_as_string(hide_password=False)
+    assert main(["--db", url, "verify", two_hop.final.sha256[:12]]) == 0
+    assert capsys.readouterr().out.startswith(f"sha256 {two_hop.final.sha256}: all 1 file intact")
+    assert main(["--db", url, "verify", "0123456789ab"]) == 2
+    assert "no run with id '0123456789ab', no file with a sha256 starting so" in capsys.readouterr().err

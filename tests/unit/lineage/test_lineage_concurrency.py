@@ -19,7 +19,7 @@ from sqlalchemy import func, select
 from alembic import command
 
 from reshard_job.audit.queries import run_details
-from reshard_job.lineage import FileRecord, LineageStore, create_lineage_engine
+from reshard_job.lineage import FileRecord, LineageStore
 from reshard_job.lineage.database import writer
 from reshard_job.lineage.migrate import alembic_config, current_revision, head_revision
 from reshard_job.lineage.models import Artifact, ArtifactLocation, Run
@@ -99,19 +99,12 @@ def _check(url: str, run_ids: list[str], earlier: dict | None = None) -> None:
 
 
 def _database_at_first_revision_with_a_run(url: str, root: Path) -> dict:
-    """A database as the first release left it: schema revision 0001, one completed run."""
-    engine = create_lineage_engine(url)
-    try:
-        if engine.url.get_backend_name() == "sqlite":
-            Path(engine.url.database).parent.mkdir(parents=True, exist_ok=True)
-        with writer(engine).connect() as connection:
-            command.upgrade(alembic_config(connection), "0001")
-            connection.commit()
-    finally:
-        engine.dispose()
+    """A database as the first release left it: schema revision 0001, one completed run (recorded at
+    the head, whose models the store writes, then migrated down with its rows)."""
     root.mkdir(parents=True)
     (root / "old_output.ckpt").write_bytes(b"written before the upgrade")
-    with LineageStore(url) as store:  # no ensure_schema: it would upgrade
+    with LineageStore(url) as store:
+        store.ensure_schema()
         run_id = store.start_run(config={}, overrides=[], tool_version="0.0.9", output_dir=str(root),
                                  source_devices=8, target_devices=2)
         store.record_inputs(run_id, [
@@ -121,7 +114,11 @@ def _database_at_first_revision_with_a_run(url: str, root: Path) -> dict:
         store.complete_run(run_id, outputs=[output],
                            plan={"ranks": [{"target_rank": 0, "source_ranks": list(range(8)), "bytes_read": 8}]})
         with store.read_session() as session:
-            return run_details(session, run_id).to_json()
+            details = run_details(session, run_id).to_json()
+        with writer(store.engine).connect() as connection:
+            command.downgrade(alembic_config(connection), "0001")
+            connection.commit()
+    return details
 
 
 def test_concurrent_jobs_on_one_fresh_sqlite_file(tmp_path):

@@ -171,17 +171,30 @@ def test_a_built_wheel_carries_the_migrations_and_upgrades_from_anywhere(tmp_pat
         engine.dispose()
 
 
+def _migrate(store, revision: str, how=command.upgrade) -> None:
+    with writer(store.engine).connect() as connection:
+        how(alembic_config(connection), revision)
+        connection.commit()
+
+
+def _row_counts(store) -> dict[str, int]:
+    with store.engine.connect() as connection:
+        return {table: connection.execute(text(f"SELECT COUNT(*) FROM {table}")).scalar_one()
+                for table in ("runs", "events", "artifacts", "artifact_locations", "run_ranks")}
+
+
 def test_0003_adds_run_fingerprints_to_a_database_with_runs_and_downgrading_drops_only_it(db_url, tmp_path,
                                                                                         record_lineage, get_run):
     from reshard_job.lineage import LineageStore
 
     store = LineageStore(db_url)
     try:
-        with writer(store.engine).connect() as connection:  # a database as revision 0002 left it, in use
-            command.upgrade(alembic_config(connection), "0002")
-            connection.commit()
+        store.ensure_schema()
         lineage = record_lineage(store, tmp_path / "files")
         before = {run_id: get_run(store, run_id) for run_id in (lineage.run_a, lineage.run_b)}
+        counts = _row_counts(store)
+        _migrate(store, "0002", command.downgrade)  # a database as revision 0002 left it, with runs
+        assert _row_counts(store) == counts
         with store.engine.connect() as connection:
             assert "run_fingerprints" not in inspect(connection).get_table_names()
 
@@ -199,12 +212,46 @@ def test_0003_adds_run_fingerprints_to_a_database_with_runs_and_downgrading_drop
                     "SELECT sql FROM sqlite_master WHERE name = 'run_fingerprints'").scalar_one()
                 assert created.rstrip().endswith("WITHOUT ROWID")
 
-        with writer(store.engine).connect() as connection:
-            command.downgrade(alembic_config(connection), "0002")
-            connection.commit()
+        _migrate(store, "0002", command.downgrade)
+        with store.engine.connect() as connection:
             assert "run_fingerprints" not in inspect(connection).get_table_names()
             assert MigrationContext.configure(connection).get_current_revision() == "0002"
+        assert _row_counts(store) == {**counts, "runs": counts["runs"] + 1}
+        store.ensure_schema()
         assert {run_id: get_run(store, run_id) for run_id in before} == before
         assert get_run(store, run_id)["status"] == "started"
+    finally:
+        store.close()
+
+
+def test_0004_marks_copied_outputs_keeping_every_row_and_earlier_events_read_as_made(db_url, tmp_path, make_file):
+    from reshard_job.lineage import FileRecord, LineageStore
+
+    store = LineageStore(db_url)
+    try:
+        store.ensure_schema()
+        given = make_file(tmp_path / "given.ckpt", b"target strategy", "strategy")
+        copy = make_file(tmp_path / "out" / "strategy.ckpt", b"target strategy", "strategy")
+        made = make_file(tmp_path / "out" / "rank_0" / "checkpoint_0.ckpt", b"converted", "target_checkpoint", 0)
+        run_id = store.start_run(config={}, overrides=[], tool_version="0.1.0", output_dir=str(tmp_path / "out"),
+                                 source_devices=1, target_devices=1)
+        store.record_inputs(run_id, [given])
+        store.complete_run(run_id, outputs=[made, FileRecord(copy.path, copy.sha256, copy.size, "strategy",
+                                                             copied=True)], plan={"ranks": []})
+
+        def copied() -> dict[str, bool]:
+            with store.engine.connect() as connection:
+                rows = connection.execute(text("SELECT path, copied FROM events WHERE direction = 'output'"))
+                return {path: bool(flag) for path, flag in rows}
+
+        assert copied() == {made.path: False, copy.path: True}
+        counts = _row_counts(store)
+        _migrate(store, "0003", command.downgrade)
+        with store.engine.connect() as connection:
+            assert "copied" not in {c["name"] for c in inspect(connection).get_columns("events")}
+        assert _row_counts(store) == counts
+        store.ensure_schema()
+        assert copied() == {made.path: False, copy.path: False}  # recorded before: read as made, as they were
+        assert _row_counts(store) == counts
     finally:
         store.close()
