@@ -257,6 +257,10 @@ def test_plain_safetensors_has_no_format_key(tmp_path):
 @given(spec=tensor_sets, data=st.data(), pieces=st.integers(1, 4), crc=st.booleans())
 def test_hypothesis_round_trip_with_boxes(tmp_path, spec, data, pieces, crc):
     tensors = {n: (d, raw_array(d, s, i)) for i, (n, (d, s)) in enumerate(spec.items())}
+    if crc and not _crc_hashable(tensors):  # MindSpore's crc_num has no value for these (test_safetensors_crc)
+        with pytest.raises(LayoutError, match="cannot write crc_num"):
+            stream_ours(tmp_path / "rt.safetensors", tensors, pieces=pieces, crc=crc)
+        return
     res = stream_ours(tmp_path / "rt.safetensors", tensors, pieces=pieces, crc=crc)
     with SafetensorsReader(res.path) as r:
         assert r.has_crc == (crc and bool(tensors))
@@ -270,6 +274,12 @@ def test_hypothesis_round_trip_with_boxes(tmp_path, spec, data, pieces, crc):
             got = r.read_box(name, box)
             want = arr[tuple(slice(a, b) for a, b in box) + (Ellipsis,)]  # an array even when 0-d
             assert got.shape == want.shape and got.tobytes() == want.tobytes()
+
+
+def _crc_hashable(tensors) -> bool:
+    """False when a 0-d integer holds a value numpy's bytes() refuses (negative, or past 2**63-1)."""
+    return all(arr.shape != () or not dtype.startswith(("Int", "UInt")) or 0 <= int(arr) < 2**63
+               for dtype, arr in tensors.values())
 
 
 def _align(dtype: str) -> int:
