@@ -259,8 +259,6 @@ class CheckpointReader(RecordWalk, PositionedReader):
             raise self._error(f"parameter {quoted(tag)}: negative dimension in dims {list(dims)}")
         dt = dtypes.BY_NAME[dtype]
         shape = dims
-        if dt.storage is None:  # packed Int4: carried, not checked element-wise
-            return TensorEntry(tag, dtype, shape, stored, pieces, KIND_TENSOR, extra=extra).finish()
         want = prod(shape) * dt.itemsize
         if shape == (0,) and stored == dt.itemsize:
             shape, want = (), dt.itemsize  # MindSpore reads dims [0] as a scalar

@@ -283,7 +283,7 @@ class SafetensorsReader(PositionedReader):
         for begin, _, name, code, shape, nbytes in rows:
             self._names.append(name)
             self._codes.append(code)
-            # packed qint4x2: the bytes were validated under their stored code; carried opaque
+            # qint4x2: validated under its stored code (I8, one byte per element); typed Int4 again
             self._dtypes.append(INT4_MARK if marks and marks.get(name) == INT4_MARK else names[code])
             self._shapes.append(shape)
             self._begin.append(begin)
