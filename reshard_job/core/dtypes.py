@@ -2,8 +2,14 @@
 
 The converter only ever moves bytes: a tensor is never cast. BFloat16 is therefore held as its raw
 16-bit words (numpy ``uint16``), never widened to float32, which keeps it bit-exact and halves the
-memory MindSpore's own converter needs for it. ``Int4`` (two 4-bit values per byte) is carried as
-opaque bytes: it can be copied whole but not sliced, because the packing of its dims is not known.
+memory MindSpore's own converter needs for it.
+
+``Int4`` is MindSpore's ``qint4x2``: each element is one byte holding two 4-bit values, packed
+along the last dimension, and the shape MindSpore stores (``.ckpt`` dims, safetensors shape, strategy
+slice shapes) counts these bytes (``TypeIdSize(kNumberTypeInt4)`` is 1; the host tensor is an int8
+array of that shape, and only the device view doubles the last dimension). So an Int4 tensor is
+held as int8 words and any split of its stored shape falls on whole bytes, i.e. on even boundaries
+of the 4-bit values: it is sliced exactly like Int8, as MindSpore's converters slice its int8 array.
 """
 
 from __future__ import annotations
@@ -50,7 +56,7 @@ _ALL = [
     _dt("BFloat16", "uint16", "BF16"),  # raw bf16 words
     _dt("Complex64", "complex64", "C64"),
     _dt("Complex128", "complex128", None),  # safetensors has no 128-bit complex code
-    _dt("Int4", None, None),
+    _dt("Int4", "int8", None),  # qint4x2: one byte (two 4-bit values) per stored element
 ]
 
 BY_NAME: dict[str, DType] = {d.name: d for d in _ALL}

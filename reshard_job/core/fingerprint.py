@@ -12,8 +12,8 @@ Algorithm ``poslin64x2-v1``
 ---------------------------
 *Byte grid.* Trailing dims of extent 1 are dropped; the last remaining axis, in bytes, is a *row*:
 grid ``(S_0, .., S_{k-2}, S_{k-1} * itemsize)``. A 0-d tensor is one row of one element; an opaque
-dtype (Int4) is one row of its ``nbytes``. Byte ``j`` of the row at leading index ``i`` lies in
-word ``c = j div 8`` of that row at place ``j mod 8`` (a row's last word is padded with zeros).
+dtype (none of MindSpore's now: Int4 is one byte per element) is one row of its ``nbytes``. Byte
+``j`` of the row at leading index ``i`` lies in word ``c = j div 8`` of that row at place ``j mod 8`` (a row's last word is padded with zeros).
 
 *Lanes.* Two 64-bit sums, arithmetic mod 2^64, over every byte ``b`` at grid position (i, j)::
 

@@ -15,7 +15,9 @@ Metadata. ``execute_rank`` writes MindSpore's flavour of safetensors by default,
 one of ``pt``, ``tf``, ``flax``, ``mlx``, so every shard is written with ``EXPORT_METADATA``
 (``{"format": "pt"}``), which the ``safetensors`` library reads as well. The shard names are
 always numbered, and the index is always written (last, so a folder without it is incomplete),
-even for one shard, so a reader has one layout to expect. Tensor names are MindSpore's parameter
+even for one shard, so a reader has one layout to expect. With several shards MindSpore's
+``param_name_map.json`` is written too (before the index): ``load_distributed_checkpoint(...,
+unified_safetensors_dir=...)`` refuses a folder of several shards without it. Tensor names are MindSpore's parameter
 names; mapping them to a ``transformers`` architecture's names is not done here.
 """
 
@@ -28,7 +30,7 @@ from reshard_job.errors import PlanError
 from reshard_job.execute.rank_task import DEFAULT_MAX_MEMORY, Progress, execute_rank
 from reshard_job.execute.tasks import FORMAT_SAFETENSORS
 from reshard_job.formats.ckpt import WrittenFile
-from reshard_job.formats.hf_index import EXPORT_METADATA, INDEX_FILE
+from reshard_job.formats.hf_index import EXPORT_METADATA, INDEX_FILE, PARAM_NAME_MAP_FILE
 from reshard_job.plan.export_shards import DEFAULT_MAX_SHARD_SIZE, INCLUDE_WEIGHTS, ExportLayout, plan_export
 from reshard_job.plan.model import RankPlan
 from reshard_job.storage import storage_for
@@ -40,10 +42,11 @@ class ExportResult:
     layout: ExportLayout
     shards: tuple[WrittenFile, ...]
     index: WrittenFile  # tensors: {}
+    param_name_map: WrittenFile | None = None  # MindSpore's, with several shards; tensors: {}
 
     @property
     def files(self) -> list[WrittenFile]:
-        return [*self.shards, self.index]
+        return [*self.shards, self.index, *([self.param_name_map] if self.param_name_map else [])]
 
 
 def write_export(layout: ExportLayout, sources, out_dir: str | os.PathLike, *,
@@ -63,9 +66,13 @@ def write_export(layout: ExportLayout, sources, out_dir: str | os.PathLike, *,
         if sorted(wf.tensors) != sorted(shard.names):  # the writer must not add or drop tensors
             raise PlanError(f"{wf.path}: wrote {len(wf.tensors)} tensors, the shard lists {len(shard.names)}")
         written.append(wf)
+    name_map, data = None, layout.param_name_map_bytes()
+    if data is not None:  # several shards: what MindSpore's load_distributed_checkpoint(unified_safetensors_dir) needs
+        map_path = os.path.join(out_dir, PARAM_NAME_MAP_FILE)
+        name_map = WrittenFile(map_path, *write_bytes_atomic(map_path, data), {})
     index_path = os.path.join(out_dir, INDEX_FILE)
     size, sha = write_bytes_atomic(index_path, layout.index_bytes())
-    return ExportResult(layout, tuple(written), WrittenFile(index_path, size, sha, {}))
+    return ExportResult(layout, tuple(written), WrittenFile(index_path, size, sha, {}), name_map)
 
 
 def export_safetensors(rank_plan: RankPlan, sources, out_dir: str | os.PathLike, *,

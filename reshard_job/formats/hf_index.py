@@ -28,6 +28,11 @@ from reshard_job.formats.safetensors.header import header_scaled_limit
 from reshard_job.jsonchunks import JsonProblem, JsonStream
 
 INDEX_FILE = "model.safetensors.index.json"
+# MindSpore's name -> shard map beside unified shards: load_distributed_checkpoint(unified_safetensors_dir=...)
+# needs it when the folder holds several .safetensors files (one file is mapped by itself). Its loader
+# takes the object's "weight_map" if present (else the object itself) as name -> file name in the folder;
+# unified_safetensors writes {"metadata": {"total_size": <bytes>}, "weight_map": {...}} with indent 4.
+PARAM_NAME_MAP_FILE = "param_name_map.json"
 SHARD_FILE = re.compile(r"^model-(\d{5})-of-(\d{5})\.safetensors$")
 # the shards' safetensors __metadata__: transformers loads only files whose format it knows
 EXPORT_METADATA = {"format": "pt"}

@@ -16,9 +16,7 @@ no array can have (``core.sizes.shape_problem``).
 
 from __future__ import annotations
 
-import ast
 import io
-import json
 import re
 import sys
 from dataclasses import dataclass
@@ -30,33 +28,18 @@ from reshard_job.core.boxes import Box
 from reshard_job.core.layout import coords, mixed_radix
 from reshard_job.core.sizes import shape_problem
 from reshard_job.core.strategy_model import AxisEntry
-from reshard_job.errors import FormatError
 from reshard_job.jsonchunks import JsonProblem, JsonStream
+from reshard_job.formats.mindformers_parsing import MindFormersFormatError, Shared, brief, int_list, is_int, short_name
+from reshard_job.formats.mindformers_storage import (ShardLocation, check_locations, parse_locations, parse_storage_key,
+                                                     with_rank_groups)
 
 METADATA_FILE = "metadata.json"
 # <prefix>-model-0000003-0000008.safetensors; without a prefix the name starts at model-/opt-
 SHARD_FILE = re.compile(r"^(?:(?P<prefix>.+)-)?(?P<kind>model|opt)-(?P<index>\d{7})-(?P<total>\d{7})\.safetensors$")
-MESSAGE_NAME_LIMIT = 80
-MAX_KEY_CHARS = 1 << 16  # a storage_data key read by a literal evaluator: longer is no "('<name>', (<k>,))"
-_STORAGE_KEY = re.compile(r"^\('([^'\\]*)', \((\d{1,20}),\)\)$")  # the common case, without the evaluator
-_ABSURD_INT = re.compile(r"\d{21}")
 _DTYPES_BY_LOWER = {name.lower(): name for name in dtypes.BY_NAME}
 
 
-class MindFormersFormatError(FormatError):
-    """A MindFormers checkpoint folder, its metadata.json or one of its files is not as the format says."""
-
-
 # =================================================================================== structure
-
-
-@dataclass(frozen=True, slots=True)
-class ShardLocation:
-    """One ``storage_data`` entry: a file that holds one shard, and which rank wrote it."""
-
-    file_name: str
-    storage_rank: int
-    rank_group: tuple[int, ...]  # every rank holding this shard in training
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,42 +101,6 @@ class ParamMetadata:
 # ================================================================================ pure parsing
 
 
-def short_name(name: str) -> str:
-    return name if len(name) <= MESSAGE_NAME_LIMIT else name[: MESSAGE_NAME_LIMIT - 1] + "…"
-
-
-def is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def brief(value) -> str:
-    text = json.dumps(value) if not isinstance(value, str) else repr(value)
-    return text if len(text) <= 60 else text[:59] + "…"
-
-
-class _Shared(dict):
-    """Equal values parsed once: one object for every equal shape, layout, group, file name."""
-
-    def __init__(self, max_shards: int | None = None):
-        super().__init__()
-        self.max_shards = max_shards
-
-    def check_count(self, count: int, what: str, path: str) -> None:
-        if self.max_shards is not None and count > self.max_shards:
-            raise MindFormersFormatError(
-                path, f"{what} more than the {self.max_shards} tensors the folder's files can hold")
-
-    def __call__(self, value):
-        return self.setdefault(value, value)
-
-
-def _int_list(value, where: str, path: str, shared: _Shared, *, minimum: int = 0) -> tuple[int, ...]:
-    if not isinstance(value, list) or not all(is_int(v) and v >= minimum for v in value):
-        lower = "positive" if minimum == 1 else "non-negative"
-        raise MindFormersFormatError(path, f"{where} must be a list of {lower} integers, got {brief(value)}")
-    return shared(tuple(value))
-
-
 def parse_metadata(data: bytes, path: str) -> dict[str, ParamMetadata]:
     """Parse and check a metadata.json document held in memory (pure); see ``read_metadata``."""
     return read_metadata(io.BytesIO(data).read, path)
@@ -164,7 +111,7 @@ def read_metadata(read, path: str, max_shards: int | None = None) -> dict[str, P
     parameter at a time; errors name `path` and the parameter. `max_shards`: how many tensors the
     files beside it can hold at most (a document placing more is refused as soon as it does)."""
     stream = JsonStream(read)
-    shared = _Shared(max_shards=max_shards)
+    shared = Shared(max_shards=max_shards)
     try:
         params, storage = _read_document(stream, path, shared)
         stream.end()
@@ -174,11 +121,11 @@ def read_metadata(read, path: str, max_shards: int | None = None) -> dict[str, P
         raise MindFormersFormatError(path, "expected an object with 'state_dict_metadata' and 'storage_data' objects")
     if not params:
         raise MindFormersFormatError(path, "'state_dict_metadata' describes no parameter")
-    _attach_locations(params, storage, path)
+    _attach_locations(params, storage, path, shared)
     return params
 
 
-def _attach_locations(params: dict[str, ParamMetadata], storage: dict, path: str) -> None:
+def _attach_locations(params: dict[str, ParamMetadata], storage: dict, path: str, shared: Shared) -> None:
     """Every parameter's shards' locations from `storage` (emptied), checked against its layout;
     what was checked for equal objects (shared: same layout, same locations) is not checked again."""
     done: dict[tuple, tuple] = {}  # ids of layout, fragments and locations -> the locations, checked
@@ -192,7 +139,8 @@ def _attach_locations(params: dict[str, ParamMetadata], storage: dict, path: str
                 raise MindFormersFormatError(
                     path, f"parameter {short_name(p.name)!r}: shard(s) {missing} have no storage_data entry "
                           f"(incomplete checkpoint)")
-            _check_locations(p, locations, path)
+            locations = with_rank_groups(p, locations, shared)
+            check_locations(p, locations, path)
             checked = done[key] = locations
         # made here and not yet handed out: set in place rather than copied (a million parameters)
         object.__setattr__(p, "locations", checked)
@@ -207,7 +155,7 @@ def _attach_locations(params: dict[str, ParamMetadata], storage: dict, path: str
 CACHED_VALUES = 1 << 14  # entries remembered by their text (most repeat); forgotten all at once beyond
 
 
-def _read_document(stream: JsonStream, path: str, shared: _Shared):
+def _read_document(stream: JsonStream, path: str, shared: Shared):
     """(parameters by name, storage_data as (name, shard) -> locations), either None if absent."""
     params = storage = None
     if not stream.peek():
@@ -222,14 +170,14 @@ def _read_document(stream: JsonStream, path: str, shared: _Shared):
             seen: dict[str, tuple] = {}  # the text of a list of locations -> the locations
             # (equal texts give equal values: `seen` is also how the stream skips scanning them)
             for skey, entries, text in stream.items(seen):
-                name, k = _parse_storage_key(skey, path)
+                name, k = parse_storage_key(skey, path)
                 name = sys.intern(name)
                 where = f"parameter {short_name(name)!r} shard {k}"
                 if (name, k) in storage:
                     raise MindFormersFormatError(path, f"{where}: storage_data has two keys for it")
                 locations = seen.get(text)
                 if locations is None:
-                    locations = _parse_locations(entries, where, path, shared)
+                    locations = parse_locations(entries, where, path, shared)
                     _remember(seen, text, locations)
                 storage[(name, k)] = locations
                 shared.check_count(len(storage), "storage_data places", path)
@@ -246,7 +194,7 @@ def _remember(seen: dict, text: str, value) -> None:
     seen[text] = value
 
 
-def _read_params(stream: JsonStream, path: str, shared: _Shared) -> dict[str, ParamMetadata]:
+def _read_params(stream: JsonStream, path: str, shared: Shared) -> dict[str, ParamMetadata]:
     params: dict[str, ParamMetadata] = {}
     seen: dict[str, ParamMetadata] = {}  # the text of an entry -> what it gave (under its first name)
     for name, obj, text in stream.items(seen):
@@ -264,7 +212,7 @@ def _read_params(stream: JsonStream, path: str, shared: _Shared) -> dict[str, Pa
     return params
 
 
-def _parse_param(name: str, obj, path: str, shared: _Shared) -> ParamMetadata:
+def _parse_param(name: str, obj, path: str, shared: Shared) -> ParamMetadata:
     where = f"parameter {short_name(name)!r}"
     if not isinstance(obj, dict):
         raise MindFormersFormatError(path, f"{where}: entry must be an object")
@@ -277,11 +225,11 @@ def _parse_param(name: str, obj, path: str, shared: _Shared) -> ParamMetadata:
     dtype = _DTYPES_BY_LOWER.get(props["dtype"].lower())
     if dtype is None or dtypes.BY_NAME[dtype].storage is None:
         raise MindFormersFormatError(path, f"{where}: unsupported dtype {brief(props['dtype'])}")
-    shape = _int_list(obj["global_shape"], f"{where}: global_shape", path, shared)
+    shape = int_list(obj["global_shape"], f"{where}: global_shape", path, shared)
     problem = shape_problem(shape, dtypes.BY_NAME[dtype].itemsize)
     if problem:
         raise MindFormersFormatError(path, f"{where}: global_shape {brief(list(shape))}: {problem}")
-    fragments = _int_list(obj["axis_fragmentations"], f"{where}: axis_fragmentations", path, shared, minimum=1)
+    fragments = int_list(obj["axis_fragmentations"], f"{where}: axis_fragmentations", path, shared, minimum=1)
     if len(fragments) != len(shape):
         raise MindFormersFormatError(
             path, f"{where}: axis_fragmentations {brief(list(fragments))} has {len(fragments)} entries "
@@ -308,7 +256,7 @@ def _check_fragments(shape, fragments, layout: MetadataLayout | None, where: str
                       f"equal shards")
 
 
-def _check_chunks(chunks, count: int, local, shape, fragments, where: str, path: str, shared: _Shared) -> None:
+def _check_chunks(chunks, count: int, local, shape, fragments, where: str, path: str, shared: Shared) -> None:
     """Every shard 0..count-1 listed once, with the local shape the split gives."""
     if not isinstance(chunks, list) or not chunks:
         raise MindFormersFormatError(path, f"{where}: chunk must be a non-empty list")
@@ -323,7 +271,7 @@ def _check_chunks(chunks, count: int, local, shape, fragments, where: str, path:
         k = offset[0]
         if not 0 <= k < count:
             raise MindFormersFormatError(path, f"{where}: chunk shard index {k} is outside 0..{count - 1}")
-        chunk_shape = _int_list(c.get("local_shape"), f"{where}: chunk local_shape", path, shared)
+        chunk_shape = int_list(c.get("local_shape"), f"{where}: chunk local_shape", path, shared)
         if chunk_shape != local:
             raise MindFormersFormatError(
                 path, f"{where}: chunk {k} has local_shape {brief(list(chunk_shape))}, but global_shape "
@@ -336,7 +284,7 @@ def _check_chunks(chunks, count: int, local, shape, fragments, where: str, path:
         raise MindFormersFormatError(path, f"{where}: chunks lack shard(s) {absent[:8]} of {count}")
 
 
-def _parse_layout(obj, ndim: int, where: str, path: str, shared: _Shared) -> MetadataLayout:
+def _parse_layout(obj, ndim: int, where: str, path: str, shared: Shared) -> MetadataLayout:
     if not isinstance(obj, dict):
         raise MindFormersFormatError(path, f"{where}: layout must be an object or null")
     for key in ("device_matrix", "tensor_map", "rank_list"):
@@ -344,7 +292,7 @@ def _parse_layout(obj, ndim: int, where: str, path: str, shared: _Shared) -> Met
             raise MindFormersFormatError(path, f"{where}: layout lacks {key!r}")
     if obj.get("interleaved_parallel"):
         raise MindFormersFormatError(path, f"{where}: interleaved_parallel layouts are not supported")
-    dev = _int_list(obj["device_matrix"], f"{where}: layout device_matrix", path, shared, minimum=1)
+    dev = int_list(obj["device_matrix"], f"{where}: layout device_matrix", path, shared, minimum=1)
     if not dev:
         raise MindFormersFormatError(path, f"{where}: layout device_matrix is empty")
     raw_map = obj["tensor_map"]
@@ -364,86 +312,13 @@ def _parse_layout(obj, ndim: int, where: str, path: str, shared: _Shared) -> Met
                 raise MindFormersFormatError(path, f"{where}: layout tensor_map uses device axis {m} twice")
             seen.add(m)
         tensor_map.append(tuple(values) if isinstance(entry, list) else entry)
-    ranks = _int_list(obj["rank_list"], f"{where}: layout rank_list", path, shared)
+    ranks = int_list(obj["rank_list"], f"{where}: layout rank_list", path, shared)
     devices = prod(dev)  # every device has its entry in rank_list: this bounds shard counts by the document
     if len(ranks) != devices or len(set(ranks)) != len(ranks):
         raise MindFormersFormatError(
             path, f"{where}: layout rank_list must list {devices if devices < 10**12 else 'over 10**12'} distinct "
                   f"ranks (device_matrix {brief(list(dev))}), got {len(ranks)}")
     return MetadataLayout(dev, shared(tuple(tensor_map)), ranks)
-
-
-def _parse_locations(entries, where: str, path: str, shared: _Shared) -> tuple[ShardLocation, ...]:
-    """One ``storage_data`` value (a list of locations) checked for shape."""
-    if not isinstance(entries, list) or not entries:
-        raise MindFormersFormatError(path, f"{where}: storage_data entry must be a non-empty list")
-    locations = []
-    for e in entries:
-        loc = shared(_parse_location(e, where, path, shared))
-        if any(other.storage_rank == loc.storage_rank for other in locations):
-            raise MindFormersFormatError(path, f"{where}: rank {loc.storage_rank} is listed twice")
-        locations.append(loc)
-    return shared(tuple(locations))
-
-
-def _check_locations(p: ParamMetadata, locations: tuple, path: str) -> None:
-    """Each shard's locations against the layout's shard rule: every rank named holds that shard."""
-    shard_at = {}  # rank -> shard its layout gives it, computed once per rank
-    for k, locs in enumerate(dict.fromkeys(locations) if p.layout is None else locations):
-        where = f"parameter {short_name(p.name)!r} shard {k}"
-        ranks = {r for loc in locs for r in (loc.storage_rank,) + loc.rank_group} if p.layout else ()
-        for r in sorted(ranks):
-            held = shard_at.get(r)
-            if held is None:
-                if r not in p.layout.rank_list:
-                    raise MindFormersFormatError(
-                        path, f"{where}: rank {r} is not in the layout's rank_list {brief(list(p.layout.rank_list))}")
-                held = shard_at[r] = p.shard_of(r)
-            if held != k:
-                raise MindFormersFormatError(
-                    path, f"{where}: storage_data says rank {r} holds it, but the layout gives rank {r} shard {held}")
-        for loc in locs:
-            if loc.storage_rank not in loc.rank_group:
-                raise MindFormersFormatError(path, f"{where}: storage_rank {loc.storage_rank} is not in its rank_group "
-                                                   f"{brief(list(loc.rank_group))}")
-
-
-def _parse_storage_key(key: str, path: str) -> tuple[str, int]:
-    """``"('<name>', (<k>,))"``: Python's str() of a tuple, read with a literal evaluator."""
-    fast = _STORAGE_KEY.match(key)
-    if fast:
-        return fast.group(1), int(fast.group(2))
-    if _ABSURD_INT.search(key):
-        raise MindFormersFormatError(path, f"storage_data key {brief(key)} holds an integer of more than 20 digits: "
-                                           f"integers of absurd length are refused")
-    value = None
-    if len(key) <= MAX_KEY_CHARS:
-        try:
-            value = ast.literal_eval(key)
-        except (ValueError, SyntaxError, MemoryError, RecursionError, TypeError):
-            pass
-    if (isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], str)
-            and isinstance(value[1], tuple) and len(value[1]) == 1 and is_int(value[1][0])):
-        return value[0], value[1][0]
-    raise MindFormersFormatError(path, f"storage_data key {brief(key)} is not of the form \"('<name>', (<shard>,))\"")
-
-
-def _parse_location(e, where: str, path: str, shared: _Shared) -> ShardLocation:
-    if not isinstance(e, dict):
-        raise MindFormersFormatError(path, f"{where}: storage_data entries must be objects")
-    file_name, rank, group = e.get("file_name"), e.get("storage_rank"), e.get("rank_group")
-    if not isinstance(file_name, str) or not _is_plain_file_name(file_name):
-        # a name with a folder part would read outside the iteration folder
-        raise MindFormersFormatError(
-            path, f"{where}: file_name {brief(file_name)} must be a file of the iteration folder")
-    if not (is_int(rank) and rank >= 0):
-        raise MindFormersFormatError(path, f"{where}: storage_rank must be a non-negative integer, got {brief(rank)}")
-    return ShardLocation(shared(file_name), rank, _int_list(group, f"{where}: rank_group", path, shared))
-
-
-def _is_plain_file_name(name: str) -> bool:
-    return (bool(name) and len(name) <= 255 and name not in (".", "..")
-            and not any(c in name for c in "/\\\0"))
 
 
 def _show_map(tensor_map) -> str:

@@ -104,6 +104,13 @@ class ExportLayout:
         """The index as ``transformers`` writes it: sorted keys, two-space indent, final newline."""
         return (json.dumps(self.index_document(), indent=2, sort_keys=True) + "\n").encode("utf-8")
 
+    def param_name_map_bytes(self) -> bytes | None:
+        """MindSpore's ``param_name_map.json`` as ``unified_safetensors`` writes it (weight map in shard
+        order, four-space indent), for MindSpore's unified loader; None for one shard, which it maps itself."""
+        if len(self.shards) < 2:
+            return None
+        return json.dumps(self.index_document(), indent=4).encode("utf-8")
+
     def sub_plan(self, shard: ExportShard) -> RankPlan:
         return RankPlan(self.target_rank, list(shard.params))
 

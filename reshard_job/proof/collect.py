@@ -49,7 +49,7 @@ class _Sink:
 class FingerprintWriter:
     """The calls of a checkpoint writer (``arrange``, ``add_bytes``, ``begin``, ``add_str``,
     ``add_map``) fingerprinting each tensor of a one-device plan, whose target shape is the
-    global shape. `nbytes`: the size of each tensor of an opaque dtype (Int4), which its
+    global shape. `nbytes`: the size of each tensor of an opaque dtype (none of MindSpore's now), which its
     fingerprint needs up front."""
 
     writes_in_given_order = True

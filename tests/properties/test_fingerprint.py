@@ -30,6 +30,9 @@ from reshard_job.core.layout import Layout
 from .reference import layout_and_shape
 
 DTYPES = sorted(name for name, d in dtypes.BY_NAME.items() if d.sliceable)
+# No MindSpore dtype is opaque any more (Int4 was, until its stored shape was known to count bytes);
+# the opaque path stays for one that is, and keeps its pinned digest under Int4's name.
+OPAQUE = dtypes.DType("Int4", None, None)
 SETTINGS = settings(deadline=None, max_examples=150, suppress_health_check=[HealthCheck.too_slow])
 MASK = (1 << 64) - 1
 
@@ -172,7 +175,7 @@ def test_golden_digests_pin_the_algorithm():
            fingerprint_array("BFloat16", dtypes.float32_to_bf16(np.linspace(-1, 1, 10, dtype=np.float32))),
            fingerprint_array("Int8", np.zeros((2, 3, 1), dtype=np.int8)),
            fingerprint_array("UInt8", long),
-           Fingerprint("Int4", (6,), nbytes=3).add_run(0, b"\x12\x34\x56").hexdigest()]
+           Fingerprint(OPAQUE, (6,), nbytes=3).add_run(0, b"\x12\x34\x56").hexdigest()]
     assert got[:4] == [reference_hexdigest("Float32", (3, 4), np.arange(12, dtype=np.float32).tobytes()),
                        reference_hexdigest("BFloat16", (10,), dtypes.float32_to_bf16(
                            np.linspace(-1, 1, 10, dtype=np.float32)).tobytes()),
@@ -392,8 +395,8 @@ def test_misuse_is_refused():
     with pytest.raises(ValueError):
         f.merge(Fingerprint("Float32", (16,)))
     with pytest.raises(ValueError):
-        Fingerprint("Int4", (8,))
+        Fingerprint(OPAQUE, (8,))
     with pytest.raises(ValueError):
-        Fingerprint("Int4", (8,), nbytes=4).add_box(((0, 8),), bytes(4))
+        Fingerprint(OPAQUE, (8,), nbytes=4).add_box(((0, 8),), bytes(4))
     with pytest.raises(ValueError):
         Fingerprint("Float99", (2,))

@@ -263,8 +263,6 @@ class CheckpointReader(RecordWalk, PositionedReader):
         if problem:  # e.g. zero-size dims beside 2**62: no array can have them, whatever the data size
             raise self._error(f"parameter {quoted(tag)}: dims {_brief_dims(dims)}: {problem}")
         shape = dims
-        if dt.storage is None:  # packed Int4: carried, not checked element-wise
-            return TensorEntry(tag, dtype, shape, stored, pieces, KIND_TENSOR, extra=extra).finish()
         want = prod(shape) * dt.itemsize
         if shape == (0,) and stored == dt.itemsize:
             shape, want = (), dt.itemsize  # MindSpore reads dims [0] as a scalar

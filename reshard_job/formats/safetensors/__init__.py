@@ -19,9 +19,11 @@ whatever consumes our output, so accepting it here would only move the failure.
 MindSpore flavour (spec: checkpoint-format §10): ``save_checkpoint(format="safetensors")`` goes
 through ``safetensors.numpy.save_file`` and adds ``__metadata__`` entries: ``"format": "ms"``,
 optionally ``"remove_redundancy"``, ``"crc_num"`` (zlib CRC32 chained over every tensor in sorted
-name order, first the UTF-8 name, then the raw bytes) and ``"<name>": "Int4"`` for each qint4x2
-tensor. The reader turns such a marker into dtype ``Int4`` (opaque bytes, copied whole, never
-sliced) and checks ``crc_num`` when asked to.
+name order, first the UTF-8 name, then ``bytes()`` of its numpy array: the raw bytes, except that a
+0-d integer holding ``n`` counts as ``n`` zero bytes, see ``formats.crc32``) and ``"<name>": "Int4"``
+for each qint4x2 tensor. The reader turns such a marker into dtype ``Int4`` (one byte, two 4-bit
+values, per element of the stored shape: sliced like Int8, see ``core.dtypes``) and checks
+``crc_num`` when asked to.
 
 Writing: why declare-then-stream. The header, which holds every tensor's offsets, precedes the
 data, so the complete list of tensors (names, dtypes, shapes) must be known before the first data

@@ -24,6 +24,7 @@ from reshard_job.formats.tensorfile import PositionedReader, TensorEntry
 if TYPE_CHECKING:
     import numpy as np
 
+from reshard_job.formats.crc32 import crc32_combine, hashed_as_count, scalar_crc_part
 from reshard_job.formats.safetensors.header import CRC_KEY, FORMAT_KEY, INT4_MARK, MAX_HEADER_BYTES, METADATA_KEY
 
 
@@ -282,7 +283,7 @@ class SafetensorsReader(PositionedReader):
         for begin, _, name, code, shape, nbytes in rows:
             self._names.append(name)
             self._codes.append(code)
-            # packed qint4x2: the bytes were validated under their stored code; carried opaque
+            # qint4x2: validated under its stored code (I8, one byte per element); typed Int4 again
             self._dtypes.append(INT4_MARK if marks and marks.get(name) == INT4_MARK else names[code])
             self._shapes.append(shape)
             self._begin.append(begin)
@@ -319,11 +320,27 @@ class SafetensorsReader(PositionedReader):
             raise self._error(f"metadata {CRC_KEY} {text!r} is not a CRC32 value")
         return int(text)
 
+    def scalar_crc_parts(self) -> dict[str, tuple[int, int]]:
+        """name -> (crc32, length) of what crc_num hashes for each 0-d integer tensor: its value
+        as a count of zero bytes (see ``formats.crc32``); refuses a value MindSpore cannot hash."""
+        out = {}
+        for i, name in enumerate(self._names):
+            if hashed_as_count(self._codes[i], self._shapes[i]):
+                try:
+                    out[name] = scalar_crc_part(self._codes[i], self.read_raw(name))
+                except ValueError as e:
+                    raise self._error(f"tensor {name!r}: {CRC_KEY} cannot be checked: {e}") from None
+        return out
+
     def compute_crc(self) -> int:
-        """MindSpore's crc_num over the tensors as stored: sorted names, each name then its bytes."""
+        """MindSpore's crc_num over the tensors: sorted names, each name then ``bytes()`` of its array."""
+        scalars = self.scalar_crc_parts()
         crc = 0
         for name in sorted(self.entries):
             crc = zlib.crc32(name.encode("utf-8"), crc)
+            if name in scalars:
+                crc = crc32_combine(crc, *scalars[name])
+                continue
             for block in self.iter_content(name):
                 crc = zlib.crc32(block, crc)
         return crc

@@ -15,7 +15,7 @@ import numpy as np
 from reshard_job.errors import LayoutError
 import reshard_job.core.dtypes as dtypes
 from reshard_job.formats.base import TensorDecl, WrittenFile
-from reshard_job.formats.crc32 import chain_crc
+from reshard_job.formats.crc32 import chain_crc, hashed_as_count, scalar_crc_part
 from reshard_job.formats.safetensors.header import (CRC_KEY, CRC_WIDTH, DTYPE_RANK, INT4_MARK, MAX_HEADER_BYTES,
                                                     METADATA_KEY, DeclaredTensor, header_json, header_metadata,
                                                     resolve_dtype)
@@ -31,6 +31,8 @@ class TensorSink:
         self.written = 0
         self._hash = hashlib.sha256()
         self._crc = 0
+        # a 0-d integer enters crc_num by its value (formats.crc32): keep its few bytes
+        self._scalar = bytearray() if hashed_as_count(decl.code, decl.shape) else None
 
     def write(self, data) -> None:
         if self._w._open_sink is not self:
@@ -42,6 +44,8 @@ class TensorSink:
         self._hash.update(mv)
         if self._w._track_crc:
             self._crc = zlib.crc32(mv, self._crc)
+            if self._scalar is not None:
+                self._scalar += mv
         self._w._file.write(mv)
         self.written += len(mv)
 
@@ -51,7 +55,7 @@ class TensorSink:
         if self.written != self.total:
             raise ValueError(f"parameter {self.name!r}: got {self.written} of {self.total} bytes")
         digest = self._hash.hexdigest()
-        self._w._tensor_done(self.name, digest, self._crc)
+        self._w._tensor_done(self.name, digest, self._crc, self._scalar)
         return digest
 
 
@@ -178,7 +182,7 @@ class SafetensorsWriter:
         elif len(self._pending) == len(self._decls):
             # everything is in memory: the CRC can be computed before the header is written
             for name, (data, _) in self._pending.items():
-                self._crcs[name] = (zlib.crc32(data), len(data))
+                self._crcs[name] = self._crc_part(name, zlib.crc32(data), data)
             header = self._header(order, str(chain_crc(self._crcs)))
             self._crcs.clear()  # recomputed while the data is written, like any other tensor
             crc_mode = "exact"
@@ -203,9 +207,22 @@ class SafetensorsWriter:
         self._file.write(header)
 
     # --- tensors --------------------------------------------------------------------------------
-    def _tensor_done(self, name: str, digest: str, crc: int) -> None:
+    def _crc_part(self, name: str, crc: int, data) -> tuple[int, int]:
+        """(crc32, length) of what MindSpore's crc_num hashes for this tensor: its bytes, or the
+        value of a 0-d integer as a count of zero bytes (formats.crc32)."""
+        decl = self._decls[name]
+        if not hashed_as_count(decl.code, decl.shape):
+            return crc, decl.nbytes
+        try:
+            return scalar_crc_part(decl.code, bytes(data))
+        except ValueError as e:
+            raise LayoutError(f"{self.path}: parameter {name!r}: cannot write {CRC_KEY}: {e}; "
+                              f"write without crc") from None
+
+    def _tensor_done(self, name: str, digest: str, crc: int, scalar) -> None:
         self.tensors[name] = digest
-        self._crcs[name] = (crc, self._decls[name].nbytes)
+        if self._track_crc:
+            self._crcs[name] = self._crc_part(name, crc, scalar)
         self._open_sink = None
         self._next += 1
 

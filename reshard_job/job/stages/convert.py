@@ -8,7 +8,8 @@ the lineage record name is what the outputs were made from.
 
 Units of output. Each output file is journaled under an integer key: the target rank, or for an
 export (``target.format=safetensors_index``) the file's number: shards ``0..n-1`` (written by rank
-tasks whose ``part`` is that number) and the index ``n`` (written here once every shard is done).
+tasks whose ``part`` is that number), MindSpore's ``param_name_map.json`` ``n + 1`` when there are
+several shards, and the index ``n`` (both written here once every shard is done, the index last).
 Every export file belongs to target rank 0, the one full rank, and is recorded so in the manifest
 (``rank`` 0, ``part`` the key) and in lineage. Manifest entries name each file relative to the
 output directory (``file``), so a moved directory still verifies whatever its layout.
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field, replace
 
 from reshard_job import __version__
 from reshard_job.sources.open_files import current_identity, same_identity
-from reshard_job.formats.hf_index import EXPORT_METADATA, INDEX_FILE
+from reshard_job.formats.hf_index import EXPORT_METADATA, INDEX_FILE, PARAM_NAME_MAP_FILE
 from reshard_job.formats.registry import suffix_of
 from reshard_job.lineage.file_records import FileRecord
 from reshard_job.plan.model import Plan
@@ -75,6 +76,8 @@ def unit_paths(prepared: Prepared, out_dir: str, prefix: str, fmt: str, storage)
                             storage)
     paths = {i: storage.join(out_dir, shard.file_name) for i, shard in enumerate(layout.shards)}
     paths[len(layout.shards)] = storage.join(out_dir, INDEX_FILE)
+    if layout.param_name_map_bytes() is not None:  # several shards: MindSpore's unified loader needs it
+        paths[len(layout.shards) + 1] = storage.join(out_dir, PARAM_NAME_MAP_FILE)
     return paths
 
 
@@ -99,11 +102,22 @@ def rank_tasks(prepared: Prepared, paths: dict[int, str], options: WriteOptions,
     return [task(rp, paths[rp.target_rank], None, options) for rp in prepared.plan.ranks if rp.target_rank in paths]
 
 
-def write_export_index(prepared: Prepared, paths: dict[int, str], storage) -> tuple[int, str, int, str]:
-    """Write an export's model.safetensors.index.json (after its shards); (key, path, size, sha256)."""
+def write_export_documents(prepared: Prepared, paths: dict[int, str], storage) -> list[tuple[int, str, int, str]]:
+    """Write an export's param_name_map.json (several shards), then model.safetensors.index.json,
+    last, after the shards (a folder without the index is incomplete); (key, path, size, sha256) each."""
     key = len(prepared.export.shards)
-    size, sha = storage.write_bytes(paths[key], prepared.export.index_bytes(), mode=0o444)
-    return key, paths[key], size, sha
+    documents = [(key + 1, prepared.export.param_name_map_bytes()), (key, prepared.export.index_bytes())]
+    out = []
+    for k, data in documents:
+        if data is not None:
+            size, sha = storage.write_bytes(paths[k], data, mode=0o444)
+            out.append((k, paths[k], size, sha))
+    return out
+
+
+def write_export_index(prepared: Prepared, paths: dict[int, str], storage) -> tuple[int, str, int, str]:
+    """``write_export_documents``; (key, path, size, sha256) of the index."""
+    return write_export_documents(prepared, paths, storage)[-1]
 
 
 def convert(spec: JobSpec, prepared: Prepared, out: OutputDir, digests: SourceDigests,
@@ -143,7 +157,7 @@ def _convert_into(spec: JobSpec, prepared: Prepared, out: OutputDir, digests: So
                  "files" if prepared.export is not None else "ranks", sorted(kept))
     written = {r: _entry_as_file(out, e) for r, e in kept.items()}
     _run_ranks(spec, prepared, out, digests, paths, kept, written, choice)
-    if prepared.export is not None and len(prepared.export.shards) not in kept:
+    if prepared.export is not None and any(k not in kept for k in paths if k >= len(prepared.export.shards)):
         _journal_index(prepared, out, paths, written)
     _check_sources_unchanged(prepared, digests)
     return _finish(spec, prepared, out, digests, fingerprint, strategy_out, written, recorder, choice.files)
@@ -284,8 +298,8 @@ def _journal(out: OutputDir, written: dict, key: int, path: str, size: int, sha2
 
 
 def _journal_index(prepared: Prepared, out: OutputDir, paths: dict[int, str], written: dict) -> None:
-    key, path, size, sha = write_export_index(prepared, paths, out.storage)
-    _journal(out, written, key, path, size, sha, {})
+    for key, path, size, sha in write_export_documents(prepared, paths, out.storage):
+        _journal(out, written, key, path, size, sha, {})
 
 
 def _check_sources_unchanged(prepared: Prepared, digests: SourceDigests) -> None:
@@ -334,7 +348,9 @@ def _export_section(prepared: Prepared) -> dict:
     layout = prepared.export
     if layout is None:
         return {}
-    return {"export": {"index": INDEX_FILE, "max_shard_size": layout.max_shard_size, "total_size": layout.total_size,
+    extra = {"param_name_map": PARAM_NAME_MAP_FILE} if layout.param_name_map_bytes() is not None else {}
+    return {"export": {"index": INDEX_FILE, **extra, "max_shard_size": layout.max_shard_size,
+                       "total_size": layout.total_size,
                        "shards": [s.file_name for s in layout.shards],
                        "left_out": [{"name": n, "reason": why} for n, why in layout.left_out]}}
 

@@ -168,6 +168,7 @@ def _check_crcs(reader, digest: FileDigest) -> None:
         parts = {name: (crc, n) for (_, n, name), crc in zip(_tensor_spans(reader), digest.crcs)}
         for name in reader.entries:  # empty tensors have no bytes: CRC 0 over 0 bytes
             parts.setdefault(name, (0, 0))
+        parts.update(reader.scalar_crc_parts())  # a 0-d integer is hashed as its value in zero bytes
         computed = chain_crc(parts)
         if computed != reader.stored_crc():
             raise FormatError(reader.path, f"CRC32 mismatch: metadata crc_num says {reader.stored_crc()}, the tensors "

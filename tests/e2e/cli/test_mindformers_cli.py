@@ -152,6 +152,11 @@ def test_export_is_journaled_verified_resumed_and_converts_back_to_the_saved_lay
     assert [f["part"] for f in files] == list(range(len(on_disk)))
     for f in files:
         assert hashlib.sha256(Path(f["path"]).read_bytes()).hexdigest() == f["sha256"]
+    # MindSpore's load_distributed_checkpoint(unified_safetensors_dir=exp) needs this beside several shards
+    assert manifest["target"]["export"]["param_name_map"] == "param_name_map.json"
+    name_map = json.loads((exp / "param_name_map.json").read_text())
+    assert name_map == json.loads((exp / "model.safetensors.index.json").read_text())
+    assert files[-1]["file"] == "param_name_map.json"  # listed and hashed like the other outputs
     outputs = events(tmp_path / "runs" / "lineage.db", "output")
     assert sorted(p for role, rank, p in outputs if role == "target_checkpoint" and rank == 0) == sorted(
         str(exp / n) for n in on_disk)

@@ -103,6 +103,50 @@ def test_safetensors_crc_num_is_checked(tmp_path, app):
     assert_nothing_recorded(tmp_path / "flipped", _db(second), error)
 
 
+def _mindspore_crc_num(arrays: dict) -> int:
+    """MindSpore's safetensors crc_num: sorted names, each name then bytes(array) (for a 0-d integer
+    array holding n, numpy's bytes() gives n zero bytes)."""
+    import zlib
+
+    crc = 0
+    for name in sorted(arrays):
+        crc = zlib.crc32(bytes(arrays[name]), zlib.crc32(name.encode("utf-8"), crc))
+    return crc
+
+
+def test_mindspore_crc_num_with_step_counters_converts_and_is_written_as_mindspore_checks_it(tmp_path, app):
+    """Training saves carry 0-d int64 epoch_num/step_num; MindSpore's crc_num hashes them as their
+    value in zero bytes. Such files, made by the safetensors library as MindSpore's save does, are
+    accepted, and the crc_num of our outputs is what MindSpore's load(crc_check=True) recomputes."""
+    import numpy as np
+    import safetensors.numpy as stnp
+
+    from reshard_job.formats.ckpt import CheckpointReader
+
+    st = tmp_path / "st"
+    for rank in range(8):
+        with CheckpointReader(S1 / "src_checkpoints" / f"rank_{rank}" / f"checkpoint_{rank}.ckpt") as r:
+            arrays = {n: r.read(n) for n in r.names() if r.entries[n].dtype != "BFloat16"}
+        arrays.update(epoch_num=np.array(2, np.int64), step_num=np.array(1000, np.int64))
+        (st / f"rank_{rank}").mkdir(parents=True)
+        stnp.save_file(arrays, str(st / f"rank_{rank}" / f"checkpoint_{rank}.safetensors"),
+                       metadata={"format": "ms", "crc_num": str(_mindspore_crc_num(arrays))})
+    out = tmp_path / "out"
+    res = app(tmp_path, f"source.checkpoints={st}", f"source.strategy={S1 / 'src_strategy.ckpt'}", "target=strategy",
+              f"target.strategy={S1 / 'dst_strategy.ckpt'}", "target.format=safetensors", "target.crc=true",
+              f"output.dir={out}")
+    assert res.returncode == 0, res.stderr
+    outputs = sorted(out.glob("rank_*/*.safetensors"))
+    assert len(outputs) == 4
+    for path in outputs:
+        back = stnp.load_file(str(path))
+        assert back["step_num"] == 1000
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            meta = json.loads(f.read(n))["__metadata__"]
+        assert int(meta["crc_num"]) == _mindspore_crc_num(back)
+
+
 def test_a_garbled_crc_num_is_refused(tmp_path, app):
     st, args = _safetensors_sources(tmp_path)
     victim = st / "rank_1" / "checkpoint_1.safetensors"  # a rank the plan reads

@@ -22,7 +22,7 @@ from reshard_job.errors import ConfigError, FormatError, PlanError
 from reshard_job.sources.open_files import SourceFiles
 from reshard_job.execute.rank_task import execute_rank
 from reshard_job.execute.export import export_safetensors
-from reshard_job.formats.hf_index import INDEX_FILE
+from reshard_job.formats.hf_index import INDEX_FILE, PARAM_NAME_MAP_FILE
 from reshard_job.plan.export_shards import is_training_state, natural_key, parse_shard_size, plan_export, shard_file_name
 from reshard_job.sources.export_folder import open_export, read_index
 from reshard_job.formats.ckpt import CheckpointReader
@@ -169,7 +169,7 @@ def test_export_loads_and_its_index_is_valid(scenario, tmp_path):
     bound = 16_000
     with src.sources() as sources:
         result = export_safetensors(rp, sources, tmp_path, max_shard_size=bound, include="all")
-    shard_names = sorted(n for n in os.listdir(tmp_path) if n != INDEX_FILE)
+    shard_names = sorted(n for n in os.listdir(tmp_path) if n not in (INDEX_FILE, PARAM_NAME_MAP_FILE))
     count = len(shard_names)
     assert count >= 3 and shard_names == [shard_file_name(i + 1, count) for i in range(count)]
     for wf in result.files:  # what was reported is what is on disk
@@ -193,6 +193,29 @@ def test_export_loads_and_its_index_is_valid(scenario, tmp_path):
     assert index["metadata"]["total_size"] == sum(data_bytes(str(tmp_path / n)) for n in shard_names)
     assert index["metadata"]["total_size"] == sum(p.nbytes for p in rp.params)
     assert read_index(tmp_path) == weight_map
+    assert_mindspore_name_map(tmp_path, result, weight_map, index["metadata"]["total_size"])
+
+
+def assert_mindspore_name_map(folder: Path, result, weight_map: dict, total_size: int) -> None:
+    """param_name_map.json as MindSpore's unified_safetensors writes it and its unified loader reads it:
+    the object's "weight_map" maps every tensor to the shard in the folder that holds it."""
+    raw = (folder / PARAM_NAME_MAP_FILE).read_bytes()
+    doc = json.loads(raw)
+    assert doc == {"metadata": {"total_size": total_size}, "weight_map": weight_map}
+    assert raw == json.dumps(doc, indent=4).encode()  # four-space indent, no final newline
+    assert list(doc["weight_map"].values()) == sorted(doc["weight_map"].values())  # in shard order
+    for name, file_name in doc["weight_map"].items():  # the loader's lookup: the file, then the name in it
+        with safe_open(str(folder / file_name), framework="numpy") as f:
+            assert name in f.keys()
+    assert result.param_name_map.path == str(folder / PARAM_NAME_MAP_FILE) and result.param_name_map in result.files
+
+
+def test_one_shard_has_no_name_map_as_mindspore_maps_a_lone_file_itself(tmp_path):
+    src, rp = full_plan_of(M1B)
+    with src.sources() as sources:
+        result = export_safetensors(rp, sources, tmp_path, include="all")
+    assert len(result.shards) == 1 and result.param_name_map is None
+    assert sorted(os.listdir(tmp_path)) == sorted([INDEX_FILE, shard_file_name(1, 1)])
 
 
 def test_export_values_load_with_the_safetensors_library(tmp_path):

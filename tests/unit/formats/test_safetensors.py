@@ -257,6 +257,10 @@ def test_plain_safetensors_has_no_format_key(tmp_path):
 @given(spec=tensor_sets, data=st.data(), pieces=st.integers(1, 4), crc=st.booleans())
 def test_hypothesis_round_trip_with_boxes(tmp_path, spec, data, pieces, crc):
     tensors = {n: (d, raw_array(d, s, i)) for i, (n, (d, s)) in enumerate(spec.items())}
+    if crc and not _crc_hashable(tensors):  # MindSpore's crc_num has no value for these (test_safetensors_crc)
+        with pytest.raises(LayoutError, match="cannot write crc_num"):
+            stream_ours(tmp_path / "rt.safetensors", tensors, pieces=pieces, crc=crc)
+        return
     res = stream_ours(tmp_path / "rt.safetensors", tensors, pieces=pieces, crc=crc)
     with SafetensorsReader(res.path) as r:
         assert r.has_crc == (crc and bool(tensors))
@@ -272,6 +276,12 @@ def test_hypothesis_round_trip_with_boxes(tmp_path, spec, data, pieces, crc):
             assert got.shape == want.shape and got.tobytes() == want.tobytes()
 
 
+def _crc_hashable(tensors) -> bool:
+    """False when a 0-d integer holds a value numpy's bytes() refuses (negative, or past 2**63-1)."""
+    return all(arr.shape != () or not dtype.startswith(("Int", "UInt")) or 0 <= int(arr) < 2**63
+               for dtype, arr in tensors.values())
+
+
 def _align(dtype: str) -> int:
     return list(WRITABLE).index(dtype)
 
@@ -280,7 +290,7 @@ def _range(n: int):
     return st.integers(0, n).flatmap(lambda a: st.integers(a, n).map(lambda b: (a, b)))
 
 
-def test_int4_is_carried_as_marked_bytes(tmp_path):
+def test_int4_is_marked_bytes_one_per_stored_element(tmp_path):
     packed = np.arange(12, dtype=np.int8).reshape(3, 4)
     with SafetensorsWriter(tmp_path / "q.safetensors", crc=True) as w:
         w.add("w_q", packed, "Int4")
@@ -290,8 +300,8 @@ def test_int4_is_carried_as_marked_bytes(tmp_path):
         assert r["w_q"].dtype == "Int4" and r["w_q"].shape == (3, 4)
         assert r["w_q"].extra["safetensors_dtype"] == "I8"
         assert r.read_raw("w_q") == packed.tobytes()
-        with pytest.raises(LayoutError):
-            r.read_box("w_q", ((0, 1), (0, 4)))  # packed: copied whole, never sliced
+        # each stored element is one byte (two 4-bit values): boxes of the stored shape are whole bytes
+        assert r.read_box("w_q", ((1, 3), (2, 4))).tobytes() == packed[1:3, 2:4].tobytes()
     with safetensors.safe_open(w.result.path, framework="np") as f:  # the library sees an int8 tensor
         assert np.array_equal(f.get_tensor("w_q"), packed)
 
