@@ -30,8 +30,8 @@ it is not read again; the digest cache is not trusted), and the tensors the sour
 several of those files hold identically (replicas of one block) are compared by content, as the
 job compares them; the rank reads one copy, by default the others are not looked at. It costs a read of every file the rank touches, which is why it is not the default.
 
-Arrays come back in their own dtype; bfloat16 as ``ml_dtypes.bfloat16``; a packed dtype that numpy
-has no type for (Int4) as its raw bytes (uint8). A ``.ckpt``'s string entries are not tensors and
+Arrays come back in their own dtype; bfloat16 as ``ml_dtypes.bfloat16``; qint4x2 (Int4) as int8 of
+its stored shape (two 4-bit values per byte); a dtype numpy has no type for as its raw bytes (uint8). A ``.ckpt``'s string entries are not tensors and
 are left out. ``iter_rank`` yields ``(name, array)`` a few parameters at a time, for a rank that
 does not want everything in memory at once. ``to_mindspore_parameters`` turns the arrays into
 ``mindspore.Parameter``s for ``load_param_into_net`` (MindSpore is imported there only).
@@ -117,7 +117,7 @@ def _typed(raw: np.ndarray, dtype: str, dims) -> np.ndarray:
     """Raw little-endian bytes as an array of the tensor's dtype and shape."""
     dt = dtypes.BY_NAME[dtype]
     if not dt.sliceable:
-        return raw  # packed (Int4): numpy has no type for it
+        return raw  # an opaque dtype: numpy has no type for it
     if dt.name == "BFloat16":
         import ml_dtypes
 
