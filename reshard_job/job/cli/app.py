@@ -11,7 +11,6 @@ imported when first used.
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 
@@ -33,11 +32,18 @@ def main() -> None:
 
         emit(f"reshard_job {__version__}")
         return
+    from reshard_job.job.cli.help import help_text, wants_help
+
+    if wants_help(sys.argv[1:]):  # answered from the schema, before Hydra and OmegaConf are imported
+        emit(help_text(conf_dir()))
+        return
     with startup_gc.paused_for_startup():
         _run_hydra()
 
 
 def _run_hydra() -> None:
+    import logging
+
     from reshard_job.job.run.signals import Interrupted, interruptible, raise_pending
 
     logging.raiseExceptions = False  # a log line to a closed pipe must not print a traceback
