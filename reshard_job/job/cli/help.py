@@ -3,15 +3,17 @@
 The meanings are the schema's own (``setting(default, meaning)`` in ``job.config.schema``), so the
 help and the schema cannot tell different stories. It is answered before Hydra, OmegaConf or numpy
 are imported (the schema is plain dataclasses; the groups are the preset files' names), so ``--help``
-takes a fraction of a plan run. Hydra's own options stay behind ``--hydra-help``.
+takes a fraction of a plan run. Hydra's own options stay behind ``--hydra-help``. The app imports
+this module before its signal handlers are in place, so it imports next to nothing at its top.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
-import typing
-from typing import Iterator
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import Iterator
 
 HELP_FLAGS = ("--help", "-h")
 
@@ -72,6 +74,9 @@ def schema_keys(schema: type, prefix: str = "") -> Iterator[tuple[str, str, bool
     """(dotted key, meaning, is a top-level section) for every field of the `schema` dataclass and of
     the dataclasses nested in it, depth first; a list of dataclasses gives its items' keys as
     ``key[].field``."""
+    import dataclasses
+    import typing
+
     hints = typing.get_type_hints(schema)
     for f in dataclasses.fields(schema):
         key = f"{prefix}{f.name}"
@@ -83,6 +88,9 @@ def schema_keys(schema: type, prefix: str = "") -> Iterator[tuple[str, str, bool
 
 def _nested_schema(hint) -> tuple[type | None, bool]:
     """(the dataclass a field holds, whether as list items) for X, Optional[X] or List[X]; else None."""
+    import dataclasses
+    import typing
+
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     if dataclasses.is_dataclass(hint):
         return hint, False
