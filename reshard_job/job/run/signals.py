@@ -60,12 +60,12 @@ def interruptible(deferred: bool = False):
         return
     raise_pending()
     previous = {s: signal.getsignal(s) for s in EXIT_CODES}
+    _committed.clear()  # the app or a job begins: a commit of an earlier one in this process is not its own
     waits = None
-    if not deferred:  # a job begins: a stop or a commit of an earlier job of this process is not its own
+    if not deferred:  # a job begins: nor is a stop asked of an earlier job
         from reshard_job.lineage import waiting as waits
 
         waits.clear_stop()
-        _committed.clear()
 
     def handler(signum, frame):
         if _committed:  # the run is recorded completed: exiting 130 now would contradict it
