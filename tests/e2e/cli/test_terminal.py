@@ -58,4 +58,4 @@ def test_a_terminal_that_reports_no_size_still_gets_its_bars(tmp_path):
     """A bare pseudo-terminal (zero rows, zero columns: some CI runners, ``script``) drew blank lines."""
     returncode, output = run_in_terminal(tmp_path, "output.dir=out", rows=0, columns=0)
     assert returncode == 0, output
-    assert re.search(r"converting: 100%\|█+\| 7\.68M/7\.68M", output), output
+    assert re.search(r"converting: 100%\|█+\|", output), output
