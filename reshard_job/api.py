@@ -133,7 +133,8 @@ def transform_checkpoints(src_checkpoints_dir, dst_checkpoints_dir, ckpt_prefix,
                           unmapped: str = UNMAPPED_OMIT, max_memory: int = DEFAULT_MAX_MEMORY,
                           select: str = "latest_step", iteration: int | None = None,
                           max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
-                          include: str = INCLUDE_WEIGHTS, verify_replicas: bool = True) -> dict[int, WrittenFile]:
+                          include: str = INCLUDE_WEIGHTS, verify_replicas: bool = True,
+                          src_strategy=None, dst_strategy=None) -> dict[int, WrittenFile]:
     """Convert every rank of a distributed checkpoint to the destination layout.
 
     Outputs go to ``<dst>/rank_<r>/<ckpt_prefix><r>.<output_format>``. Returns the written files by
@@ -144,9 +145,13 @@ def transform_checkpoints(src_checkpoints_dir, dst_checkpoints_dir, ckpt_prefix,
     `include`); the result is then keyed by file number: shards 0..n-1, the index n.
     Tensors the source strategy says several ranks hold identically (replicas, tensors it does not
     lay out) are compared by content first; ``verify_replicas=False`` skips that, for checkpoints
-    whose replicas differ on purpose.
+    whose replicas differ on purpose. ``src_strategy``/``dst_strategy`` are other spellings of
+    ``src_strategy_file``/``dst_strategy_file`` (keyword only; giving both of a pair is an error).
     """
     from reshard_job.job.stages.convert import unit_paths
+
+    src_strategy_file = _one_spelling(src_strategy_file, src_strategy, "src_strategy")
+    dst_strategy_file = _one_spelling(dst_strategy_file, dst_strategy, "dst_strategy")
 
     if not isinstance(ckpt_prefix, str):
         raise TypeError("ckpt_prefix must be a str")
@@ -159,6 +164,15 @@ def transform_checkpoints(src_checkpoints_dir, dst_checkpoints_dir, ckpt_prefix,
         if prepared.export is not None:
             storage_for(dst_dir).makedirs(dst_dir)
         return _run(prepared, paths, WriteOptions(fmt, max_memory), max(1, int(process_num or 1)))
+
+
+def _one_spelling(value, alias, name: str):
+    """`value` (MindSpore's ``<name>_file``) or its keyword-only alias `name`; not both."""
+    if alias is None:
+        return value
+    if value is not None:
+        raise TypeError(f"give {name}_file or {name}, not both")
+    return alias
 
 
 def transform_checkpoint_by_rank(rank_id, checkpoint_files_map: Mapping[int, str | tuple[str, ...]],
