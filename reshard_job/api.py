@@ -171,8 +171,6 @@ def transform_checkpoint_by_rank(rank_id, checkpoint_files_map: Mapping[int, str
     The output format follows the file name (``.ckpt`` or ``.safetensors``). For a MindFormers
     save, a rank maps to a file or a tuple of files of one iteration folder (module docstring).
     """
-    from reshard_job.job.stages.prepare import prepare_from
-
     if not isinstance(rank_id, int) or isinstance(rank_id, bool):
         raise TypeError("rank_id must be an int")
     if not isinstance(checkpoint_files_map, Mapping):
@@ -187,14 +185,23 @@ def transform_checkpoint_by_rank(rank_id, checkpoint_files_map: Mapping[int, str
             info = storage_for(p).info(p)
             if info is None or not info.is_file:
                 raise ConfigError(f"checkpoint file of source rank {r} not found: {p}")
+    with _prepare_by_rank(rank_id, files, src_strategy_file, dst_strategy_file, unmapped=unmapped,
+                          verify_replicas=verify_replicas) as prepared:
+        return _run(prepared, {rank_id: name}, WriteOptions(fmt, max_memory))[rank_id]
+
+
+def _prepare_by_rank(rank_id: int, files: dict[int, tuple[str, ...]], src_strategy_file, dst_strategy_file, *,
+                     unmapped: str, verify_replicas: bool = True):
+    """Sources, strategies and plan of one destination rank from the given files (rank -> paths)."""
+    from reshard_job.job.stages.prepare import prepare_from
+
     reader = reader_for_files(files, src_strategy_file)
     if isinstance(reader, MindFormersFolder):  # its layouts come from its metadata.json
         source, target = _specs(None, dst_strategy_file, src_dir=reader.root, unmapped=unmapped)
     else:
         source, target = _specs(src_strategy_file, dst_strategy_file, unmapped=unmapped,
                                 verify_replicas=verify_replicas)
-    with prepare_from(reader, reader.discover(source), source, target, ranks=(rank_id,)) as prepared:
-        return _run(prepared, {rank_id: name}, WriteOptions(fmt, max_memory))[rank_id]
+    return prepare_from(reader, reader.discover(source), source, target, ranks=(rank_id,))
 
 
 def mindformers_rank_files(src_checkpoints_dir, iteration: int | None = None) -> dict[int, tuple[str, ...]]:
@@ -220,7 +227,8 @@ def rank_list_for_transform(rank_id, src_strategy_file=None, dst_strategy_file=N
     by one of its replicas only: a list from strategies alone may then name files that lack the
     slices. Give the save (``src_checkpoints_dir``, or a MindFormers folder as
     `src_strategy_file`, whose metadata.json records where each shard is stored) and the list
-    names the ranks whose files hold the needed slices, as the conversion reads them; with
+    names the ranks whose files hold the needed slices, as the conversion reads them (plus any
+    rank our ``transform_checkpoint_by_rank`` asks for when given only those files); with
     ``minimal=False`` MindSpore's list is added to it.
     """
     if not isinstance(rank_id, int) or isinstance(rank_id, bool):
@@ -262,7 +270,26 @@ def _ranks_read(rank_id: int, src_checkpoints_dir, src_strategy_file, dst_strate
     with prepared:
         if prepared.missing:
             raise MissingRankError(prepared.missing, prepared.source.checkpoints or "")
-        return plan.rank(rank_id).source_ranks
+        ranks = set(plan.rank(rank_id).source_ranks)
+        paths = (prepared.every_file or prepared.found).files
+    return _enough_by_rank(rank_id, ranks, paths, src_strategy_file, dst_strategy_file, unmapped)
+
+
+def _enough_by_rank(rank_id: int, ranks: set[int], paths: Mapping, src_strategy_file, dst_strategy_file,
+                    unmapped: str) -> list[int]:
+    """`ranks`, plus any rank ``transform_checkpoint_by_rank`` asks for given only their files.
+
+    Given some files only, the per-rank conversion takes a slice from the rank MindSpore reads it
+    from whenever that rank's file is absent (it may hold it), even when a file at hand holds the
+    same slice: such ranks are added, so that the list's files alone always convert the rank."""
+    for _ in range(len(paths)):
+        files = {r: tuple(files_of(paths[r])) for r in sorted(ranks)}
+        with _prepare_by_rank(rank_id, files, src_strategy_file, dst_strategy_file, unmapped=unmapped) as prepared:
+            wanted = set(prepared.missing) & set(paths)
+        if not wanted - ranks:
+            break
+        ranks |= wanted
+    return sorted(ranks, reverse=True)
 
 
 def _source_topology(src_strategy: str):
