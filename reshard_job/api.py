@@ -218,9 +218,10 @@ def rank_list_for_transform(rank_id, src_strategy_file=None, dst_strategy_file=N
 
     ``minimal=True`` (default): the ranks the plan reads, plus per source stage read from the rank
     that parameters outside the strategies are copied from. Enough for our
-    ``transform_checkpoint_by_rank``, and a subset of MindSpore's list, which MindSpore's own
-    ``transform_checkpoint_by_rank`` requires in full ("The checkpoint file of rank N is
-    missing"). ``minimal=False``: MindSpore 2.10's list exactly (``plan.mindspore_rank_list``).
+    ``transform_checkpoint_by_rank``, and within MindSpore's list (``plan.rank_list`` says where
+    not), which MindSpore's own ``transform_checkpoint_by_rank`` requires in full ("The
+    checkpoint file of rank N is missing"). ``minimal=False``: MindSpore 2.10's list exactly
+    (``plan.mindspore_rank_list``), quirks included.
 
     Strategies cannot tell a redundancy-removed save (``save_checkpoint(...,
     remove_redundancy=True)``, MindFormers' ``save_remove_redundancy``), where each slice is stored

@@ -98,6 +98,8 @@ def _flat_layout(pl: ParamLayout, origin: list[int], name: str) -> FlatLayout:
     used = {len(dev) - 1 - a for axes in entries for a in axes}
     repeated = [p for p in range(len(dev)) if p not in used and dev[p] > 1]
     where = f"parameter {quoted(name)}"
+    if not repeated and k == 1:  # one optimizer shard is no sharding (MindSpore would raise here)
+        return _expand(dev, entries, shape)
     if not repeated:
         raise PlanError(f"{where}: device matrix {bounded_list(dev)} has no replicated axis for its optimizer sharding")
     if len(repeated) == 1 and prod(dev[repeated[0] + 1:]) != step:
@@ -251,5 +253,7 @@ def mindspore_source_ranks(src: Topology, dst: Topology | None, rank_id: int) ->
         if key not in seen:
             seen.add(key)
             local |= needed_local_ranks(s_layout, t_layout, r, F, name)
+            if len(local) >= F:  # every rank of the stage already: the rest cannot add any
+                break
     stages = {s for _, per in src_list.values() for s in per}
     return sorted({s * F + x for s in stages for x in local}, reverse=True)
