@@ -33,7 +33,7 @@ from __future__ import annotations
 import os
 from typing import Mapping
 
-from reshard_job.errors import ConfigError, MissingRankError
+from reshard_job.errors import ConfigError, MissingRankError, PlanError
 from reshard_job.execute.rank_task import DEFAULT_MAX_MEMORY
 from reshard_job.plan.export_shards import DEFAULT_MAX_SHARD_SIZE, INCLUDE_WEIGHTS, parse_shard_size
 from reshard_job.formats.base import WrittenFile
@@ -240,18 +240,24 @@ def rank_list_for_transform(rank_id, src_strategy_file=None, dst_strategy_file=N
     if src_checkpoints_dir is not None or (mf_folder is not None and mf_folder.save.deduplicated):
         ranks = set(_ranks_read(rank_id, src_checkpoints_dir, src_strategy_file, dst_strategy_file, mf_folder,
                                 unmapped))
-        if minimal:
-            return sorted(ranks, reverse=True)
-        if src_topology is None:
-            src_topology = _source_topology(absolute(src_checkpoints_dir))[0] if MindFormersFolder.detect(
-                absolute(src_checkpoints_dir)) else None
-        if src_topology is not None:
-            ranks |= set(mindspore_source_ranks(src_topology, _dst_topology(dst_strategy_file), rank_id))
+        if not minimal:
+            ranks |= set(_mindspore_list(rank_id, src_topology, src_checkpoints_dir, dst_strategy_file))
         return sorted(ranks, reverse=True)
     dst = _dst_topology(dst_strategy_file)
     if not minimal:
         return mindspore_source_ranks(src_topology, dst, rank_id)
     return source_ranks_for(src_topology, dst, rank_id, unmapped=unmapped)
+
+
+def _mindspore_list(rank_id: int, src_topology, src_checkpoints_dir, dst_strategy_file) -> list[int]:
+    """MindSpore's list next to a save: from the source strategy, or a MindFormers save's layouts;
+    [0] without either, as MindSpore answers without a source strategy."""
+    if src_topology is None and src_checkpoints_dir is not None and MindFormersFolder.detect(
+            absolute(src_checkpoints_dir)):
+        src_topology = _source_topology(absolute(src_checkpoints_dir))[0]
+    if src_topology is None:
+        return [0]
+    return mindspore_source_ranks(src_topology, _dst_topology(dst_strategy_file), rank_id)
 
 
 def _dst_topology(dst_strategy_file):
@@ -262,6 +268,9 @@ def _ranks_read(rank_id: int, src_checkpoints_dir, src_strategy_file, dst_strate
                 unmapped: str) -> list[int]:
     """The source ranks the conversion of `rank_id` reads, planned from the checkpoints themselves
     (the job's own sources and plan: a slice is read from whichever file holds it)."""
+    if dst_strategy_file is None and rank_id != 0:
+        raise PlanError(f"target rank {rank_id} is outside 0..0 (without a target strategy the one target rank "
+                        "holds the whole model)")
     if mf_folder is not None:  # its metadata.json is the strategy and the map of the files
         src_checkpoints_dir, src_strategy_file = mf_folder.root, None
     elif MindFormersFolder.detect(absolute(src_checkpoints_dir)):

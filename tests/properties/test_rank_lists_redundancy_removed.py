@@ -78,3 +78,16 @@ def test_mindformers_metadata_records_where_each_shard_is_stored(tmp_path):
     # model.wo.weight's column block 0 is stored by rank 2 only (dedup_writer), which a list from
     # the layouts alone (MindSpore's replica: rank 0) would not name
     assert 2 in rank_list_for_transform(0, str(folder), dst)
+
+
+def test_the_save_as_source_without_strategies(tmp_path, all_golden_scenarios):
+    """A MindFormers save given as checkpoints alone, and a single unsharded source (S5b): without a
+    target strategy there is one target rank; MindSpore's list without a source strategy is [0]."""
+    write_mf_save(tmp_path / "mf", dedup_params(), stored_by=dedup_writer, world=4)
+    assert rank_list_for_transform(0, None, None, src_checkpoints_dir=tmp_path / "mf") == [3, 2, 1, 0]
+    with pytest.raises(PlanError, match=r"^target rank 1 is outside 0\.\.0 \(without a target strategy"):
+        rank_list_for_transform(1, None, None, src_checkpoints_dir=tmp_path / "mf")
+    sc = next(s for s in all_golden_scenarios if s.name.startswith("S5b_"))
+    for minimal in (True, False):
+        assert rank_list_for_transform(5, None, sc.dst_strategy, src_checkpoints_dir=sc.src_checkpoints,
+                                       minimal=minimal) == [0]
