@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from functools import lru_cache
 from math import prod
 
 from reshard_job.core.strategy_model import ParamLayout
@@ -186,14 +187,17 @@ def _strides(layout: FlatLayout, axes: list[tuple[int, int]]) -> dict[int, int]:
     return out
 
 
-def _ranks_agreeing(r: int, kept: list[tuple[int, int]], varied: list[tuple[int, int]], F: int) -> set[int]:
-    """{s mod F : s agrees with r on every kept axis}, the other axes taking every value."""
+@lru_cache(maxsize=1024)
+def _ranks_agreeing(r: int, kept: tuple[tuple[int, int], ...], varied: tuple[tuple[int, int], ...],
+                    F: int) -> frozenset[int]:
+    """{s mod F : s agrees with r on every kept axis}, the other axes taking every value: as many
+    ranks as the answer may hold, at most the stage's (remembered: layouts share few such splits)."""
     base = sum(((r // w) % z) * w for w, z in kept)
-    return {(base + sum(c * w for c, (w, _) in zip(digits, varied))) % F
-            for digits in itertools.product(*(range(z) for _, z in varied))}
+    return frozenset((base + sum(c * w for c, (w, _) in zip(digits, varied))) % F
+                     for digits in itertools.product(*(range(z) for _, z in varied)))
 
 
-def needed_local_ranks(src: ParamLayout, dst: ParamLayout, r: int, F: int, name: str = "?") -> set[int]:
+def needed_local_ranks(src: ParamLayout, dst: ParamLayout, r: int, F: int, name: str = "?") -> frozenset[int]:
     """The source local ranks MindSpore requires for target local rank `r` of one parameter (§7.3)."""
     if len(src.tensor_map) != len(dst.tensor_map):
         raise PlanError(f"parameter {quoted(name)}: source tensor map {list(src.tensor_map)} and target tensor map "
@@ -207,11 +211,12 @@ def needed_local_ranks(src: ParamLayout, dst: ParamLayout, r: int, F: int, name:
         used = {n - 1 - a for a in f.tmap if a != -1}
         axes = [(weights[p], f.dev[p]) for p in range(n) if f.dev[p] > 1]
         kept = [(weights[p], f.dev[p]) for p in range(n) if f.dev[p] > 1 and p not in used]
-        return _ranks_agreeing(r, kept, [a for a in axes if a not in kept], F)
+        return _ranks_agreeing(r, tuple(kept), tuple(a for a in axes if a not in kept), F)
     axes = [(w, b // w) for w, b in zip(cuts, cuts[1:]) if b // w > 1]
     s_strides, t_strides = _strides(f, axes), _strides(t, axes)
     gathered = {w for w, stride in s_strides.items() if t_strides.get(w) != stride}
-    return _ranks_agreeing(r, [a for a in axes if a[0] not in gathered], [a for a in axes if a[0] in gathered], F)
+    return _ranks_agreeing(r, tuple(a for a in axes if a[0] not in gathered), tuple(a for a in axes if a[0] in gathered),
+                           F)
 
 
 def _target_layout(per_stage: dict[int, ParamLayout], rank_id: int) -> ParamLayout:

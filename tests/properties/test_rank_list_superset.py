@@ -19,7 +19,7 @@ from reshard_job.plan.rank_list import source_ranks_for
 from .test_roundtrip_properties import cases, topology
 
 
-@settings(deadline=None, max_examples=120, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@settings(deadline=None, max_examples=60, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 @given(case=cases(pipeline=True))
 def test_ours_is_within_mindspores(case):
     src, dst = topology(case.src), topology(case.dst)
