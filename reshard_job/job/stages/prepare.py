@@ -212,13 +212,7 @@ def _prepare_mindformers(reader: MindFormersFolder, found: RankFiles, source: So
     strategy = reader.layouts()
     index = reader.index(found)
     tgt = settle_target(target, strategy, index, storage)
-    try:
-        plan, missing = _plan(strategy, tgt, target, index, ranks)
-    except PlanError as e:
-        if not reader.save.deduplicated:
-            raise
-        raise PlanError(f"{e}; this MindFormers save was written with redundancy removal (each shard stored by one "
-                        "rank), which cannot be planned yet") from None
+    plan, missing = _plan(strategy, tgt, target, index, ranks)
     export = _export_layout(target, plan)
     _warn_omitted(plan, missing)
     every_file, found = found, reader.files_read(found, plan)
