@@ -30,6 +30,7 @@ from reshard_job.plan.checks import CHECK_IDENTICAL, CHECK_TARGET, show_block
 from reshard_job.plan.model import (ACTION_COPY, ACTION_FULL, ACTION_RESHARD, UNMAPPED_OMIT, Copy, ParamPlans,
                                     Plan, RankPlan, RankSummary, TensorFacts, ParamSource)
 from reshard_job.plan.patterns import chunk_copy_pattern, copy_pattern, scale_pattern
+from reshard_job.plan.redundancy import stage_owners
 from reshard_job.plan.resolve import Resolver, SourceIndex
 from reshard_job.text import quoted, shorten
 
@@ -71,12 +72,16 @@ class Planner:
         index: SourceIndex,
         *,
         unmapped: str = UNMAPPED_OMIT,
+        remove_redundancy: bool = False,
     ):
         self._shapes: dict[tuple, tuple] = {}  # equal shapes and boxes share one tuple
         resolver = Resolver(src, dst, index, unmapped=unmapped, shapes=self._shapes)
         self.src, self.dst, self.dst_given = resolver.src, resolver.dst, resolver.dst_given
         self.index = index
         self.unmapped = unmapped
+        # each target rank writes only the laid-out parameters it owns (plan.redundancy)
+        self.remove_redundancy = remove_redundancy
+        self._not_owned: dict[int, list[frozenset[str]]] = {}  # target stage -> per local rank
         self.omitted: list[dict] = resolver.omitted
         self.notes: list[str] = []
         self.checks: list[str] = resolver.checks
@@ -174,7 +179,20 @@ class Planner:
         chunks = self._chunks.get((t_stage, rho))
         if chunks is None:
             chunks = self._chunks[(t_stage, rho)] = tuple(s.chunk(rho) for s in sources)
-        return t_stage, tuple(t.block(r % t.devices) for t in targets), chunks, rho if by_rho else None
+        skipped = self._skipped(t_stage, r) if self.remove_redundancy else None
+        return t_stage, tuple(t.block(r % t.devices) for t in targets), chunks, rho if by_rho else None, skipped
+
+    def _skipped(self, t_stage: int, r: int) -> frozenset[str]:
+        """The laid-out parameters of target stage t_stage that local rank r leaves to another rank
+        (redundancy removed: one owner per block, ``plan.redundancy``)."""
+        per_rank = self._not_owned.get(t_stage)
+        if per_rank is None:
+            laid_out = {ps.name: self._target_layout(ps, t_stage) for ps in self.params
+                        if self._groups[ps.group].targets is not None and t_stage in ps.dst_layouts}
+            names = frozenset(laid_out)
+            T = self.dst.stage_devices
+            per_rank = self._not_owned[t_stage] = [names - owned for owned in stage_owners(laid_out.items(), T)]
+        return per_rank[r]
 
     def _stage_layouts(self, t_stage: int) -> tuple[tuple[Layout, ...], tuple[Layout, ...], bool]:
         targets: dict[Layout, None] = {}
@@ -201,9 +219,12 @@ class Planner:
         unavailable: set[int] = set()
         sources: set[int] = set()
         read = written = largest = 0
+        skipped = self._skipped(t_stage, r) if self.remove_redundancy else frozenset()
         for ps in self.params:
             if ps.dst_layouts is not None and t_stage not in ps.dst_layouts:
                 continue  # lives in another target pipeline stage
+            if ps.name in skipped:
+                continue  # another rank of its redundancy group writes it
             res = results[ps.group]
             if res is None:
                 res = results[ps.group] = self._group_result(ps, t_stage, r, rho)
@@ -393,7 +414,8 @@ class Planner:
             source={"devices": self.src.devices, "stage_devices": self.src.stage_devices,
                     "stages": self.src.num_stages, "strategy": self.src.source},
             target={"devices": self.dst.devices, "stage_devices": self.dst.stage_devices,
-                    "stages": self.dst.num_stages, "strategy": self.dst.source if self.dst_given else None},
+                    "stages": self.dst.num_stages, "strategy": self.dst.source if self.dst_given else None,
+                    **({"remove_redundancy": True} if self.remove_redundancy else {})},
             ranks=rank_plans,
             omitted=list(self.omitted),
             notes=notes,

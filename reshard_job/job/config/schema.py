@@ -84,6 +84,9 @@ class TargetConfig:
     # safetensors_index only: bound on one shard's tensor bytes (5GB = 5e9 bytes, 4GiB = 4*2^30)
     max_shard_size: Any = "5GB"
     include: str = "weights"  # safetensors_index only: weights (no optimizer/training state) | all
+    # each target rank writes only the parameter slices it owns, one rank per block (MindSpore's
+    # save_checkpoint(remove_redundancy=True)); needs a sharded target, not safetensors_index
+    remove_redundancy: bool = False
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
 
