@@ -61,3 +61,24 @@ def test_every_block_of_a_golden_target_is_written_by_exactly_one_rank(scenario)
             blocks = [layout.block(q) for q in writers]
             assert len(set(blocks)) == len(blocks), f"{name}: a block written twice"
             assert set(blocks) == {layout.block(q) for q in range(T)}, f"{name}: a block not written"
+
+
+def test_the_planner_keeps_on_each_target_rank_only_what_it_owns_stage_by_stage():
+    from reshard_job.core.strategy_model import ParamLayout
+    from reshard_job.core.tensor_meta import TensorMeta
+    from reshard_job.plan.planner import Planner
+
+    split, whole = ParamLayout((2,), (0, -1)), ParamLayout((2,), (-1,))
+    # two pipeline stages of two ranks: b lives in both (one copy per stage), step in no layout
+    dst = Topology(2, 2, {"w": {0: split}, "b": {0: whole, 1: whole}, "c": {1: whole}}, "dst.json")
+    index = {0: {"w": TensorMeta("Float32", (4, 4)), "b": TensorMeta("Float32", (4,)),
+                 "c": TensorMeta("Float32", (4,)), "step": TensorMeta("Int64", ())}}
+    full = Planner(Topology.unsharded(), dst, index).plan()
+    plan = Planner(Topology.unsharded(), dst, index, remove_redundancy=True).plan()
+    names = [sorted(p.name for p in rp.params) for rp in plan.ranks]
+    # stage 0: b (group 0,1) -> rank 0, w split (groups of one); stage 1: b -> rank 2, c -> rank 3
+    assert names == [["b", "step", "w"], ["step", "w"], ["b", "step"], ["c", "step"]]
+    for kept, every in zip(plan.ranks, full.ranks):
+        assert [p for p in every.params if p.name in {q.name for q in kept.params}] == list(kept.params)
+        assert kept.bytes_written <= every.bytes_written
+    assert plan.target["remove_redundancy"] is True and "remove_redundancy" not in full.target
