@@ -30,7 +30,7 @@ from reshard_job.plan.checks import CHECK_IDENTICAL, CHECK_TARGET, show_block
 from reshard_job.plan.model import (ACTION_COPY, ACTION_FULL, ACTION_RESHARD, UNMAPPED_OMIT, Copy, ParamPlans,
                                     Plan, RankPlan, RankSummary, TensorFacts, ParamSource)
 from reshard_job.plan.patterns import chunk_copy_pattern, copy_pattern, scale_pattern
-from reshard_job.plan.redundancy import stage_owners
+from reshard_job.plan.redundancy import Owners, stage_owners
 from reshard_job.plan.resolve import Resolver, SourceIndex
 from reshard_job.text import quoted, shorten
 
@@ -81,7 +81,7 @@ class Planner:
         self.unmapped = unmapped
         # each target rank writes only the laid-out parameters it owns (plan.redundancy)
         self.remove_redundancy = remove_redundancy
-        self._not_owned: dict[int, list[frozenset[str]]] = {}  # target stage -> per local rank
+        self._owners: dict[int, Owners] = {}  # target stage -> who writes what
         self.omitted: list[dict] = resolver.omitted
         self.notes: list[str] = []
         self.checks: list[str] = resolver.checks
@@ -179,20 +179,18 @@ class Planner:
         chunks = self._chunks.get((t_stage, rho))
         if chunks is None:
             chunks = self._chunks[(t_stage, rho)] = tuple(s.chunk(rho) for s in sources)
-        skipped = self._skipped(t_stage, r) if self.remove_redundancy else None
-        return t_stage, tuple(t.block(r % t.devices) for t in targets), chunks, rho if by_rho else None, skipped
+        owned = self._stage_owners(t_stage).owned[r] if self.remove_redundancy else None
+        return t_stage, tuple(t.block(r % t.devices) for t in targets), chunks, rho if by_rho else None, owned
 
-    def _skipped(self, t_stage: int, r: int) -> frozenset[str]:
-        """The laid-out parameters of target stage t_stage that local rank r leaves to another rank
-        (redundancy removed: one owner per block, ``plan.redundancy``)."""
-        per_rank = self._not_owned.get(t_stage)
-        if per_rank is None:
-            laid_out = {ps.name: self._target_layout(ps, t_stage) for ps in self.params
-                        if self._groups[ps.group].targets is not None and t_stage in ps.dst_layouts}
-            names = frozenset(laid_out)
-            T = self.dst.stage_devices
-            per_rank = self._not_owned[t_stage] = [names - owned for owned in stage_owners(laid_out.items(), T)]
-        return per_rank[r]
+    def _stage_owners(self, t_stage: int) -> Owners:
+        """Which rank of target stage t_stage writes each of its laid-out parameters when
+        redundancy is removed (one writer per block, ``plan.redundancy``)."""
+        owners = self._owners.get(t_stage)
+        if owners is None:
+            laid_out = [(ps.name, self._target_layout(ps, t_stage)) for ps in self.params
+                        if self._groups[ps.group].targets is not None and t_stage in ps.dst_layouts]
+            owners = self._owners[t_stage] = stage_owners(laid_out, self.dst.stage_devices)
+        return owners
 
     def _stage_layouts(self, t_stage: int) -> tuple[tuple[Layout, ...], tuple[Layout, ...], bool]:
         targets: dict[Layout, None] = {}
@@ -219,11 +217,11 @@ class Planner:
         unavailable: set[int] = set()
         sources: set[int] = set()
         read = written = largest = 0
-        skipped = self._skipped(t_stage, r) if self.remove_redundancy else frozenset()
+        owners = self._stage_owners(t_stage) if self.remove_redundancy else None
         for ps in self.params:
             if ps.dst_layouts is not None and t_stage not in ps.dst_layouts:
                 continue  # lives in another target pipeline stage
-            if ps.name in skipped:
+            if owners is not None and not owners.writes(r, ps.name):
                 continue  # another rank of its redundancy group writes it
             res = results[ps.group]
             if res is None:

@@ -23,7 +23,7 @@ per parameter and group.
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
 from reshard_job.core.layout import Layout
 
@@ -37,18 +37,33 @@ def replica_groups(layout: Layout, devices: int) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(g) for g in by_block.values())
 
 
-def stage_owners(laid_out: Iterable[tuple[str, Layout]], devices: int) -> list[set[str]]:
-    """For each local rank of a stage (index), the laid-out parameters it writes with redundancy
-    removed; `laid_out` lists the stage's laid-out parameters (name, target layout)."""
+class Owners(NamedTuple):
+    """Who writes what in one stage. Parameters without replicas (every block on one rank) are
+    written by every rank and not listed, so the lists stay about the size of what is deduplicated."""
+
+    replicated: frozenset[str]  # laid-out parameters with some block held by several ranks
+    owned: list[frozenset[str]]  # per local rank: those of `replicated` it writes
+
+    def writes(self, local_rank: int, name: str) -> bool:
+        return name not in self.replicated or name in self.owned[local_rank]
+
+
+def stage_owners(laid_out: Iterable[tuple[str, Layout]], devices: int) -> Owners:
+    """Who writes each of a stage's laid-out parameters (name, target layout) with redundancy removed."""
     owned: list[set[str]] = [set() for _ in range(devices)]
+    replicated: set[str] = set()
     groups_of: dict[Layout, tuple[tuple[int, ...], ...]] = {}
     dealt: dict[tuple[int, ...], int] = {}  # group -> parameters dealt to it so far
     for name, layout in sorted(laid_out, key=lambda item: item[0]):
         groups = groups_of.get(layout)
         if groups is None:
             groups = groups_of[layout] = replica_groups(layout, devices)
+        alone = len(groups) == devices  # one rank per block: counted (groups are shared), not listed
+        if not alone:
+            replicated.add(name)
         for group in groups:
             n = dealt.get(group, 0)
             dealt[group] = n + 1
-            owned[group[n % len(group)]].add(name)
-    return owned
+            if not alone:
+                owned[group[n % len(group)]].add(name)
+    return Owners(frozenset(replicated), [frozenset(o) for o in owned])

@@ -21,7 +21,7 @@ def test_parameters_sharing_a_group_are_dealt_round_robin_in_name_order():
     split = Layout((4, 4), ((1,),))
     replicated = Layout((4, 4), ((),))
     assert replica_groups(split, 16) == ((0, 4, 8, 12), (1, 5, 9, 13), (2, 6, 10, 14), (3, 7, 11, 15))
-    owners = stage_owners([("w.d", split), ("a", replicated), ("w.b", split), ("w.c", split)], 16)
+    owners = stage_owners([("w.d", split), ("a", replicated), ("w.b", split), ("w.c", split)], 16).owned
     # sorted: a (one group of all 16: rank 0), then w.b, w.c, w.d: 1st, 2nd, 3rd rank of each group
     assert owners[0] == {"a", "w.b"}
     assert [owners[r] for r in (1, 2, 3)] == [{"w.b"}] * 3
@@ -35,15 +35,23 @@ def test_optimizer_shards_split_the_replica_group_by_stride():
     # param_ranks[i::k])
     layout = Layout((4,), ((),), opt_shard=2)
     assert replica_groups(layout, 4) == ((0, 2), (1, 3))
-    owners = stage_owners([("x", layout), ("y", layout)], 4)
+    owners = stage_owners([("x", layout), ("y", layout)], 4).owned
     assert owners == [{"x"}, {"x"}, {"y"}, {"y"}]
+
+
+def test_parameters_without_replicas_are_written_by_every_rank_and_not_listed():
+    sharded = Layout((2, 2), ((0,), (1,)))  # four blocks, one per rank
+    owners = stage_owners([("s", sharded), ("r", Layout((2, 2), ((),)))], 4)
+    assert owners.replicated == {"r"} and owners.owned == [{"r"}, set(), set(), set()]
+    assert all(owners.writes(q, "s") for q in range(4)) and [owners.writes(q, "r") for q in range(4)] == \
+        [True, False, False, False]
 
 
 def test_layouts_giving_the_same_group_share_its_counter():
     a = Layout((2, 2), ((0,),))  # groups (0, 1), (2, 3)
     same_groups = Layout((2, 2, 1), ((0,),))  # another layout, the same groups
     assert replica_groups(a, 4) == replica_groups(same_groups, 4) == ((0, 1), (2, 3))
-    owners = stage_owners([("a", a), ("b", same_groups), ("c", a)], 4)
+    owners = stage_owners([("a", a), ("b", same_groups), ("c", a)], 4).owned
     assert owners == [{"a", "c"}, {"b"}, {"a", "c"}, {"b"}]
 
 
@@ -57,7 +65,7 @@ def test_every_block_of_a_golden_target_is_written_by_exactly_one_rank(scenario)
                     for name, per in topo.layouts.items() if stage in per}
         owners = stage_owners(laid_out.items(), T)
         for name, layout in laid_out.items():
-            writers = [q for q in range(T) if name in owners[q]]
+            writers = [q for q in range(T) if owners.writes(q, name)]
             blocks = [layout.block(q) for q in writers]
             assert len(set(blocks)) == len(blocks), f"{name}: a block written twice"
             assert set(blocks) == {layout.block(q) for q in range(T)}, f"{name}: a block not written"
