@@ -46,7 +46,10 @@ def _safetensors_reader(source, *, verify_crc: bool) -> TensorReader:
 
 def _safetensors_writer(target, *, crc: bool, metadata: dict | None, storage=None) -> TensorWriter:
     from reshard_job.formats.safetensors import SafetensorsWriter
+    from reshard_job.formats.safetensors.header import FORMAT_KEY, MINDSPORE_FORMAT
 
+    if metadata is not None and metadata.get(FORMAT_KEY) == MINDSPORE_FORMAT:  # e.g. with remove_redundancy
+        return SafetensorsWriter(target, metadata=metadata, crc=crc, storage=storage)
     if metadata is not None:  # e.g. {"format": "pt"} for loaders outside MindSpore
         return SafetensorsWriter(target, metadata=metadata, mindspore=False, crc=crc, storage=storage)
     return SafetensorsWriter(target, crc=crc, storage=storage)

@@ -6,6 +6,7 @@ Pure code, no I/O, no protobuf, no storage. The modules, lowest first:
 * ``plan.patterns``: copy patterns, the copies building a target block from two layouts alone;
 * ``plan.checks``: the cross-checks between the strategies and the files (``CHECK_*``);
 * ``plan.resolve``: phase 1, every parameter the sources hold resolved into a ``ParamSource``;
+* ``plan.redundancy``: which target rank writes each block when redundancy is removed;
 * ``plan.planner``: phase 2, the ``Planner`` planning those records against the target;
 * ``plan.rank_list``: ``source_ranks_for``, our (minimal) ``rank_list_for_transform``;
 * ``plan.mindspore_rank_list``: MindSpore 2.10's own list, the superset its converter requires.
@@ -41,6 +42,9 @@ Choices, and how they relate to MindSpore 2.10's converter (spec §5–§7):
 * **Redundancy-removed saves** (``save_checkpoint(..., remove_redundancy=True)`` keeps each
   distinct block on one rank): a block is read from MindSpore's replica when its file holds it,
   else from another rank holding the same block. Only a block no file holds is refused, naming it.
+  Writing them (``Planner(remove_redundancy=True)``): each target rank keeps only the laid-out
+  parameters MindSpore's ``remove_param_redundancy`` assigns it (``plan.redundancy``), plus every
+  parameter the target does not lay out.
 * **Parameters shared by pipeline stages** (an embedding tied to the output layer) are one tensor
   laid out alike in each stage: read once (from the lowest stage, as MindSpore does), their other
   copies listed in ``Plan.identical``. Different layouts in different stages are refused.

@@ -30,6 +30,7 @@ from reshard_job.plan.checks import CHECK_IDENTICAL, CHECK_TARGET, show_block
 from reshard_job.plan.model import (ACTION_COPY, ACTION_FULL, ACTION_RESHARD, UNMAPPED_OMIT, Copy, ParamPlans,
                                     Plan, RankPlan, RankSummary, TensorFacts, ParamSource)
 from reshard_job.plan.patterns import chunk_copy_pattern, copy_pattern, scale_pattern
+from reshard_job.plan.redundancy import Owners, stage_owners
 from reshard_job.plan.resolve import Resolver, SourceIndex
 from reshard_job.text import quoted, shorten
 
@@ -71,12 +72,16 @@ class Planner:
         index: SourceIndex,
         *,
         unmapped: str = UNMAPPED_OMIT,
+        remove_redundancy: bool = False,
     ):
         self._shapes: dict[tuple, tuple] = {}  # equal shapes and boxes share one tuple
         resolver = Resolver(src, dst, index, unmapped=unmapped, shapes=self._shapes)
         self.src, self.dst, self.dst_given = resolver.src, resolver.dst, resolver.dst_given
         self.index = index
         self.unmapped = unmapped
+        # each target rank writes only the laid-out parameters it owns (plan.redundancy)
+        self.remove_redundancy = remove_redundancy
+        self._owners: dict[int, Owners] = {}  # target stage -> who writes what
         self.omitted: list[dict] = resolver.omitted
         self.notes: list[str] = []
         self.checks: list[str] = resolver.checks
@@ -174,7 +179,18 @@ class Planner:
         chunks = self._chunks.get((t_stage, rho))
         if chunks is None:
             chunks = self._chunks[(t_stage, rho)] = tuple(s.chunk(rho) for s in sources)
-        return t_stage, tuple(t.block(r % t.devices) for t in targets), chunks, rho if by_rho else None
+        owned = self._stage_owners(t_stage).owned[r] if self.remove_redundancy else None
+        return t_stage, tuple(t.block(r % t.devices) for t in targets), chunks, rho if by_rho else None, owned
+
+    def _stage_owners(self, t_stage: int) -> Owners:
+        """Which rank of target stage t_stage writes each of its laid-out parameters when
+        redundancy is removed (one writer per block, ``plan.redundancy``)."""
+        owners = self._owners.get(t_stage)
+        if owners is None:
+            laid_out = [(ps.name, self._target_layout(ps, t_stage)) for ps in self.params
+                        if self._groups[ps.group].targets is not None and t_stage in ps.dst_layouts]
+            owners = self._owners[t_stage] = stage_owners(laid_out, self.dst.stage_devices)
+        return owners
 
     def _stage_layouts(self, t_stage: int) -> tuple[tuple[Layout, ...], tuple[Layout, ...], bool]:
         targets: dict[Layout, None] = {}
@@ -201,9 +217,12 @@ class Planner:
         unavailable: set[int] = set()
         sources: set[int] = set()
         read = written = largest = 0
+        owners = self._stage_owners(t_stage) if self.remove_redundancy else None
         for ps in self.params:
             if ps.dst_layouts is not None and t_stage not in ps.dst_layouts:
                 continue  # lives in another target pipeline stage
+            if owners is not None and not owners.writes(r, ps.name):
+                continue  # another rank of its redundancy group writes it
             res = results[ps.group]
             if res is None:
                 res = results[ps.group] = self._group_result(ps, t_stage, r, rho)
@@ -393,7 +412,8 @@ class Planner:
             source={"devices": self.src.devices, "stage_devices": self.src.stage_devices,
                     "stages": self.src.num_stages, "strategy": self.src.source},
             target={"devices": self.dst.devices, "stage_devices": self.dst.stage_devices,
-                    "stages": self.dst.num_stages, "strategy": self.dst.source if self.dst_given else None},
+                    "stages": self.dst.num_stages, "strategy": self.dst.source if self.dst_given else None,
+                    **({"remove_redundancy": True} if self.remove_redundancy else {})},
             ranks=rank_plans,
             omitted=list(self.omitted),
             notes=notes,

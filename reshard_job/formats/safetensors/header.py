@@ -14,6 +14,10 @@ METADATA_KEY = "__metadata__"
 INT4_MARK = "Int4"
 CRC_KEY = "crc_num"
 FORMAT_KEY = "format"
+MINDSPORE_FORMAT = "ms"
+REDUNDANCY_KEY = "remove_redundancy"
+# what save_checkpoint(..., format="safetensors", remove_redundancy=True) puts in __metadata__
+DEDUPLICATED_METADATA = {FORMAT_KEY: MINDSPORE_FORMAT, REDUNDANCY_KEY: "True"}
 CRC_WIDTH = 10  # decimal digits of the largest CRC32 value, 4294967295
 
 # The safetensors library's Dtype enum in declaration (= increasing alignment) order, restricted to
@@ -71,11 +75,13 @@ def header_metadata(user_metadata: dict[str, str] | None, decls: dict[str, Decla
                     crc_text: str | None) -> dict[str, str] | None:
     """The ``__metadata__`` a writer puts in its header: the user's entries, and, where there are
     tensors, ``format`` (``mindspore``; a user's value wins), Int4 markers and ``crc_num``."""
+    if mindspore and not decls:
+        return None  # MindSpore saves an empty dict without any metadata (spec §10)
     meta = None if user_metadata is None else dict(user_metadata)
     if decls:
         auto: dict[str, str] = {}
         if mindspore:
-            auto[FORMAT_KEY] = "ms"
+            auto[FORMAT_KEY] = MINDSPORE_FORMAT
         for d in decls.values():
             if d.dtype == INT4_MARK:
                 auto[d.name] = INT4_MARK

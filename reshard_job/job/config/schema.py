@@ -116,6 +116,9 @@ class TargetConfig:
                "4GiB = 4*2^30)")
     include: str = setting(
         "weights", "safetensors_index only: weights (no optimizer or training state) | all")
+    remove_redundancy: bool = setting(
+        False, "each target rank writes only the parameter slices it owns, one rank per block (MindSpore's "
+               "save_checkpoint(remove_redundancy=True)); needs a sharded target, not safetensors_index")
     cluster: ClusterConfig = setting(
         meaning="the target training cluster's nodes, for output.placement=per_node", factory=ClusterConfig)
 

@@ -167,8 +167,25 @@ def _target(t: schema.TargetConfig, ctx: JobContext) -> TargetSpec:
     if t.unmapped not in UNMAPPED:
         raise ConfigError(f"target.unmapped must be one of {', '.join(UNMAPPED)}, got {t.unmapped!r}")
     max_shard_size, include = _export_options(t, strategy, layout, devices)
+    remove_redundancy = _remove_redundancy(t, strategy, layout)
     return TargetSpec(strategy, layout, devices, _prefix(t.prefix), t.format, t.unmapped, bool(t.crc),
-                      max_shard_size, include, _cluster(t.cluster, devices))
+                      max_shard_size, include, _cluster(t.cluster, devices), remove_redundancy)
+
+
+def _remove_redundancy(t: schema.TargetConfig, strategy: str | None, layout: dict | None) -> bool:
+    """target.remove_redundancy: only where ranks share blocks, i.e. a sharded target of ckpt or
+    safetensors files per rank (MindSpore refuses it on a single device too)."""
+    if not isinstance(t.remove_redundancy, bool):
+        raise ConfigError(f"target.remove_redundancy must be true or false, got {_show(t.remove_redundancy)}")
+    if not t.remove_redundancy:
+        return False
+    if t.format == FORMAT_SAFETENSORS_INDEX:
+        raise ConfigError("target.remove_redundancy=true cannot apply to target.format=safetensors_index, which "
+                          "writes one full model without replicas: set target.remove_redundancy=false")
+    if strategy is None and layout is None:
+        raise ConfigError("target.remove_redundancy=true needs a sharded target (target.strategy or target.layout): "
+                          "a single device holds no replicas to remove")
+    return True
 
 
 def _export_options(t: schema.TargetConfig, strategy: str | None, layout: dict | None,

@@ -92,6 +92,7 @@ class TargetSpec:
     max_shard_size: int = 5 * 10**9  # format safetensors_index: bound on a shard's tensor bytes
     include: str = "weights"  # format safetensors_index: weights | all (training state too)
     cluster: ClusterSpec = field(default_factory=ClusterSpec)
+    remove_redundancy: bool = False  # each rank writes only the blocks it owns (MindSpore's remove_redundancy)
 
 
 @dataclass(frozen=True)

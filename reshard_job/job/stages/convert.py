@@ -26,6 +26,7 @@ from reshard_job import __version__
 from reshard_job.sources.open_files import current_identity, same_identity
 from reshard_job.formats.hf_index import EXPORT_METADATA, INDEX_FILE, PARAM_NAME_MAP_FILE
 from reshard_job.formats.registry import suffix_of
+from reshard_job.formats.safetensors.header import DEDUPLICATED_METADATA
 from reshard_job.lineage.file_records import FileRecord
 from reshard_job.plan.model import Plan
 from reshard_job.storage import SourceChangedError
@@ -186,6 +187,8 @@ def _target_key(spec: JobSpec, prepared: Prepared) -> dict:
            "crc": t.crc, "ranks": list(spec.run.ranks) if spec.run.ranks is not None else None}
     if t.format == FORMAT_SAFETENSORS_INDEX:
         key.update(max_shard_size=t.max_shard_size, include=t.include)
+    if t.remove_redundancy:  # other files: another conversion (absent otherwise, keeping earlier keys)
+        key["remove_redundancy"] = True
     if spec.output.placement == PLACEMENT_PER_NODE:  # the same files on other disks: another conversion
         key["placement"] = {"per_node": cluster_layout(spec, prepared.target.devices)}
     return key
@@ -266,7 +269,7 @@ def _entry_as_file(out: OutputDir, e: JournalEntry) -> dict:
 def _run_ranks(spec: JobSpec, prepared: Prepared, out: OutputDir, digests: SourceDigests, paths: dict[int, str],
                kept: dict, written: dict, choice: ExecutorChoice) -> None:
     todo = {r: p for r, p in paths.items() if r not in kept}
-    options = WriteOptions(spec.target.format, spec.run.max_memory, spec.target.crc)
+    options = WriteOptions(spec.target.format, spec.run.max_memory, spec.target.crc, _metadata(spec))
     tasks = rank_tasks(prepared, todo, options, digests.identities, spec.storage)
     executor, how = choice.executor_for(len(tasks), sum(t.plan.bytes_written for t in tasks))
     total = sum(t.plan.bytes_written for t in tasks)
@@ -285,6 +288,14 @@ def _run_ranks(spec: JobSpec, prepared: Prepared, out: OutputDir, digests: Sourc
         executor.run(tasks, on_bytes=bar.add_bytes, on_done=on_done)
     finally:
         bar.close()
+
+
+def _metadata(spec: JobSpec) -> dict | None:
+    """Safetensors metadata beyond the format's own: MindSpore's mark of a redundancy-removed save
+    (.ckpt files have no metadata: there the manifest says it)."""
+    if spec.target.remove_redundancy and spec.target.format == FORMAT_SAFETENSORS:
+        return dict(DEDUPLICATED_METADATA)
+    return None
 
 
 def _journal(out: OutputDir, written: dict, key: int, path: str, size: int, sha256: str, tensors: dict,
@@ -331,6 +342,8 @@ def _finish(spec: JobSpec, prepared: Prepared, out: OutputDir, digests: SourceDi
     target = {"devices": prepared.target.devices, "format": spec.target.format, "prefix": spec.target.prefix,
               "ranks": list(spec.run.ranks) if spec.run.ranks else None, "strategy": strategy_out,
               "files": target_files, **_export_section(prepared)}
+    if spec.target.remove_redundancy:  # each block in one rank's file only: read them as one save
+        target["remove_redundancy"] = True
     tensors = {str(r): written[r]["tensors"] for r in sorted(written)}
     target.update(files.publish(build, target, tensors, prepared.target.strategy_bytes))  # on the nodes, first
     m_size, m_sha = out.write_manifest(build(target=target, tensors=tensors))

@@ -274,7 +274,8 @@ def _usable_ranks(found: RankFiles, strategy: LoadedStrategy, source: SourceSpec
 
 
 def _plan(strategy: LoadedStrategy, tgt: Target, spec: TargetSpec, index, ranks) -> tuple[Plan, dict]:
-    planner = Planner(strategy.topology, tgt.topology, index, unmapped=spec.unmapped)
+    planner = Planner(strategy.topology, tgt.topology, index, unmapped=spec.unmapped,
+                      remove_redundancy=spec.remove_redundancy)
     planner.notes.extend(tgt.notes)
     missing: dict[int, list[int]] = {}
     plan = planner.plan(list(ranks) if ranks is not None else None, missing=missing)
