@@ -83,7 +83,12 @@ class TargetConfig:
     crc: bool = False  # append MindSpore's CRC32 trailer to .ckpt outputs
     # safetensors_index only: bound on one shard's tensor bytes (5GB = 5e9 bytes, 4GiB = 4*2^30)
     max_shard_size: Any = "5GB"
-    include: str = "weights"  # safetensors_index only: weights (no optimizer/training state) | all
+    # which parameters to convert: all | weights (no optimizer/training state) | a list of name
+    # patterns ([model.*,lm_head.*]); null = the format's default (weights for safetensors_index, else all)
+    include: Any = None
+    exclude: Optional[List[str]] = None  # name patterns left out after include ([adam_m.*,adam_v.*])
+    # ordered prefix rewrites applied to source names ({backbone.: model.}, or [[backbone., model.]])
+    rename: Any = None
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
 

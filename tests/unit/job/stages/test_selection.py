@@ -1,0 +1,110 @@
+"""target.include / target.exclude / target.rename on golden S2 (MindSpore 2.10, block model with
+Adam states, mp4 dp2 with optimizer parallel -> mp4), through the Python API.
+
+What is kept must come out byte-equal to a full conversion; what is renamed must come out as
+the same bytes under its new name, given a target strategy whose names were renamed alike.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from reshard_job import api
+from reshard_job.errors import ConfigError, PlanError
+from reshard_job.formats.ckpt import CheckpointReader
+from reshard_job.formats.strategy import read_strategy, write_strategy
+from reshard_job.plan.export_shards import is_training_state
+from reshard_job.plan.selection import Selection, select
+
+S2 = Path(__file__).parents[3] / "golden" / "S2_block_mp4dp2opt_to_mp4"
+SRC, SRC_STRATEGY, DST_STRATEGY = S2 / "src_checkpoints", S2 / "src_strategy.ckpt", S2 / "dst_strategy.ckpt"
+
+
+def convert(out: Path, dst_strategy=DST_STRATEGY, **selection) -> dict:
+    return api.transform_checkpoints(SRC, out, "checkpoint_", SRC_STRATEGY, dst_strategy, **selection)
+
+
+def names_in(path: str) -> list[str]:
+    with CheckpointReader(path) as r:
+        return r.names()
+
+
+@pytest.fixture(scope="module")
+def full(tmp_path_factory) -> dict:
+    return convert(tmp_path_factory.mktemp("full"))
+
+
+def test_include_patterns_write_only_those_parameters_byte_equal(tmp_path, full):
+    written = convert(tmp_path, include=["layers.*", "head.*"], exclude=["*.bias"])
+    for rank, f in written.items():
+        names = names_in(f.path)
+        assert names and all(n.startswith(("layers.", "head.")) and not n.endswith(".bias") for n in names)
+        assert set(names) == {n for n in full[rank].tensors if n.startswith(("layers.", "head."))
+                              and not n.endswith(".bias")}
+        assert f.tensors == {n: full[rank].tensors[n] for n in names}  # the same bytes as the full conversion
+
+
+def test_weights_drops_optimizer_state(tmp_path, full):
+    written = convert(tmp_path, include="weights")
+    for rank, f in written.items():
+        dropped = [n for n in full[rank].tensors if is_training_state(n)]
+        assert any(n.startswith("adam_m.") for n in dropped) and "global_step" in dropped
+        assert set(names_in(f.path)) == set(full[rank].tensors) - set(dropped)
+        assert f.tensors == {n: d for n, d in full[rank].tensors.items() if n not in dropped}
+
+
+def test_rename_with_a_renamed_target_strategy_converts_byte_equal(tmp_path, full):
+    sf = read_strategy(DST_STRATEGY)
+    renamed = {("blk." + n[len("layers."):] if n.startswith("layers.") else n): lay for n, lay in sf.layouts.items()}
+    assert renamed.keys() != sf.layouts.keys()
+    write_strategy(replace(sf, layouts=renamed), tmp_path / "dst_renamed.ckpt")
+    written = convert(tmp_path / "out", tmp_path / "dst_renamed.ckpt", rename={"layers.": "blk."})
+    for rank, f in written.items():
+        expected = {(n.replace("layers.", "blk.", 1) if n.startswith("layers.") else n): d
+                    for n, d in full[rank].tensors.items()}
+        assert f.tensors == expected
+        assert any(n.startswith("blk.") for n in names_in(f.path))
+        assert not any(n.startswith("layers.") for n in names_in(f.path))
+
+
+def test_rename_onto_an_existing_name_is_refused_naming_both():
+    with pytest.raises(PlanError, match=r"'head.weight' and 'layers.0.ffn.w1.weight' would both be named"):
+        select(Selection(rename=(("layers.0.ffn.w1.", "head."),)), ["layers.0.ffn.w1.weight", "head.weight", "x"])
+    with pytest.raises(PlanError, match=r"'a.w' and 'b.w' would both be named 'c.w'"):
+        select(Selection(rename=(("a.", "c."), ("b.", "c."))), ["a.w", "b.w"])
+
+
+def test_collision_refused_before_anything_is_written(tmp_path):
+    with pytest.raises(PlanError, match="would both be named"):
+        convert(tmp_path / "out", rename={"adam_m.": "adam_v."})
+    assert not (tmp_path / "out").exists()
+
+
+def test_nothing_left_is_refused(tmp_path):
+    with pytest.raises(PlanError, match="leave none of the"):
+        convert(tmp_path / "out", include=["nothing.*"])
+
+
+def test_unmatched_pattern_is_a_warning(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="reshard_job"):
+        convert(tmp_path / "out", exclude=["adam_*", "no_such.*"])
+    lines = [r.getMessage() for r in caplog.records if "matches no parameter" in r.getMessage()]
+    assert lines == ["target.include/target.exclude pattern 'no_such.*' matches no parameter of the source"]
+
+
+def test_first_matching_prefix_wins_and_patterns_see_both_names():
+    chosen = select(Selection(include=("model.*",), rename=(("backbone.", "model."), ("backbone.x", "other."))),
+                    ["backbone.x", "backbone.y", "head.w"])
+    assert chosen.stored == {"model.x": "backbone.x", "model.y": "backbone.y"}
+    assert chosen.left_out == ["head.w"]
+
+
+@pytest.mark.parametrize("kwargs, key", [({"include": "weights_only"}, "include"), ({"exclude": "adam_*"}, "exclude"),
+                                         ({"rename": ["layers."]}, "rename")])
+def test_bad_values_are_refused(tmp_path, kwargs, key):
+    with pytest.raises(ConfigError, match=f"^{key} must"):
+        convert(tmp_path / "out", **kwargs)
