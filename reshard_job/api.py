@@ -75,8 +75,8 @@ def _specs(src_strategy_file, dst_strategy_file, *, src_dir=None, select="latest
                         verify_replicas=bool(verify_replicas))
     target = TargetSpec(strategy=None if dst_strategy_file is None else absolute(dst_strategy_file), format=fmt,
                         unmapped=unmapped, max_shard_size=parse_shard_size(max_shard_size),
-                        include=None if include is None else include_value(include, "include"),
-                        exclude=patterns_value(exclude, "exclude"), rename=rename_value(rename, "rename"))
+                        include=None if include is None else include_value(include),
+                        exclude=patterns_value(exclude), rename=rename_value(rename))
     return source, target
 
 

@@ -106,5 +106,5 @@ def test_first_matching_prefix_wins_and_patterns_see_both_names():
 @pytest.mark.parametrize("kwargs, key", [({"include": "weights_only"}, "include"), ({"exclude": "adam_*"}, "exclude"),
                                          ({"rename": ["layers."]}, "rename")])
 def test_bad_values_are_refused(tmp_path, kwargs, key):
-    with pytest.raises(ConfigError, match=f"^{key} must"):
+    with pytest.raises(ConfigError, match=f"^target.{key} must"):
         convert(tmp_path / "out", **kwargs)
