@@ -80,8 +80,7 @@ def apply_selection(selection: Selection | None, strategy: LoadedStrategy, reade
     for held in index.values():
         names.update(dict.fromkeys(held))
     selected = select(selection, names)
-    for pattern in selected.unmatched:
-        log.warning("target.include/target.exclude pattern %r matches no parameter of the source", pattern)
+    _tell(selected)
     readers.select(selected.stored)
     kept = selected.stored
     layouts = {n: lay for n, lay in renamed_strategy(strategy, selection).topology.layouts.items() if n in kept}
@@ -96,8 +95,7 @@ def select_index(selection: Selection | None, strategy: LoadedStrategy, index):
     for held in index.values():
         names.update(dict.fromkeys(held))
     selected = select(selection, names)
-    for pattern in selected.unmatched:
-        log.warning("target.include/target.exclude pattern %r matches no parameter of the source", pattern)
+    _tell(selected)
     stored = selected.stored
     view = {r: {new: held[old] for new, old in stored.items() if old in held} for r, held in index.items()}
     layouts = {n: lay for n, lay in renamed_strategy(strategy, selection).topology.layouts.items() if n in stored}
@@ -115,6 +113,12 @@ def narrow_target(target, selected: Selected | None):
         return target
     return replace(target, topology=replace(target.topology, layouts={n: v for n, v in layouts.items()
                                                                        if n not in gone}))
+
+
+def _tell(selected: Selected) -> None:
+    for pattern in selected.unmatched:
+        log.warning("target.include/target.exclude pattern %r matches no parameter of the source", pattern)
+    log.info("%s", selected.note())
 
 
 def _with_layouts(strategy: LoadedStrategy, layouts: dict) -> LoadedStrategy:
