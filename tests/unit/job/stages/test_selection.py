@@ -57,12 +57,17 @@ def test_weights_drops_optimizer_state(tmp_path, full):
         assert f.tensors == {n: d for n, d in full[rank].tensors.items() if n not in dropped}
 
 
-def test_rename_with_a_renamed_target_strategy_converts_byte_equal(tmp_path, full):
+def renamed_dst(folder: Path) -> Path:
+    """S2's target strategy with ``layers.`` renamed ``blk.``, as a renamed network's would be."""
     sf = read_strategy(DST_STRATEGY)
     renamed = {("blk." + n[len("layers."):] if n.startswith("layers.") else n): lay for n, lay in sf.layouts.items()}
     assert renamed.keys() != sf.layouts.keys()
-    write_strategy(replace(sf, layouts=renamed), tmp_path / "dst_renamed.ckpt")
-    written = convert(tmp_path / "out", tmp_path / "dst_renamed.ckpt", rename={"layers.": "blk."})
+    write_strategy(replace(sf, layouts=renamed), folder / "dst_renamed.ckpt")
+    return folder / "dst_renamed.ckpt"
+
+
+def test_rename_with_a_renamed_target_strategy_converts_byte_equal(tmp_path, full):
+    written = convert(tmp_path / "out", renamed_dst(tmp_path), rename={"layers.": "blk."})
     for rank, f in written.items():
         expected = {(n.replace("layers.", "blk.", 1) if n.startswith("layers.") else n): d
                     for n, d in full[rank].tensors.items()}
@@ -108,3 +113,22 @@ def test_first_matching_prefix_wins_and_patterns_see_both_names():
 def test_bad_values_are_refused(tmp_path, kwargs, key):
     with pytest.raises(ConfigError, match=f"^target.{key} must"):
         convert(tmp_path / "out", **kwargs)
+
+
+def test_the_plan_shows_the_selection_and_what_it_left_out(tmp_path):
+    from reshard_job.job.config.spec import SourceSpec, TargetSpec
+    from reshard_job.job.stages.prepare import prepare
+
+    target = TargetSpec(strategy=str(renamed_dst(tmp_path)), include="weights", exclude=("head.*",),
+                        rename=(("layers.", "blk."),))
+    with prepare(SourceSpec(str(SRC), str(SRC_STRATEGY)), target) as prepared:
+        plan = prepared.plan.to_json()
+        assert plan["selection"] == {"include": "weights", "exclude": ["head.*"], "rename": [["layers.", "blk."]],
+                                     "left_out": 37, "renamed": 13, "left_out_first": [
+                                         "adam_m.embedding_table", "adam_m.final_ln.beta", "adam_m.final_ln.gamma",
+                                         "adam_m.head.weight", "adam_m.layers.0.attention.wk.weight"]}
+        assert any(n.startswith("selection: include=weights exclude=['head.*'] rename='layers.'->'blk.'; "
+                                "37 parameter(s) left out: 'adam_m.embedding_table'") for n in plan["notes"])
+        names = {t[0] for t in plan["tensors"]}
+        assert {"blk.0.ffn.w1.weight", "final_ln.beta", "embedding_table"} <= names
+        assert not any(n.startswith(("layers.", "head.", "adam_")) for n in names)
