@@ -132,3 +132,24 @@ def test_the_plan_shows_the_selection_and_what_it_left_out(tmp_path):
         names = {t[0] for t in plan["tensors"]}
         assert {"blk.0.ffn.w1.weight", "final_ln.beta", "embedding_table"} <= names
         assert not any(n.startswith(("layers.", "head.", "adam_")) for n in names)
+
+
+def test_a_task_run_elsewhere_reads_renamed_parameters_by_their_source_names(tmp_path, full):
+    """A task shipped to another process or machine (a Ray worker) opens the sources itself: it
+    carries the renamed parameters' source names."""
+    import pickle
+
+    from reshard_job.execute.rank_task import run_rank_task
+    from reshard_job.execute.tasks import WriteOptions
+    from reshard_job.job.config.spec import SourceSpec, TargetSpec
+    from reshard_job.job.stages.convert import rank_tasks
+    from reshard_job.job.stages.prepare import prepare
+
+    target = TargetSpec(strategy=str(renamed_dst(tmp_path)), rename=(("layers.", "blk."),))
+    with prepare(SourceSpec(str(SRC), str(SRC_STRATEGY)), target) as prepared:
+        tasks = rank_tasks(prepared, {r: str(tmp_path / f"r{r}.ckpt") for r in range(4)}, WriteOptions())
+    task = pickle.loads(pickle.dumps(tasks[1]))
+    assert task.names["blk.0.ffn.w1.weight"] == "layers.0.ffn.w1.weight"
+    result = run_rank_task(task)
+    assert result.tensors == {(n.replace("layers.", "blk.", 1) if n.startswith("layers.") else n): d
+                              for n, d in full[1].tensors.items()}
