@@ -8,7 +8,8 @@ MindSpore lets its users convert part of a model (``choice_func``) or rename it 
   patterns (``fnmatch``, case-sensitive): a parameter is kept when one of them matches it;
 - ``exclude``: glob patterns; a parameter one of them matches is left out, whatever ``include`` said;
 - ``rename``: ordered prefix rewrites (``backbone.`` -> ``model.``); the first prefix a name starts
-  with is replaced, later ones are not tried.
+  with is replaced, later ones are not tried. An optimizer state that no prefix matches follows its
+  parameter (``adam_m.backbone.w`` becomes ``adam_m.model.w``), as the target network names it.
 
 Patterns match a parameter's name in the source or its new name, so ``include=[model.*]`` with
 ``rename={backbone.: model.}`` keeps the renamed parameters. Renaming happens before the
@@ -47,10 +48,22 @@ class Selection:
         return self.include != INCLUDE_ALL or bool(self.exclude) or bool(self.rename)
 
     def new_name(self, name: str) -> str:
+        renamed = self._rewritten(name)
+        if renamed is not None:
+            return renamed
+        # an optimizer state follows its parameter: adam_m.backbone.w becomes adam_m.model.w
+        for opt in self.optimizer_prefixes:
+            if name.startswith(opt):
+                renamed = self._rewritten(name[len(opt):])
+                if renamed is not None:
+                    return opt + renamed
+        return name
+
+    def _rewritten(self, name: str) -> str | None:
         for old, new in self.rename:
             if name.startswith(old):
                 return new + name[len(old):]
-        return name
+        return None
 
     def describe(self) -> dict:
         """As recorded in the plan and the manifest."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sqlite3
 import subprocess
 import sys
@@ -37,7 +38,7 @@ def s2_args(dst_strategy: Path, *more: str) -> list[str]:
 def renamed_strategy(path: Path) -> Path:
     """S2's target strategy with ``layers.`` renamed ``blk.``, as a renamed network's would be."""
     sf = read_strategy(S2 / "dst_strategy.ckpt")
-    write_strategy(replace(sf, layouts={("blk." + n[7:] if n.startswith("layers.") else n): lay
+    write_strategy(replace(sf, layouts={re.sub(r"^(adam_m\.|adam_v\.)?layers\.", r"\1blk.", n): lay
                                         for n, lay in sf.layouts.items()}), path)
     return path
 

@@ -8,6 +8,7 @@ the same bytes under its new name, given a target strategy whose names were rena
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -57,10 +58,15 @@ def test_weights_drops_optimizer_state(tmp_path, full):
         assert f.tensors == {n: d for n, d in full[rank].tensors.items() if n not in dropped}
 
 
+def blk(name: str) -> str:
+    """``layers.`` renamed ``blk.``, in a parameter's name and in its optimizer states'."""
+    return re.sub(r"^(adam_m\.|adam_v\.)?layers\.", r"\1blk.", name)
+
+
 def renamed_dst(folder: Path) -> Path:
     """S2's target strategy with ``layers.`` renamed ``blk.``, as a renamed network's would be."""
     sf = read_strategy(DST_STRATEGY)
-    renamed = {("blk." + n[len("layers."):] if n.startswith("layers.") else n): lay for n, lay in sf.layouts.items()}
+    renamed = {blk(n): lay for n, lay in sf.layouts.items()}
     assert renamed.keys() != sf.layouts.keys()
     write_strategy(replace(sf, layouts=renamed), folder / "dst_renamed.ckpt")
     return folder / "dst_renamed.ckpt"
@@ -69,11 +75,9 @@ def renamed_dst(folder: Path) -> Path:
 def test_rename_with_a_renamed_target_strategy_converts_byte_equal(tmp_path, full):
     written = convert(tmp_path / "out", renamed_dst(tmp_path), rename={"layers.": "blk."})
     for rank, f in written.items():
-        expected = {(n.replace("layers.", "blk.", 1) if n.startswith("layers.") else n): d
-                    for n, d in full[rank].tensors.items()}
-        assert f.tensors == expected
-        assert any(n.startswith("blk.") for n in names_in(f.path))
-        assert not any(n.startswith("layers.") for n in names_in(f.path))
+        assert f.tensors == {blk(n): d for n, d in full[rank].tensors.items()}
+        assert {"blk.0.ffn.w1.weight", "adam_m.blk.0.ffn.w1.weight"} <= set(names_in(f.path))
+        assert not any("layers." in n for n in names_in(f.path))
 
 
 def test_rename_onto_an_existing_name_is_refused_naming_both():
@@ -99,6 +103,12 @@ def test_unmatched_pattern_is_a_warning(tmp_path, caplog):
         convert(tmp_path / "out", exclude=["adam_*", "no_such.*"])
     lines = [r.getMessage() for r in caplog.records if "matches no parameter" in r.getMessage()]
     assert lines == ["target.include/target.exclude pattern 'no_such.*' matches no parameter of the source"]
+
+
+def test_optimizer_states_follow_their_parameter_unless_a_prefix_names_them():
+    selection = Selection(rename=(("layers.", "blk."), ("adam_v.head.", "adam_v.out.")))
+    assert [selection.new_name(n) for n in ("adam_m.layers.0.w", "adam_v.head.w", "adam_m.head.w", "layers.1")] == \
+        ["adam_m.blk.0.w", "adam_v.out.w", "adam_m.head.w", "blk.1"]
 
 
 def test_first_matching_prefix_wins_and_patterns_see_both_names():
@@ -151,5 +161,5 @@ def test_a_task_run_elsewhere_reads_renamed_parameters_by_their_source_names(tmp
     task = pickle.loads(pickle.dumps(tasks[1]))
     assert task.names["blk.0.ffn.w1.weight"] == "layers.0.ffn.w1.weight"
     result = run_rank_task(task)
-    assert result.tensors == {(n.replace("layers.", "blk.", 1) if n.startswith("layers.") else n): d
-                              for n, d in full[1].tensors.items()}
+    assert task.names["adam_v.blk.0.ffn.w1.weight"] == "adam_v.layers.0.ffn.w1.weight"
+    assert result.tensors == {blk(n): d for n, d in full[1].tensors.items()}
