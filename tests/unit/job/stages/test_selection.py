@@ -163,3 +163,14 @@ def test_a_task_run_elsewhere_reads_renamed_parameters_by_their_source_names(tmp
     result = run_rank_task(task)
     assert task.names["adam_v.blk.0.ffn.w1.weight"] == "adam_v.layers.0.ffn.w1.weight"
     assert result.tensors == {blk(n): d for n, d in full[1].tensors.items()}
+
+
+def test_load_rank_takes_the_same_selection(tmp_path, full, monkeypatch):
+    from reshard_job.lineage.database import LEGACY_URL_ENV_VAR, URL_ENV_VAR
+    from reshard_job.loading import load_rank
+
+    for name in (URL_ENV_VAR, LEGACY_URL_ENV_VAR):  # not recorded: whatever the user's environment names
+        monkeypatch.delenv(name, raising=False)
+    arrays = load_rank(2, SRC, SRC_STRATEGY, renamed_dst(tmp_path), include="weights", rename={"layers.": "blk."})
+    assert set(arrays) == {blk(n) for n in full[2].tensors if not is_training_state(n)}
+    assert "blk.0.ffn.w1.weight" in arrays
