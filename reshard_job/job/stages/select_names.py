@@ -76,11 +76,7 @@ def apply_selection(selection: Selection | None, strategy: LoadedStrategy, reade
     from now on. Unchanged when there is no selection."""
     if selection is None:
         return strategy, index, None
-    names: dict[str, None] = {}
-    for held in index.values():
-        names.update(dict.fromkeys(held))
-    selected = select(selection, names)
-    _tell(selected)
+    selected = _select_all(selection, index)
     readers.select(selected.stored)
     kept = selected.stored
     layouts = {n: lay for n, lay in renamed_strategy(strategy, selection).topology.layouts.items() if n in kept}
@@ -91,11 +87,7 @@ def select_index(selection: Selection | None, strategy: LoadedStrategy, index):
     """Like ``apply_selection``, for an index known before any file is open (a MindFormers save)."""
     if selection is None:
         return strategy, index, None
-    names: dict[str, None] = {}
-    for held in index.values():
-        names.update(dict.fromkeys(held))
-    selected = select(selection, names)
-    _tell(selected)
+    selected = _select_all(selection, index)
     stored = selected.stored
     view = {r: {new: held[old] for new, old in stored.items() if old in held} for r, held in index.items()}
     layouts = {n: lay for n, lay in renamed_strategy(strategy, selection).topology.layouts.items() if n in stored}
@@ -115,10 +107,16 @@ def narrow_target(target, selected: Selected | None):
                                                                        if n not in gone}))
 
 
-def _tell(selected: Selected) -> None:
+def _select_all(selection: Selection, index) -> Selected:
+    """`selection` over every rank's names (in the order the source holds them), said in the log."""
+    names: dict[str, None] = {}
+    for held in index.values():
+        names.update(dict.fromkeys(held))
+    selected = select(selection, names)
     for pattern in selected.unmatched:
         log.warning("target.include/target.exclude pattern %r matches no parameter of the source", pattern)
     log.info("%s", selected.note())
+    return selected
 
 
 def _with_layouts(strategy: LoadedStrategy, layouts: dict) -> LoadedStrategy:
