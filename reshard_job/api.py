@@ -33,7 +33,7 @@ from __future__ import annotations
 import os
 from typing import Mapping
 
-from reshard_job.errors import ConfigError, MissingRankError
+from reshard_job.errors import ConfigError, MissingRankError, PlanError
 from reshard_job.execute.rank_task import DEFAULT_MAX_MEMORY
 from reshard_job.plan.export_shards import DEFAULT_MAX_SHARD_SIZE, parse_shard_size
 from reshard_job.plan.selection import include_value, patterns_value, rename_value
@@ -41,6 +41,7 @@ from reshard_job.formats.base import WrittenFile
 from reshard_job.formats.registry import kind_of
 from reshard_job.formats.strategy import merge_pipeline_strategies, merge_pipeline_strategys  # noqa: F401 (re-export)
 from reshard_job.plan.model import UNMAPPED_OMIT, Plan
+from reshard_job.plan.mindspore_rank_list import mindspore_source_ranks
 from reshard_job.plan.rank_list import source_ranks_for
 from reshard_job.formats.mindformers_metadata import METADATA_FILE
 from reshard_job.sources.base import reader_for_files
@@ -136,8 +137,8 @@ def transform_checkpoints(src_checkpoints_dir, dst_checkpoints_dir, ckpt_prefix,
                           unmapped: str = UNMAPPED_OMIT, max_memory: int = DEFAULT_MAX_MEMORY,
                           select: str = "latest_step", iteration: int | None = None,
                           max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
-                          include=None, verify_replicas: bool = True, exclude=None,
-                          rename=None) -> dict[int, WrittenFile]:
+                          include=None, verify_replicas: bool = True, src_strategy=None, dst_strategy=None,
+                          exclude=None, rename=None) -> dict[int, WrittenFile]:
     """Convert every rank of a distributed checkpoint to the destination layout.
 
     Outputs go to ``<dst>/rank_<r>/<ckpt_prefix><r>.<output_format>``. Returns the written files by
@@ -152,9 +153,13 @@ def transform_checkpoints(src_checkpoints_dir, dst_checkpoints_dir, ckpt_prefix,
     converted (an export leaves training state out).
     Tensors the source strategy says several ranks hold identically (replicas, tensors it does not
     lay out) are compared by content first; ``verify_replicas=False`` skips that, for checkpoints
-    whose replicas differ on purpose.
+    whose replicas differ on purpose. ``src_strategy``/``dst_strategy`` are other spellings of
+    ``src_strategy_file``/``dst_strategy_file`` (keyword only; giving both of a pair is an error).
     """
     from reshard_job.job.stages.convert import unit_paths
+
+    src_strategy_file = _one_spelling(src_strategy_file, src_strategy, "src_strategy")
+    dst_strategy_file = _one_spelling(dst_strategy_file, dst_strategy, "dst_strategy")
 
     if not isinstance(ckpt_prefix, str):
         raise TypeError("ckpt_prefix must be a str")
@@ -169,6 +174,15 @@ def transform_checkpoints(src_checkpoints_dir, dst_checkpoints_dir, ckpt_prefix,
         return _run(prepared, paths, WriteOptions(fmt, max_memory), max(1, int(process_num or 1)))
 
 
+def _one_spelling(value, alias, name: str):
+    """`value` (MindSpore's ``<name>_file``) or its keyword-only alias `name`; not both."""
+    if alias is None:
+        return value
+    if value is not None:
+        raise TypeError(f"give {name}_file or {name}, not both")
+    return alias
+
+
 def transform_checkpoint_by_rank(rank_id, checkpoint_files_map: Mapping[int, str | tuple[str, ...]],
                                  save_checkpoint_file_name, src_strategy_file=None, dst_strategy_file=None, *,
                                  unmapped: str = UNMAPPED_OMIT, max_memory: int = DEFAULT_MAX_MEMORY,
@@ -178,8 +192,6 @@ def transform_checkpoint_by_rank(rank_id, checkpoint_files_map: Mapping[int, str
     The output format follows the file name (``.ckpt`` or ``.safetensors``). For a MindFormers
     save, a rank maps to a file or a tuple of files of one iteration folder (module docstring).
     """
-    from reshard_job.job.stages.prepare import prepare_from
-
     if not isinstance(rank_id, int) or isinstance(rank_id, bool):
         raise TypeError("rank_id must be an int")
     if not isinstance(checkpoint_files_map, Mapping):
@@ -194,14 +206,23 @@ def transform_checkpoint_by_rank(rank_id, checkpoint_files_map: Mapping[int, str
             info = storage_for(p).info(p)
             if info is None or not info.is_file:
                 raise ConfigError(f"checkpoint file of source rank {r} not found: {p}")
+    with _prepare_by_rank(rank_id, files, src_strategy_file, dst_strategy_file, unmapped=unmapped,
+                          verify_replicas=verify_replicas) as prepared:
+        return _run(prepared, {rank_id: name}, WriteOptions(fmt, max_memory))[rank_id]
+
+
+def _prepare_by_rank(rank_id: int, files: dict[int, tuple[str, ...]], src_strategy_file, dst_strategy_file, *,
+                     unmapped: str, verify_replicas: bool = True):
+    """Sources, strategies and plan of one destination rank from the given files (rank -> paths)."""
+    from reshard_job.job.stages.prepare import prepare_from
+
     reader = reader_for_files(files, src_strategy_file)
     if isinstance(reader, MindFormersFolder):  # its layouts come from its metadata.json
         source, target = _specs(None, dst_strategy_file, src_dir=reader.root, unmapped=unmapped)
     else:
         source, target = _specs(src_strategy_file, dst_strategy_file, unmapped=unmapped,
                                 verify_replicas=verify_replicas)
-    with prepare_from(reader, reader.discover(source), source, target, ranks=(rank_id,)) as prepared:
-        return _run(prepared, {rank_id: name}, WriteOptions(fmt, max_memory))[rank_id]
+    return prepare_from(reader, reader.discover(source), source, target, ranks=(rank_id,))
 
 
 def mindformers_rank_files(src_checkpoints_dir, iteration: int | None = None) -> dict[int, tuple[str, ...]]:
@@ -211,29 +232,107 @@ def mindformers_rank_files(src_checkpoints_dir, iteration: int | None = None) ->
 
 
 def rank_list_for_transform(rank_id, src_strategy_file=None, dst_strategy_file=None, *,
-                            unmapped: str = UNMAPPED_OMIT) -> list[int]:
+                            unmapped: str = UNMAPPED_OMIT, minimal: bool = True,
+                            src_checkpoints_dir=None) -> list[int]:
     """The source ranks whose checkpoints are read to produce destination rank `rank_id`,
-    in descending order (as MindSpore returns them). The ranks the plan reads, plus per source
-    stage read from the rank that parameters outside the strategies are copied from: a subset of
-    MindSpore's list, and enough on its own."""
+    in descending order (as MindSpore returns them).
+
+    ``minimal=True`` (default): the ranks the plan reads, plus per source stage read from the rank
+    that parameters outside the strategies are copied from. Enough for our
+    ``transform_checkpoint_by_rank``, and within MindSpore's list (``plan.rank_list`` says where
+    not), which MindSpore's own ``transform_checkpoint_by_rank`` requires in full ("The
+    checkpoint file of rank N is missing"). ``minimal=False``: MindSpore 2.10's list exactly
+    (``plan.mindspore_rank_list``), quirks included.
+
+    Strategies cannot tell a redundancy-removed save (``save_checkpoint(...,
+    remove_redundancy=True)``, MindFormers' ``save_remove_redundancy``), where each slice is stored
+    by one of its replicas only: a list from strategies alone may then name files that lack the
+    slices. Give the save (``src_checkpoints_dir``, or a MindFormers folder as
+    `src_strategy_file`, whose metadata.json records where each shard is stored) and the list
+    names the ranks whose files hold the needed slices, as the conversion reads them (plus any
+    rank our ``transform_checkpoint_by_rank`` asks for when given only those files); with
+    ``minimal=False`` MindSpore's list is added to it.
+    """
     if not isinstance(rank_id, int) or isinstance(rank_id, bool):
         raise TypeError("rank_id must be an int")
-    if src_strategy_file is None:
+    if src_strategy_file is None and src_checkpoints_dir is None:
         return [0]
-    src_topology = _source_topology(absolute(src_strategy_file))
-    dst = load_strategy(None if dst_strategy_file is None else absolute(dst_strategy_file))
-    return source_ranks_for(src_topology, dst.topology if dst_strategy_file is not None else None, rank_id,
-                            unmapped=unmapped)
+    src_topology, mf_folder = (None, None) if src_strategy_file is None else _source_topology(absolute(src_strategy_file))
+    if src_checkpoints_dir is not None or (mf_folder is not None and mf_folder.save.deduplicated):
+        ranks = set(_ranks_read(rank_id, src_checkpoints_dir, src_strategy_file, dst_strategy_file, mf_folder,
+                                unmapped))
+        if not minimal:
+            ranks |= set(_mindspore_list(rank_id, src_topology, src_checkpoints_dir, dst_strategy_file))
+        return sorted(ranks, reverse=True)
+    dst = _dst_topology(dst_strategy_file)
+    if not minimal:
+        return mindspore_source_ranks(src_topology, dst, rank_id)
+    return source_ranks_for(src_topology, dst, rank_id, unmapped=unmapped)
+
+
+def _mindspore_list(rank_id: int, src_topology, src_checkpoints_dir, dst_strategy_file) -> list[int]:
+    """MindSpore's list next to a save: from the source strategy, or a MindFormers save's layouts;
+    [0] without either, as MindSpore answers without a source strategy."""
+    if src_topology is None and src_checkpoints_dir is not None and MindFormersFolder.detect(
+            absolute(src_checkpoints_dir)):
+        src_topology = _source_topology(absolute(src_checkpoints_dir))[0]
+    if src_topology is None:
+        return [0]
+    return mindspore_source_ranks(src_topology, _dst_topology(dst_strategy_file), rank_id)
+
+
+def _dst_topology(dst_strategy_file):
+    return None if dst_strategy_file is None else load_strategy(absolute(dst_strategy_file)).topology
+
+
+def _ranks_read(rank_id: int, src_checkpoints_dir, src_strategy_file, dst_strategy_file, mf_folder,
+                unmapped: str) -> list[int]:
+    """The source ranks the conversion of `rank_id` reads, planned from the checkpoints themselves
+    (the job's own sources and plan: a slice is read from whichever file holds it)."""
+    if dst_strategy_file is None and rank_id != 0:
+        raise PlanError(f"target rank {rank_id} is outside 0..0 (without a target strategy the one target rank "
+                        "holds the whole model)")
+    if mf_folder is not None:  # its metadata.json is the strategy and the map of the files
+        src_checkpoints_dir, src_strategy_file = mf_folder.root, None
+    elif MindFormersFolder.detect(absolute(src_checkpoints_dir)):
+        src_strategy_file = None
+    plan, prepared = build_plan(src_checkpoints_dir, src_strategy_file, dst_strategy_file, unmapped=unmapped,
+                                target_ranks=[rank_id])
+    with prepared:
+        if prepared.missing:
+            raise MissingRankError(prepared.missing, prepared.source.checkpoints or "")
+        ranks = set(plan.rank(rank_id).source_ranks)
+        paths = (prepared.every_file or prepared.found).files
+    return _enough_by_rank(rank_id, ranks, paths, src_strategy_file, dst_strategy_file, unmapped)
+
+
+def _enough_by_rank(rank_id: int, ranks: set[int], paths: Mapping, src_strategy_file, dst_strategy_file,
+                    unmapped: str) -> list[int]:
+    """`ranks`, plus any rank ``transform_checkpoint_by_rank`` asks for given only their files.
+
+    Given some files only, the per-rank conversion takes a slice from the rank MindSpore reads it
+    from whenever that rank's file is absent (it may hold it), even when a file at hand holds the
+    same slice: such ranks are added, so that the list's files alone always convert the rank."""
+    for _ in range(len(paths)):
+        files = {r: tuple(files_of(paths[r])) for r in sorted(ranks)}
+        with _prepare_by_rank(rank_id, files, src_strategy_file, dst_strategy_file, unmapped=unmapped) as prepared:
+            wanted = set(prepared.missing) & set(paths)
+        if not wanted - ranks:
+            break
+        ranks |= wanted
+    return sorted(ranks, reverse=True)
 
 
 def _source_topology(src_strategy: str):
-    """A strategy file's (or per-stage folder's) topology; a MindFormers folder's or metadata.json's layouts."""
+    """(topology, MindFormers folder or None) of a strategy file (or per-stage folder), or of a
+    MindFormers folder or its metadata.json (whose layouts are the strategy)."""
     if os.path.basename(src_strategy) == METADATA_FILE and os.path.isfile(src_strategy):
-        return MindFormersFolder(os.path.dirname(src_strategy)).layouts().topology
+        folder = MindFormersFolder(os.path.dirname(src_strategy))
+        return folder.layouts().topology, folder
     if MindFormersFolder.detect(src_strategy):  # a MindFormers folder is its own strategy
-        return MindFormersFolder(src_strategy).layouts().topology
-    return load_strategy(src_strategy).topology  # a strategy file, or a folder of per-stage files
-
+        folder = MindFormersFolder(src_strategy)
+        return folder.layouts().topology, folder
+    return load_strategy(src_strategy).topology, None  # a strategy file, or a folder of per-stage files
 
 
 # MindSpore 2.5+ names (``mindspore.parallel.convert_checkpoints`` & co.): the same functions, so the

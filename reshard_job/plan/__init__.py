@@ -7,7 +7,8 @@ Pure code, no I/O, no protobuf, no storage. The modules, lowest first:
 * ``plan.checks``: the cross-checks between the strategies and the files (``CHECK_*``);
 * ``plan.resolve``: phase 1, every parameter the sources hold resolved into a ``ParamSource``;
 * ``plan.planner``: phase 2, the ``Planner`` planning those records against the target;
-* ``plan.rank_list``: ``source_ranks_for``, MindSpore's ``rank_list_for_transform``.
+* ``plan.rank_list``: ``source_ranks_for``, our (minimal) ``rank_list_for_transform``;
+* ``plan.mindspore_rank_list``: MindSpore 2.10's own list, the superset its converter requires.
 
 The inputs are the two topologies (resolved strategies) and an index of what each source file
 holds (names, dtypes, shapes); the output is a ``Plan``, plain data that serialises to JSON. It is
@@ -23,7 +24,8 @@ Choices, and how they relate to MindSpore 2.10's converter (spec §5–§7):
   blocks tile the tensor exactly), which is MindSpore's replica rule.
 * **Exact reads.** A target rank reads only source ranks whose boxes intersect its own box, so
   ``rank_list_for_transform`` returns the set actually read, plus per source stage read from the
-  file that parameters outside the strategies are copied from (a subset of MindSpore's list).
+  file that parameters outside the strategies are copied from: within MindSpore's list (but for
+  the cases ``plan.rank_list`` names), which ``minimal=False`` gives.
 * **Training truth.** Boxes follow training semantics (``layout.py``); for optimizer-sharded
   non-canonical maps this differs from MindSpore's fast path, which reads the wrong rows.
 * **Parameters in the source strategy but not in the target one**: MindSpore copies the source

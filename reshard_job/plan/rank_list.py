@@ -1,8 +1,15 @@
-"""MindSpore's ``rank_list_for_transform``: the source ranks one target rank reads, from the strategies alone.
+"""Our ``rank_list_for_transform``: the source ranks one target rank reads, from the strategies alone.
 
 A target rank reads only source ranks whose boxes intersect its own box, so the list is the set a
 plan actually reads, plus per source stage read from the file that parameters outside the
-strategies are copied from (a subset of MindSpore's list).
+strategies are copied from. It is within MindSpore's list (``plan.mindspore_rank_list``, which
+gathers whole groups of ranks), but for stage 0's such file when MindSpore's list holds no stage-0
+rank, and for MindSpore's quirk with one device per target stage (it then takes ``rank_id``
+itself as the local rank).
+
+Strategies cannot tell a redundancy-removed save (each slice stored by one of its replicas only):
+for one, the list must come from the save itself (``api.rank_list_for_transform`` with the
+checkpoints).
 """
 
 from __future__ import annotations
@@ -22,9 +29,9 @@ def source_ranks_for(src: Topology, dst: Topology | None, target_rank: int, *,
     Shapes do not matter (a copy pattern only depends on the two layouts), so every strategy
     parameter is planned on its unit shape. Parameters outside the source strategy (copied, or
     whole tensors such as ``global_step``) are read from source local rank ``r mod F`` of the
-    lowest stage holding them, so that rank of stage 0 and of every stage read from is included
-    (MindSpore's list holds it for every source stage): given only these files, the plan takes
-    such parameters from the same file as with all files at hand.
+    lowest stage holding them, so that rank of stage 0 and of every stage read from is included:
+    given only these files, the plan takes such parameters from the same file as with all files
+    at hand.
     """
     dst_t = dst if dst is not None else Topology.unsharded()
     T, F = dst_t.stage_devices, src.stage_devices

@@ -82,7 +82,7 @@ def test_random_bytes(data):
     check("ckpt: random bytes", data)
 
 
-@fuzz(400)
+@fuzz(200)
 @given(data=mutations(SEEDS, HOT))
 def test_mutated_files(data):
     check("ckpt: mutated files", data)

@@ -96,3 +96,13 @@ def test_rank_by_rank_with_the_convert_names_writes_the_same_bytes(reference, tm
                                                src_strategy_file=SRC_STRATEGY, dst_strategy_file=DST_STRATEGY)
         want = reference["ckpt"][f"rank_{rank}/checkpoint_{rank}.ckpt"]
         assert positional.read_bytes() == want and keyword.read_bytes() == want
+
+
+def test_the_strategies_may_also_be_given_as_src_strategy_and_dst_strategy(reference, tmp_path):
+    """``convert_checkpoints(src, dst, prefix, src_strategy=..., dst_strategy=...)``: the spelling
+    some callers use for MindSpore's ``src_strategy_file``/``dst_strategy_file``."""
+    reshard_job.convert_checkpoints(SRC, tmp_path / "out", "checkpoint_", src_strategy=SRC_STRATEGY,
+                                    dst_strategy=DST_STRATEGY)
+    assert _files(tmp_path / "out") == reference["ckpt"]
+    with pytest.raises(TypeError, match="not both"):
+        reshard_job.convert_checkpoints(SRC, tmp_path / "again", "checkpoint_", SRC_STRATEGY, src_strategy=SRC_STRATEGY)

@@ -23,6 +23,9 @@ from reshard_job.formats.ckpt.records import (CRC_MAGIC, CRC_TRAILER_LEN, MAX_RE
 from reshard_job.text import quoted
 
 WINDOW = 4 * 1024 * 1024  # bytes fetched per read while walking small records
+# MindSpore's encrypted files (crypto.h) start each block with a little-endian int32 magic, one per
+# mode; a plain checkpoint starts with a record's 0x0a, so the two never meet.
+ENCRYPTED_MAGICS = {0x7F3A5ED8: "AES-GCM", 0x7F3A5ED9: "AES-CBC", 0x7F3A5EDA: "SM4-CBC"}
 HEAD = 64 * 1024  # bytes fetched at the start of a record larger than a window
 # Where records run larger than this, the walk fetches only the first SMALL_HEAD bytes of each
 # record instead of whole windows: reading every byte of a file of 250 KiB tensors to find their
@@ -196,6 +199,14 @@ class RecordWalk:
 
     def _not_a_record(self, pos: int, byte: int) -> CheckpointFormatError:
         """The error for a byte at `pos` that should start a record but does not."""
+        if pos == 0 and self.size >= 4:
+            first = bytearray(4)
+            self.pread_into(0, memoryview(first))
+            mode = ENCRYPTED_MAGICS.get(int.from_bytes(first, "little"))
+            if mode is not None:
+                return self._error(f"an encrypted checkpoint ({mode}, MindSpore's save_checkpoint(enc_key=...)), which "
+                                   "cannot be read: decrypt it with MindSpore first (load_checkpoint(dec_key=...), then "
+                                   "save_checkpoint without enc_key)")
         what = "wrong magic: not a MindSpore checkpoint" if pos == 0 else "corrupt record"
         return self._error(f"{what} (byte 0x{byte:02x} at offset {pos}, expected 0x0a)")
 

@@ -11,13 +11,12 @@ imported when first used.
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 
 from reshard_job.job.cli import startup_gc
-from reshard_job.job.cli.exit_codes import EXIT_ERROR
-from reshard_job.job.cli.refusal import USER_FULL_ERROR
+from reshard_job.job.cli.exit_codes import EXIT_ERROR, EXIT_INTERRUPTED
+from reshard_job.job.cli.refusal import USER_FULL_ERROR, interrupted_line
 from reshard_job.job.cli.stdout import emit, quiet_exit
 
 
@@ -28,45 +27,69 @@ def main() -> None:
     re-raises them; we set it to catch them here, and keep the user's own setting, which still
     gives full tracebacks.
     """
-    if "--version" in sys.argv[1:] or "-V" in sys.argv[1:]:
+    try:
+        if _answered_at_once(sys.argv[1:]):
+            return
+        with startup_gc.paused_for_startup():
+            _run_hydra()
+    except KeyboardInterrupt:  # Ctrl-C in the first milliseconds, before the job's handlers were in place
+        _tell_interrupted("interrupted (SIGINT)")
+        sys.exit(EXIT_INTERRUPTED)
+
+
+def _answered_at_once(argv: list[str]) -> bool:
+    """``--version`` and ``--help``, answered without Hydra (``--help`` from the schema)."""
+    if "--version" in argv or "-V" in argv:
         from reshard_job import __version__
 
         emit(f"reshard_job {__version__}")
-        return
-    with startup_gc.paused_for_startup():
-        _run_hydra()
+        return True
+    from reshard_job.job.cli.help import help_text, wants_help
+
+    if wants_help(argv):
+        emit(help_text(conf_dir()))
+        return True
+    return False
+
+
+def _tell_interrupted(what: str) -> None:
+    print(interrupted_line(what), file=sys.stderr)
 
 
 def _run_hydra() -> None:
+    # First of all: the signal module imports only the standard library, so a Ctrl-C is noted within
+    # the first milliseconds (before, Python raises KeyboardInterrupt: see ``main``).
     from reshard_job.job.run.signals import Interrupted, interruptible, raise_pending
 
-    logging.raiseExceptions = False  # a log line to a closed pipe must not print a traceback
-    os.environ.setdefault(USER_FULL_ERROR, os.environ.get("HYDRA_FULL_ERROR", "0"))
-    user_full = os.environ[USER_FULL_ERROR] == "1"
-    os.environ["HYDRA_FULL_ERROR"] = "1"
-    try:
-        with interruptible(deferred=True):  # from the first instant: noted, raised when the job begins
+    with interruptible(deferred=True):  # noted, raised when the job begins
+        import logging
+
+        logging.raiseExceptions = False  # a log line to a closed pipe must not print a traceback
+        os.environ.setdefault(USER_FULL_ERROR, os.environ.get("HYDRA_FULL_ERROR", "0"))
+        user_full = os.environ[USER_FULL_ERROR] == "1"
+        os.environ["HYDRA_FULL_ERROR"] = "1"
+        try:
             hydra_app()()
             raise_pending()
-    except Interrupted as e:  # before the job started (importing, composing the configuration)
-        print(f"reshard_job: {e}: rerun the same command to resume", file=sys.stderr)
-        sys.exit(e.exit_code)
-    except (SystemExit, KeyboardInterrupt):
-        raise
-    except BrokenPipeError:
-        quiet_exit()
-    except Exception as e:
-        if user_full or not _is_configuration_error(e):
-            raise  # a bug, or the user asked for full errors: the traceback
-        from reshard_job.job.cli.messages import one_line
-
-        print(f"reshard_job: error: {one_line(e)}", file=sys.stderr)
-        sys.exit(EXIT_ERROR)
-    finally:
-        try:
-            sys.stdout.flush()
+        except Interrupted as e:  # before the job started (importing, composing the configuration)
+            _tell_interrupted(str(e))
+            sys.exit(e.exit_code)
+        except (SystemExit, KeyboardInterrupt):
+            raise
         except BrokenPipeError:
             quiet_exit()
+        except Exception as e:
+            if user_full or not _is_configuration_error(e):
+                raise  # a bug, or the user asked for full errors: the traceback
+            from reshard_job.job.cli.messages import one_line
+
+            print(f"reshard_job: error: {one_line(e)}", file=sys.stderr)
+            sys.exit(EXIT_ERROR)
+        finally:
+            try:
+                sys.stdout.flush()
+            except BrokenPipeError:
+                quiet_exit()
     from reshard_job.job.cli.sweep_summary import FAILED
 
     if FAILED:

@@ -10,3 +10,4 @@ command resumes; ``job.run.signals.Interrupted`` carries that status); 141 stdou
 EXIT_ERROR = 2
 EXIT_BUG = 1
 EXIT_PIPE = 141
+EXIT_INTERRUPTED = 130  # by SIGINT (``Interrupted.exit_code`` gives each signal's)

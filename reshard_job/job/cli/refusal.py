@@ -6,9 +6,12 @@ there) re-raises instead, for the traceback.
 
 from __future__ import annotations
 
-import logging
-
 USER_FULL_ERROR = "RESHARD_JOB_FULL_ERROR"
+
+
+def interrupted_line(what: str) -> str:
+    """The line of an interrupted job, `what` saying by which signal (``interrupted (SIGINT)``)."""
+    return f"reshard_job: {what}: rerun the same command to resume"
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
@@ -25,7 +28,7 @@ def error_line(e: BaseException) -> str:
 
     if isinstance(e, Interrupted):
         e.status = "interrupted"
-        return f"reshard_job: {e}: rerun the same command to resume"
+        return interrupted_line(str(e))
     from reshard_job.secrets import mask_url
     from reshard_job.text import shorten
 
@@ -34,6 +37,8 @@ def error_line(e: BaseException) -> str:
 
 def log_to_file(line: str) -> None:
     """The error line also goes into the run's log file (not again to the console)."""
+    import logging  # here, not at the top: the app imports this module before its signal handlers
+
     record = logging.LogRecord("reshard_job", logging.ERROR, __file__, 0, line, None, None)
     for h in logging.getLogger().handlers:
         if isinstance(h, logging.FileHandler):

@@ -13,6 +13,7 @@ process group; the job, not each worker, reacts to it) and die with the job, eve
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import multiprocessing as mp
 import os
@@ -33,6 +34,7 @@ POLL_S = 0.2
 # besides the rank in flight), from at most PUBLISH_THREADS threads.
 PUBLISH_BATCH = 4 * 1024 ** 3
 PUBLISH_THREADS = 16
+STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
 
 class Executor(Protocol):
@@ -174,11 +176,30 @@ _shared_tasks: list[RankTask] | None = None  # the tasks, inherited by fork inst
 
 
 def _init_worker(counter, parent_pid: int) -> None:
+    """A forked worker starts with the job's handlers, which would raise the job's ``Interrupted``
+    here (multiprocessing prints it as a traceback): it is forked with SIGINT and SIGTERM blocked,
+    and unblocks them once its own handlers are in place."""
     global _counter
     _counter = counter
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     _die_with_parent(parent_pid)
+
+
+@contextlib.contextmanager
+def _signals_blocked():
+    """SIGINT and SIGTERM held back from this thread (a process forked meanwhile starts so); one that
+    came meanwhile is delivered when the block ends."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -242,8 +263,10 @@ def _run_pool(tasks, workers: int, sources, on_bytes: OnBytes, on_done: OnDone) 
     try:
         try:
             # largest ranks first, so one big rank does not finish alone at the end
-            for i in sorted(range(len(tasks)), key=lambda i: -tasks[i].plan.bytes_written):
-                pending.add(pool.submit(_run_shared_task, i) if forking else pool.submit(_run_in_worker, tasks[i]))
+            with _signals_blocked():  # the workers are forked here: see _init_worker
+                for i in sorted(range(len(tasks)), key=lambda i: -tasks[i].plan.bytes_written):
+                    pending.add(pool.submit(_run_shared_task, i) if forking else
+                                pool.submit(_run_in_worker, tasks[i]))
             while pending:
                 done, pending = wait(pending, timeout=POLL_S, return_when=FIRST_COMPLETED)
                 seen = _forward(counter, seen, on_bytes)

@@ -13,6 +13,14 @@ clean up yet.
 A signal also ends every wait for a locked lineage database (``lineage.waiting.request_stop``), in
 whatever thread it waits: the job records its lineage in a thread of its own, where no exception
 from a handler arrives, and the main thread's unwinding waits for that thread.
+
+This module imports only the standard library (the lineage package, which loads numpy, when a job
+begins): the app puts the deferring handlers in place in the first milliseconds of the process, and
+until then a Ctrl-C is Python's KeyboardInterrupt, a traceback instead of the interrupted line.
+
+Once the job's result is committed (``committing``), signals are dropped until the next job begins,
+by the job's handler and by the deferring one around it alike: after the summary says completed, an
+exit status of 130 would contradict it.
 """
 
 from __future__ import annotations
@@ -21,11 +29,10 @@ import signal
 import threading
 from contextlib import contextmanager
 
-from reshard_job.lineage.waiting import clear_stop, request_stop
-
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
 _pending: list[int] = []
 _committed: list[bool] = []  # set by ``committing``: the result is recorded, signals no longer interrupt
+# until the next job begins
 
 
 class Interrupted(BaseException):
@@ -53,31 +60,35 @@ def interruptible(deferred: bool = False):
         return
     raise_pending()
     previous = {s: signal.getsignal(s) for s in EXIT_CODES}
+    _committed.clear()  # the app or a job begins: a commit of an earlier one in this process is not its own
+    waits = None
+    if not deferred:  # a job begins: nor is a stop asked of an earlier job
+        from reshard_job.lineage import waiting as waits
+
+        waits.clear_stop()
 
     def handler(signum, frame):
         if _committed:  # the run is recorded completed: exiting 130 now would contradict it
             return
         for s in EXIT_CODES:  # a second signal acts at once
             signal.signal(s, signal.SIG_DFL)
-        request_stop(str(Interrupted(signum)))  # lineage waits, in any thread, end as the job does
+        if waits is not None:  # lineage waits, in any thread, end as the job does (none before it begins)
+            waits.request_stop(str(Interrupted(signum)))
         if deferred:
             _pending.append(signum)
             return
         raise Interrupted(signum)
 
-    if not deferred:
-        clear_stop()  # a job begins: a stop asked of an earlier job of this process is not its own
     for s in EXIT_CODES:
         signal.signal(s, handler)
     try:
         yield
     finally:
-        _committed.clear()
         for s, h in previous.items():
             if signal.getsignal(s) is handler:  # not when ignore() or a first signal changed it since
                 signal.signal(s, h)
-        if not deferred:
-            clear_stop()
+        if waits is not None:
+            waits.clear_stop()
 
 
 @contextmanager
@@ -115,8 +126,9 @@ def held():
 def committing():
     """The block commits the job's result (marks the lineage run completed). A signal during it waits
     for the outcome: if the block fails, it acts then as it would have; once the block succeeded,
-    it and later ones are dropped until ``interruptible`` ends, since the outputs are complete and
-    recorded so: an exit status of 130 would contradict the record."""
+    it and later ones are dropped until the next job begins (the deferring handler of the app, back
+    in place when the job's ``interruptible`` ends, drops them too), since the outputs are complete
+    and recorded so: an exit status of 130 would contradict the record."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return

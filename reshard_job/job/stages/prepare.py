@@ -221,13 +221,7 @@ def _prepare_mindformers(reader: MindFormersFolder, found: RankFiles, source: So
     strategy, index, selected = select_index(selection_of(target, optimizer_prefixes(target)), reader.layouts(),
                                              reader.index(found))
     tgt = narrow_target(settle_target(target, strategy, index, storage), selected)
-    try:
-        plan, missing = _plan(strategy, tgt, target, index, ranks)
-    except PlanError as e:
-        if not reader.save.deduplicated:
-            raise
-        raise PlanError(f"{e}; this MindFormers save was written with redundancy removal (each shard stored by one "
-                        "rank), which cannot be planned yet") from None
+    plan, missing = _plan(strategy, tgt, target, index, ranks)
     export = _export_layout(target, plan)
     _warn_omitted(plan, missing)
     record_in_plan(plan, selected)

@@ -68,6 +68,7 @@ def test_golden_from_the_bucket_to_the_bucket_is_byte_identical(bucket, runner):
     assert {k: bucket.store.info(f"{out}/{k}").identity for k in before} == before
 
 
+@pytest.mark.slow  # per-stage strategies are read the same way from disk (tests/e2e/cli)
 def test_pipeline_strategy_prefix_in_the_bucket_to_a_local_directory(bucket, runner, tmp_path):
     src = bucket.put_tree(S3, bucket.url("pp"))
     local_run = runner.job(f"source.checkpoints={S3 / 'src_checkpoints'}", f"source.strategy={S3 / 'src_strategy_dir'}",
@@ -169,6 +170,7 @@ def local_outputs(root: Path) -> dict[str, bytes]:
             and p.name != "manifest.json"}
 
 
+@pytest.mark.slow  # each source kind's reading from the bucket goes through the one storage layer the rank-folder test covers
 def test_mindformers_save_and_an_export_in_the_bucket_convert_as_on_disk(bucket, runner, tmp_path):
     """The formats MindFormers users have, where their checkpoints live: a MindFormers save (tracker
     file, iteration folder, metadata.json, per-rank model and opt files) read from a prefix, and an
@@ -197,6 +199,7 @@ def test_mindformers_save_and_an_export_in_the_bucket_convert_as_on_disk(bucket,
     assert local_outputs(Path(out)) == local_outputs(tmp_path / "back_disk") != {}
 
 
+@pytest.mark.slow  # safetensors rank files read the same way from disk; the bucket path is the rank-folder test's
 def test_safetensors_rank_folders_in_the_bucket_convert_as_on_disk(bucket, runner, tmp_path):
     """Per-rank safetensors files (what a ``target.format=safetensors`` job writes) as sources in a
     bucket: indexed and hashed in one read each, converted to the same bytes as from disk."""

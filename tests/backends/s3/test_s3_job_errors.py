@@ -137,6 +137,7 @@ def flipped(data: bytes, offset: int) -> bytes:
     return data[:offset] + bytes([data[offset] ^ 0x40]) + data[offset + 1:]
 
 
+@pytest.mark.slow  # the same integrity pass refuses corrupt bytes on disk (tests/e2e/reliability/test_integrity.py::test_safetensors_crc_num_is_checked)
 def test_corrupt_source_bytes_in_the_bucket_are_refused_in_one_line(s3_store, s3_shared_bucket, s3_server, tmp_path):
     """Sources in a bucket are hashed in the read that indexes them; the checks that read makes
     (a `.ckpt` CRC trailer, replicas that must hold the same bytes) still refuse bad bytes."""

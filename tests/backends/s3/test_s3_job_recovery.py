@@ -88,6 +88,7 @@ def test_kill_9_mid_upload_then_rerun_is_byte_identical(big, big_in_bucket, refe
         assert sorted(r[0] for r in con.execute("select status from runs")) == ["abandoned", "completed"]
 
 
+@pytest.mark.slow  # a conversion of the large source; the lock object itself is covered by the storage tests
 def test_a_second_job_on_the_same_output_prefix_is_refused(big, big_in_bucket, reference, runner, tmp_path):
     bucket, src = big_in_bucket
     out = bucket.url(f"out-{tmp_path.name}")

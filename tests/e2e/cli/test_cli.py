@@ -112,6 +112,7 @@ def test_golden_scenario_through_the_cli_matches_mindspore(tmp_path, scenario, s
     assert (tmp_path / "out" / "strategy.ckpt").read_bytes() == (d / dst).read_bytes()
 
 
+@pytest.mark.slow  # four conversions and four merges; sweeps are also run by tests/e2e/lineage
 def test_sweep_over_four_card_counts_merges_back_to_the_source(tmp_path):
     res = run_app(tmp_path, "-m", "target.devices=1,2,4,8", "hydra.sweep.dir=sweep", timeout=300)
     assert res.returncode == 0, res.stderr

@@ -85,8 +85,8 @@ def test_mindformers_save_converts_like_mindformers_loader_and_is_recorded_file_
     assert source["mindformers"]["not_in_metadata"] == ["global_step", "learning_rate"]
     inputs = events(tmp_path / "runs" / "lineage.db", "input")
     assert [(rank, path) for role, rank, path in inputs if role == "source_checkpoint"] == every_file
-    assert [(role, path) for role, _, path in inputs if role != "source_checkpoint"] == [
-        ("strategy", save.metadata_path)]
+    assert sorted((role, path) for role, _, path in inputs if role != "source_checkpoint") == sorted([
+        ("strategy", save.metadata_path), ("strategy", str(scenario / "dst_strategy.ckpt"))])  # the target's too
 
 
 def test_plan_lists_the_files_of_each_rank_and_iterations_are_chosen(tmp_path):

@@ -54,6 +54,8 @@ def test_rank_list_and_transform_by_rank(golden_scenario, tmp_path, helpers):
         for rank in sc.dst_ranks:
             ours = rank_list_for_transform(rank, src, sc.dst_strategy)
             theirs = sc.rank_list(rank)
+            # minimal=False: MindSpore's own list, as MindSpore 2.10 returned it (manifest.json)
+            assert rank_list_for_transform(rank, src, sc.dst_strategy, minimal=False) == theirs
             assert ours == sorted(ours, reverse=True), "descending, as MindSpore returns it"
             assert set(ours) <= set(theirs), f"{variant_id(src)} rank {rank}: {ours} not within {theirs}"
             assert all(type(r) is int for r in ours)

@@ -80,7 +80,7 @@ def reference(tmp_path_factory, big_source, app) -> Path:
     return cwd / "out"
 
 
-@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("workers", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_kill_9_then_resume_gives_the_uninterrupted_result(tmp_path, big_source, app, reference, workers):
     before = snapshot(big_source.root)
 

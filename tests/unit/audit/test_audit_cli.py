@@ -453,25 +453,35 @@ def test_a_closed_pipe_stops_the_audit_quietly(tmp_path):
 HOPS = 300
 
 
+@pytest.fixture(scope="module")
+def chain_of_conversions(tmp_path_factory):
+    """A lineage database of HOPS successive conversions, each reading the last one's output (built
+    once for the commands below: 300 committed runs take a while on a slow disk)."""
+    from reshard_job.lineage import LineageStore
+    from lineage_fixtures import write_file
+
+    root = tmp_path_factory.mktemp("chain")
+    url = f"sqlite:///{root / 'chain.db'}"
+    store = LineageStore(url)
+    store.ensure_schema()
+    files = [write_file(root / "hop_0.ckpt", b"hop 0", "source_checkpoint", 0)]
+    for hop in range(1, HOPS + 1):
+        run = store.start_run(config={}, overrides=[], tool_version="0.1.0", output_dir=str(root),
+                              source_devices=1, target_devices=1)
+        store.record_inputs(run, [files[-1]])
+        files.append(write_file(root / f"hop_{hop}.ckpt", f"hop {hop}".encode(), "target_checkpoint", 0))
+        store.complete_run(run, outputs=[files[-1]], plan={"ranks": []})
+    store.close()
+    return url, files
+
+
 @pytest.mark.parametrize("command", [["trace", "LAST"], ["trace", "LAST", "--json"], ["trace", "FIRST", "--descendants"],
                                      ["trace", "FIRST", "--descendants", "--json"], ["graph", "LAST", "--format", "dot"],
                                      ["graph", "FIRST", "--descendants", "--format", "svg"]])
-def test_a_chain_of_hundreds_of_conversions_is_an_ordinary_input(tmp_path, make_file, command, capsys):
+def test_a_chain_of_hundreds_of_conversions_is_an_ordinary_input(chain_of_conversions, command, capsys):
     """300 successive conversions, each reading the last one's output: the walk reaches the first
     file from the last (and back) without running out of interpreter stack."""
-    from reshard_job.lineage import LineageStore
-
-    url = f"sqlite:///{tmp_path / 'chain.db'}"
-    store = LineageStore(url)
-    store.ensure_schema()
-    files = [make_file(tmp_path / "hop_0.ckpt", b"hop 0", "source_checkpoint", 0)]
-    for hop in range(1, HOPS + 1):
-        run = store.start_run(config={}, overrides=[], tool_version="0.1.0", output_dir=str(tmp_path),
-                              source_devices=1, target_devices=1)
-        store.record_inputs(run, [files[-1]])
-        files.append(make_file(tmp_path / f"hop_{hop}.ckpt", f"hop {hop}".encode(), "target_checkpoint", 0))
-        store.complete_run(run, outputs=[files[-1]], plan={"ranks": []})
-    store.close()
+    url, files = chain_of_conversions
     argv = [{"FIRST": files[0].path, "LAST": files[-1].path}.get(a, a) for a in command]
     assert main(["--db", url, *argv]) == 0
     out = capsys.readouterr().out

@@ -786,3 +786,15 @@ def test_a_zero_size_ckpt_tensor_keeps_its_dims(tmp_path):
     path = write_file(tmp_path / "c.ckpt", proto_record("w", [0, 2**60], "Float32", b""))
     with CheckpointReader(path) as r:
         assert r.entries["w"].shape == (0, 2**60) and r.read("w").shape == (0, 2**60)
+
+
+@pytest.mark.parametrize("magic, mode", [(0x7F3A5ED8, "AES-GCM"), (0x7F3A5ED9, "AES-CBC"), (0x7F3A5EDA, "SM4-CBC")])
+def test_an_encrypted_checkpoint_is_named_as_such(tmp_path, magic, mode):
+    """MindSpore's save_checkpoint(enc_key=...) starts each encrypted block with its mode's int32
+    magic (little-endian): said as such, not as a file that is not a checkpoint."""
+    body = magic.to_bytes(4, "little") + (48).to_bytes(4, "little") + os.urandom(300)
+    path = write_file(tmp_path / "enc.ckpt", body)
+    with pytest.raises(CheckpointFormatError) as err:
+        CheckpointReader(path).entries
+    line = str(err.value)
+    assert line.startswith(path) and f"an encrypted checkpoint ({mode}" in line and "\n" not in line

@@ -41,3 +41,34 @@ def test_after_the_job_signals_interrupt_again():
             os.kill(os.getpid(), signal.SIGINT)
             for _ in range(1000):  # the handler runs between bytecodes
                 pass
+
+
+def test_after_a_commit_the_deferring_handler_around_the_job_drops_signals_too():
+    """The app's deferring handler is back in place once the job's ``interruptible`` ends, before the
+    summary is printed: a Ctrl-C then must not turn the completed run into an exit 130."""
+    from reshard_job.job.run import signals
+
+    try:
+        with interruptible(deferred=True):
+            with interruptible():
+                with committing():
+                    pass
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(1000):  # the handler runs between bytecodes
+                pass
+            signals.raise_pending()  # nothing noted: the run stays completed
+    finally:
+        signals._pending.clear()  # a failure here must not interrupt the tests that follow
+
+
+def test_the_signal_module_loads_only_the_standard_library():
+    """The app puts its handlers in place first thing; before, a Ctrl-C is a KeyboardInterrupt. What
+    the app and this module import before that must stay light (numpy came through lineage)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import reshard_job.__main__, reshard_job.job.run.signals; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in {'numpy', 'hydra', 'omegaconf', 'sqlalchemy'} "
+            "or m.startswith(('reshard_job.lineage', 'reshard_job.formats'))))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert loaded.strip() == "[]", loaded

@@ -158,7 +158,10 @@ def test_the_lineage_record_names_what_was_read_and_what_the_manifest_lists(tmp_
                            ("manifest", outputs.manifest_path, outputs.manifest_sha256)})
     read = {(f["kind"], f["rank"], f["sha256"]) for f in run["inputs"]}
     assert read == ({("source_checkpoint", f["rank"], f["sha256"]) for f in manifest["source"]["files"]}
-                    | {("strategy", None, _sha256(S1 / "src_strategy.ckpt"))})
+                    | {("strategy", None, _sha256(S1 / "src_strategy.ckpt")),
+                       ("strategy", None, _sha256(S1 / "dst_strategy.ckpt"))})  # the target strategy given is read too
+    copied = {f["path"] for f in run["outputs"] if f.get("copied")}
+    assert copied == {strategy["path"]}  # strategy.ckpt is a copy of that input, not a product
 
 
 def test_a_source_that_changes_after_it_was_hashed_leaves_no_manifest(tmp_path):
