@@ -174,3 +174,17 @@ def test_load_rank_takes_the_same_selection(tmp_path, full, monkeypatch):
     arrays = load_rank(2, SRC, SRC_STRATEGY, renamed_dst(tmp_path), include="weights", rename={"layers.": "blk."})
     assert set(arrays) == {blk(n) for n in full[2].tensors if not is_training_state(n)}
     assert "blk.0.ffn.w1.weight" in arrays
+
+
+def test_an_export_keeps_its_weights_default_and_takes_patterns_and_renames(tmp_path):
+    import json
+
+    def exported(out: Path, **selection) -> set[str]:
+        api.transform_checkpoints(SRC, out, "", SRC_STRATEGY, None, output_format="safetensors_index", **selection)
+        return set(json.loads((out / "model.safetensors.index.json").read_text())["weight_map"])
+
+    weights = exported(tmp_path / "default", exclude=["head.*"])
+    assert "embedding_table" in weights and not any(is_training_state(n) or n.startswith("head.") for n in weights)
+    chosen = exported(tmp_path / "chosen", include=["layers.*", "adam_m.layers.*"], rename={"layers.": "blk."})
+    assert "blk.0.ffn.w1.weight" in chosen and "adam_m.blk.0.ffn.w1.weight" in chosen
+    assert not any(n.startswith(("layers.", "embedding", "adam_v.")) for n in chosen)
