@@ -35,7 +35,8 @@ from typing import Mapping
 
 from reshard_job.errors import ConfigError, MissingRankError, PlanError
 from reshard_job.execute.rank_task import DEFAULT_MAX_MEMORY
-from reshard_job.plan.export_shards import DEFAULT_MAX_SHARD_SIZE, INCLUDE_WEIGHTS, parse_shard_size
+from reshard_job.plan.export_shards import DEFAULT_MAX_SHARD_SIZE, parse_shard_size
+from reshard_job.plan.selection import include_value, patterns_value, rename_value
 from reshard_job.formats.base import WrittenFile
 from reshard_job.formats.registry import kind_of
 from reshard_job.formats.strategy import merge_pipeline_strategies, merge_pipeline_strategys  # noqa: F401 (re-export)
@@ -66,15 +67,17 @@ __all__ = [
 
 
 def _specs(src_strategy_file, dst_strategy_file, *, src_dir=None, select="latest_step", fmt=FORMAT_CKPT,
-           unmapped=UNMAPPED_OMIT, iteration=None, max_shard_size=DEFAULT_MAX_SHARD_SIZE, include=INCLUDE_WEIGHTS,
-           verify_replicas=True):
+           unmapped=UNMAPPED_OMIT, iteration=None, max_shard_size=DEFAULT_MAX_SHARD_SIZE, include=None,
+           verify_replicas=True, exclude=None, rename=None):
     from reshard_job.job.config.spec import SourceSpec, TargetSpec
 
     source = SourceSpec(None if src_dir is None else absolute(src_dir),
                         None if src_strategy_file is None else absolute(src_strategy_file), select, iteration=iteration,
                         verify_replicas=bool(verify_replicas))
     target = TargetSpec(strategy=None if dst_strategy_file is None else absolute(dst_strategy_file), format=fmt,
-                        unmapped=unmapped, max_shard_size=parse_shard_size(max_shard_size), include=include)
+                        unmapped=unmapped, max_shard_size=parse_shard_size(max_shard_size),
+                        include=None if include is None else include_value(include),
+                        exclude=patterns_value(exclude), rename=rename_value(rename))
     return source, target
 
 
@@ -134,8 +137,8 @@ def transform_checkpoints(src_checkpoints_dir, dst_checkpoints_dir, ckpt_prefix,
                           unmapped: str = UNMAPPED_OMIT, max_memory: int = DEFAULT_MAX_MEMORY,
                           select: str = "latest_step", iteration: int | None = None,
                           max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
-                          include: str = INCLUDE_WEIGHTS, verify_replicas: bool = True,
-                          src_strategy=None, dst_strategy=None) -> dict[int, WrittenFile]:
+                          include=None, verify_replicas: bool = True, src_strategy=None, dst_strategy=None,
+                          exclude=None, rename=None) -> dict[int, WrittenFile]:
     """Convert every rank of a distributed checkpoint to the destination layout.
 
     Outputs go to ``<dst>/rank_<r>/<ckpt_prefix><r>.<output_format>``. Returns the written files by
@@ -144,6 +147,10 @@ def transform_checkpoints(src_checkpoints_dir, dst_checkpoints_dir, ckpt_prefix,
     docstring; `iteration` picks another than the latest). ``output_format="safetensors_index"``
     exports the full model into `dst_checkpoints_dir` as shards plus an index (`max_shard_size`,
     `include`); the result is then keyed by file number: shards 0..n-1, the index n.
+    `include` (``"all"``, ``"weights"`` or name patterns), `exclude` (name patterns) and `rename`
+    (``{old prefix: new prefix}``) convert part of the model or rename it, as ``target.include``,
+    ``target.exclude`` and ``target.rename`` do (``plan.selection``); by default everything is
+    converted (an export leaves training state out).
     Tensors the source strategy says several ranks hold identically (replicas, tensors it does not
     lay out) are compared by content first; ``verify_replicas=False`` skips that, for checkpoints
     whose replicas differ on purpose. ``src_strategy``/``dst_strategy`` are other spellings of
@@ -160,7 +167,7 @@ def transform_checkpoints(src_checkpoints_dir, dst_checkpoints_dir, ckpt_prefix,
     dst_dir = absolute(dst_checkpoints_dir)
     with _prepare(src_checkpoints_dir, src_strategy_file, dst_strategy_file, select=select, unmapped=unmapped,
                   fmt=fmt, iteration=iteration, max_shard_size=max_shard_size, include=include,
-                  verify_replicas=verify_replicas) as prepared:
+                  verify_replicas=verify_replicas, exclude=exclude, rename=rename) as prepared:
         paths = unit_paths(prepared, dst_dir, ckpt_prefix, fmt, storage_for(dst_dir))
         if prepared.export is not None:
             storage_for(dst_dir).makedirs(dst_dir)

@@ -126,7 +126,7 @@ def _typed(raw: np.ndarray, dtype: str, dims) -> np.ndarray:
 
 
 def _prepared(rank_id: int, src_checkpoints, src_strategy_file, dst_strategy_file, storage_options, unmapped,
-              verify: str = VERIFY_READ):
+              verify: str = VERIFY_READ, selection: dict | None = None):
     from reshard_job.errors import ConfigError, MissingRankError
     from reshard_job.job.config.spec import SourceSpec, TargetSpec
     from reshard_job.job.stages.prepare import prepare_from
@@ -142,7 +142,7 @@ def _prepared(rank_id: int, src_checkpoints, src_strategy_file, dst_strategy_fil
         raise ConfigError(f"verify must be {' or '.join(map(repr, VERIFY_LEVELS))}, got {verify!r}")
     options = StorageOptions(**(storage_options or {})) if isinstance(storage_options, dict) else storage_options
     source = SourceSpec(absolute(src_checkpoints), absolute(src_strategy_file))
-    target = TargetSpec(strategy=absolute(dst_strategy_file), unmapped=unmapped)
+    target = TargetSpec(strategy=absolute(dst_strategy_file), unmapped=unmapped, **_selection_spec(selection))
     reader = reader_for(source, options)
     reader.check(source)
     found = _only_ranks_read(reader, reader.discover(source), source, target, int(rank_id), options)
@@ -156,6 +156,16 @@ def _prepared(rank_id: int, src_checkpoints, src_strategy_file, dst_strategy_fil
     return prepared
 
 
+def _selection_spec(selection: dict | None) -> dict:
+    """TargetSpec's include/exclude/rename from the API's keywords (``plan.selection``)."""
+    from reshard_job.plan.selection import include_value, patterns_value, rename_value
+
+    selection = selection or {}
+    include = selection.get("include")
+    return {"include": None if include is None else include_value(include),
+            "exclude": patterns_value(selection.get("exclude")), "rename": rename_value(selection.get("rename"))}
+
+
 def _only_ranks_read(reader, found, source, target, rank_id: int, options):
     """The rank files the rank's plan can read, of sharded rank folders (their layouts say which):
     the other ranks' files are not even indexed, which would read their record heads (on an object
@@ -167,8 +177,8 @@ def _only_ranks_read(reader, found, source, target, rank_id: int, options):
     from reshard_job.plan.rank_list import source_ranks_for
     from reshard_job.sources.rank_folders import RankFolders
 
-    if not isinstance(reader, RankFolders) or source.strategy is None:
-        return found
+    if not isinstance(reader, RankFolders) or source.strategy is None or target.rename:
+        return found  # (a renamed target strategy is matched once the names are known)
     layouts = reader.layouts(source.strategy)
     dst = settle_target(target, layouts, {}, options)
     needed = set(source_ranks_for(layouts.topology, dst.topology, rank_id, unmapped=target.unmapped))
@@ -180,8 +190,8 @@ def _only_ranks_read(reader, found, source, target, rank_id: int, options):
 
 
 def iter_rank(rank_id: int, src_checkpoints, src_strategy_file=None, dst_strategy_file=None, *,
-              storage_options=None, unmapped: str = UNMAPPED_OMIT,
-              verify: str = VERIFY_READ) -> Iterator[tuple[str, np.ndarray]]:
+              storage_options=None, unmapped: str = UNMAPPED_OMIT, verify: str = VERIFY_READ,
+              include=None, exclude=None, rename=None) -> Iterator[tuple[str, np.ndarray]]:
     """``(name, array)`` of every tensor target rank `rank_id` holds, in the order the job writes
     them, read a few parameters at a time (see the module docstring, ``verify`` included). A file
     found changed after the last read raises then, after the arrays were yielded: a caller that
@@ -190,7 +200,7 @@ def iter_rank(rank_id: int, src_checkpoints, src_strategy_file=None, dst_strateg
 
     with lean_index():  # an object store: fetch record heads and the rank's ranges, not what it skips
         prepared = _prepared(rank_id, src_checkpoints, src_strategy_file, dst_strategy_file, storage_options,
-                             unmapped, verify)
+                             unmapped, verify, {"include": include, "exclude": exclude, "rename": rename})
         with prepared:
             if verify == VERIFY_FULL:
                 check_whole_files(prepared)
@@ -227,7 +237,8 @@ def _slice(params, start: int):
 
 def load_rank(rank_id: int, src_checkpoints, src_strategy_file=None, dst_strategy_file=None, *,
               consumer: str | None = None, lineage_url: str | None = None, storage_options=None,
-              unmapped: str = UNMAPPED_OMIT, verify: str = VERIFY_READ) -> dict[str, np.ndarray]:
+              unmapped: str = UNMAPPED_OMIT, verify: str = VERIFY_READ, include=None, exclude=None,
+              rename=None) -> dict[str, np.ndarray]:
     """The tensors target rank `rank_id` needs, as the job would write them for that rank.
 
     `src_checkpoints`: a folder of ``rank_<r>/`` files, a MindFormers save, an export folder, or a
@@ -237,18 +248,20 @@ def load_rank(rank_id: int, src_checkpoints, src_strategy_file=None, dst_strateg
     `consumer` and `lineage_url` name who loads and where the load is recorded (see README).
     `verify`: ``"read"`` checks what the bytes the rank reads allow (and the CRCs, when the load is
     recorded), ``"full"`` also reads each file whole for its CRC and compares replicas (module
-    docstring); a file that fails is refused in one line naming it, and nothing is returned."""
+    docstring); a file that fails is refused in one line naming it, and nothing is returned.
+    `include`, `exclude`, `rename`: part of the model, or new names, as ``transform_checkpoints``'s."""
     from reshard_job.lineage.database import url_from_environment
 
     url = lineage_url or url_from_environment()
     if url is None:
         return dict(iter_rank(rank_id, src_checkpoints, src_strategy_file, dst_strategy_file,
-                              storage_options=storage_options, unmapped=unmapped, verify=verify))
+                              storage_options=storage_options, unmapped=unmapped, verify=verify, include=include,
+                              exclude=exclude, rename=rename))
     from reshard_job.storage.s3file import lean_index
 
     with lean_index():
         prepared = _prepared(rank_id, src_checkpoints, src_strategy_file, dst_strategy_file, storage_options,
-                             unmapped, verify)
+                             unmapped, verify, {"include": include, "exclude": exclude, "rename": rename})
         with prepared:
             digests = check_whole_files(prepared) if verify == VERIFY_FULL else None
             arrays = dict(_read(prepared, int(rank_id)))

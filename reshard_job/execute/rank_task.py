@@ -90,7 +90,8 @@ def run_rank_task(task: RankTask, *, sources: SourceFiles | None = None,
     handle = None
     own = sources is None
     readers = sources if sources is not None else SourceFiles(
-        dict(task.sources), verify_crc=False, identities=task.source_identities, storage=task.storage)
+        dict(task.sources), verify_crc=False, identities=task.source_identities, storage=task.storage,
+        names=task.names or None)
     try:
         opts = task.options
         # object stores fetch the announced ranges in batches instead of one request per read

@@ -45,6 +45,8 @@ class RankTask:
     source_identities: dict[int, tuple] = field(default_factory=dict)
     storage: StorageOptions = field(default_factory=StorageOptions)
     part: int | None = None  # which file of the target rank (an export's shard number); None: its only file
+    # target.rename: the plan's new name -> the source files' name, for the renamed parameters it reads
+    names: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

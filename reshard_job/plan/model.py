@@ -227,6 +227,8 @@ class Plan:
     # name -> groups of source ranks that must hold byte-identical copies of it (see Planner.identical)
     identical: dict[str, tuple[tuple[int, ...], ...]] = field(default_factory=dict)
     checks: list[str] = field(default_factory=list)  # the cross-checks that ran (CHECK_*)
+    # target.include/exclude/rename in effect and what they left out (``plan.selection``); None: none
+    selection: dict | None = None
 
     def rank(self, target_rank: int) -> RankPlan:
         for rp in self.ranks:
@@ -277,6 +279,7 @@ class Plan:
             "identical": {name: [list(g) for g in groups] for name, groups in self.identical.items()},
             "checks": self.checks,
             "totals": self.totals(),
+            **({"selection": self.selection} if self.selection is not None else {}),
         }
 
     def totals(self) -> dict:

@@ -115,6 +115,6 @@ class ExportFolder:
     def verify(self, found: RankFiles, files: SourceFiles) -> list[str]:
         """Every tensor of the opened shards is where the index says, and the index lists no other."""
         folder = found.root
-        check_against_index(files.reader(0), read_export_index(folder, self.storage),
+        check_against_index(files.raw_reader(0), read_export_index(folder, self.storage),
                             storage_for(folder, self.storage).join(folder, INDEX_FILE))
         return [f"every tensor is in the shard {INDEX_FILE} names"]

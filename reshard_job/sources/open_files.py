@@ -4,7 +4,7 @@ through their storage, indexed, and checked against the identities the job hashe
 
 from __future__ import annotations
 
-from typing import Collection
+from typing import Collection, Mapping
 
 from reshard_job.core.tensor_meta import TensorMeta
 from reshard_job.errors import FormatError, PlanError
@@ -37,7 +37,8 @@ class SourceFiles:
 
     def __init__(self, paths: dict[int, str | tuple[str, ...]], *, verify_crc: bool = True,
                  identities: dict[int, tuple] | None = None, storage: StorageOptions | None = None,
-                 digest_ranks: Collection[int] = (), digest_progress=None, index_cache=None):
+                 digest_ranks: Collection[int] = (), digest_progress=None, index_cache=None,
+                 names: Mapping[str, str] | None = None, only_named: bool = False):
         self.paths = {r: p if isinstance(p, str) else tuple(p) for r, p in paths.items()}
         self.verify_crc = verify_crc
         self.identities = dict(identities or {})
@@ -51,8 +52,31 @@ class SourceFiles:
         # ``index_cache.IndexCache``: local `.ckpt` files whose identity it knows are not walked
         self.index_cache = index_cache
         self._readers: dict[int, TensorReader] = {}
+        # ``target.include``/``exclude``/``rename`` (``plan.selection``): new name -> the files' name.
+        # With `only_named`, the readers hold those names only; else the others keep their own.
+        self.names = names
+        self.only_named = only_named
+        self._views: dict[int, TensorReader] = {}
+
+    def select(self, names: Mapping[str, str] | None, *, only_named: bool = True) -> None:
+        """See the files through a selection from now on (``reader`` answers under the new names)."""
+        self.names, self.only_named = names, only_named
+        self._views.clear()
 
     def reader(self, rank: int) -> TensorReader:
+        """A rank's reader, under the selection's names where there is one."""
+        raw = self.raw_reader(rank)
+        if self.names is None:
+            return raw
+        view = self._views.get(rank)
+        if view is None or view.inner is not raw:
+            from reshard_job.sources.renamed import RenamedReader
+
+            view = self._views[rank] = RenamedReader(raw, self.names, only_stored=self.only_named)
+        return view
+
+    def raw_reader(self, rank: int) -> TensorReader:
+        """A rank's reader under the files' own names."""
         r = self._readers.get(rank)
         if r is None:
             if rank not in self.paths:
@@ -151,7 +175,7 @@ class SourceFiles:
         from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(max_workers=min(OPEN_THREADS, len(todo)), thread_name_prefix="index") as pool:
-            futures = [pool.submit(self.reader, r) for r in todo]
+            futures = [pool.submit(self.raw_reader, r) for r in todo]
         failures = [f.exception() for f in futures if f.exception() is not None]
         if failures:
             raise failures[0]
@@ -160,6 +184,7 @@ class SourceFiles:
         for r in self._readers.values():
             r.close()
         self._readers.clear()
+        self._views.clear()
 
     def __enter__(self):
         return self

@@ -114,8 +114,14 @@ class TargetConfig:
     max_shard_size: Any = setting(
         "5GB", "safetensors_index only: bound on one shard's tensor bytes (5GB = 5e9 bytes, "
                "4GiB = 4*2^30)")
-    include: str = setting(
-        "weights", "safetensors_index only: weights (no optimizer or training state) | all")
+    include: Any = setting(
+        None, "which parameters to convert: all | weights (no optimizer or training state) | a list of name "
+              "patterns ([model.*,lm_head.*]); null = the format's default (weights for safetensors_index, "
+              "else all)")
+    exclude: Optional[List[str]] = setting(None, "name patterns left out after target.include ([adam_m.*,adam_v.*])")
+    rename: Any = setting(
+        None, "ordered prefix rewrites of source names, first match wins ({backbone.: model.}, or "
+              "[[backbone., model.]])")
     remove_redundancy: bool = setting(
         False, "each target rank writes only the parameter slices it owns, one rank per block (MindSpore's "
                "save_checkpoint(remove_redundancy=True)); needs a sharded target, not safetensors_index")

@@ -169,7 +169,8 @@ def _target(t: schema.TargetConfig, ctx: JobContext) -> TargetSpec:
     max_shard_size, include = _export_options(t, strategy, layout, devices)
     remove_redundancy = _remove_redundancy(t, strategy, layout)
     return TargetSpec(strategy, layout, devices, _prefix(t.prefix), t.format, t.unmapped, bool(t.crc),
-                      max_shard_size, include, _cluster(t.cluster, devices), remove_redundancy)
+                      max_shard_size, include, *_selection_options(t), cluster=_cluster(t.cluster, devices),
+                      remove_redundancy=remove_redundancy)
 
 
 def _remove_redundancy(t: schema.TargetConfig, strategy: str | None, layout: dict | None) -> bool:
@@ -191,16 +192,30 @@ def _remove_redundancy(t: schema.TargetConfig, strategy: str | None, layout: dic
 def _export_options(t: schema.TargetConfig, strategy: str | None, layout: dict | None,
                     devices: int | None) -> tuple[int, str]:
     """target.max_shard_size in bytes and target.include; an export is one full model, never sharded."""
-    from reshard_job.plan.export_shards import INCLUDE_CHOICES, parse_shard_size
+    from reshard_job.plan.export_shards import parse_shard_size
+    from reshard_job.plan.selection import include_value
 
     size = parse_shard_size(t.max_shard_size)
-    if t.include not in INCLUDE_CHOICES:
-        raise ConfigError(f"target.include must be {' or '.join(INCLUDE_CHOICES)}, got {_show(t.include)}")
+    include = None if t.include is None else include_value(_container(t.include))
     sharded = strategy is not None or layout is not None or devices not in (None, 1)
     if t.format == FORMAT_SAFETENSORS_INDEX and sharded:
         raise ConfigError("target.format=safetensors_index writes the full, unsharded model: use target=hf_export, "
                           "or set target.strategy=null target.layout=null target.devices=1")
-    return size, t.include
+    return size, include
+
+
+def _selection_options(t: schema.TargetConfig) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
+    """target.exclude and target.rename (``plan.selection``)."""
+    from reshard_job.plan.selection import patterns_value, rename_value
+
+    return patterns_value(_container(t.exclude)), rename_value(_container(t.rename))
+
+
+def _container(value: Any) -> Any:
+    """A plain list or dict from an OmegaConf one (values given on the command line)."""
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
+    return OmegaConf.to_container(value, resolve=True) if isinstance(value, (DictConfig, ListConfig)) else value
 
 
 def _cluster(c: schema.ClusterConfig, devices: int | None) -> ClusterSpec:

@@ -90,7 +90,10 @@ class TargetSpec:
     unmapped: str = "omit"
     crc: bool = False
     max_shard_size: int = 5 * 10**9  # format safetensors_index: bound on a shard's tensor bytes
-    include: str = "weights"  # format safetensors_index: weights | all (training state too)
+    # weights | all | name patterns; None: the format's (weights for safetensors_index, else all)
+    include: str | tuple[str, ...] | None = None
+    exclude: tuple[str, ...] = ()  # name patterns left out after include
+    rename: tuple[tuple[str, str], ...] = ()  # ordered (old prefix, new prefix), first match wins
     cluster: ClusterSpec = field(default_factory=ClusterSpec)
     remove_redundancy: bool = False  # each rank writes only the blocks it owns (MindSpore's remove_redundancy)
 

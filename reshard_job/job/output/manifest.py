@@ -47,7 +47,8 @@ def job_fingerprint(*, source_files: list[dict], source_strategy: dict | None, t
 
 def build_manifest(*, run_id: str, tool_version: str, fingerprint: str, config: dict, source: dict,
                    target: dict, tensors: dict, plan_summary: dict, checks: list[str] = (),
-                   node: str | None = None, fingerprints: dict | None = None) -> dict:
+                   node: str | None = None, fingerprints: dict | None = None,
+                   selection: dict | None = None) -> dict:
     """The manifest of a conversion; with `node`, of the files one target node holds
     (``output.placement=per_node``: ``target.files`` and ``tensors`` are then that node's)."""
     manifest = {
@@ -64,6 +65,8 @@ def build_manifest(*, run_id: str, tool_version: str, fingerprint: str, config: 
         "digest_algorithm": "sha256",  # of files and of tensors
         "tensors": tensors,
     }
+    if selection is not None:  # target.include/exclude/rename (``plan.selection``)
+        manifest["selection"] = selection
     if fingerprints is not None:  # per parameter, layout-independent (``job.stages.proof``)
         manifest["fingerprints"] = fingerprints
     if node is not None:

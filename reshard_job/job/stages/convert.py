@@ -40,6 +40,7 @@ from reshard_job.job.output.manifest import build_manifest, job_fingerprint
 from reshard_job.job.output.node_outputs import node_manifest_records
 from reshard_job.job.output.directory import COMPLETE, FRESH, PARTIAL, OutputDir
 from reshard_job.job.stages.prepare import Prepared
+from reshard_job.job.stages.select_names import export_include
 from reshard_job.job.run.progress import Progress
 from reshard_job.job.stages.proof import prove
 from reshard_job.job.stages.record import LineageRecorder, NoRecorder
@@ -94,7 +95,12 @@ def rank_tasks(prepared: Prepared, paths: dict[int, str], options: WriteOptions,
     def task(rp, out_path: str, part: int | None, opts: WriteOptions) -> RankTask:
         ranks = rp.source_ranks
         return RankTask(rp.target_rank, rp, {r: prepared.source_paths[r] for r in ranks}, out_path, opts,
-                        {r: identities[r] for r in ranks if r in identities}, storage, part)
+                        {r: identities[r] for r in ranks if r in identities}, storage, part, _renamed_in(rp))
+
+    renamed = prepared.selected.renamed if prepared.selected is not None else {}
+
+    def _renamed_in(rp) -> dict[str, str]:
+        return {p.name: renamed[p.name] for p in rp.params if p.name in renamed} if renamed else {}
 
     if prepared.export is not None:
         shard_options = replace(options, format=FORMAT_SAFETENSORS, metadata=dict(EXPORT_METADATA))
@@ -186,9 +192,11 @@ def _target_key(spec: JobSpec, prepared: Prepared) -> dict:
     key = {"devices": prepared.target.devices, "format": t.format, "prefix": t.prefix, "unmapped": t.unmapped,
            "crc": t.crc, "ranks": list(spec.run.ranks) if spec.run.ranks is not None else None}
     if t.format == FORMAT_SAFETENSORS_INDEX:
-        key.update(max_shard_size=t.max_shard_size, include=t.include)
+        key.update(max_shard_size=t.max_shard_size, include=export_include(t))
     if t.remove_redundancy:  # other files: another conversion (absent otherwise, keeping earlier keys)
         key["remove_redundancy"] = True
+    if prepared.selected is not None:  # another selection of the same sources is another conversion
+        key["selection"] = prepared.selected.selection.describe()
     if spec.output.placement == PLACEMENT_PER_NODE:  # the same files on other disks: another conversion
         key["placement"] = {"per_node": cluster_layout(spec, prepared.target.devices)}
     return key
@@ -338,7 +346,8 @@ def _finish(spec: JobSpec, prepared: Prepared, out: OutputDir, digests: SourceDi
     build = functools.partial(
         build_manifest, run_id=run_id or "", tool_version=__version__, fingerprint=fingerprint, config=spec.config,
         source=_source_section(spec, prepared, digests), plan_summary=_plan_summary(prepared),
-        checks=checks, fingerprints=proof.manifest_section() if proof else None)
+        checks=checks, fingerprints=proof.manifest_section() if proof else None,
+        selection=_selection_section(prepared))
     target = {"devices": prepared.target.devices, "format": spec.target.format, "prefix": spec.target.prefix,
               "ranks": list(spec.run.ranks) if spec.run.ranks else None, "strategy": strategy_out,
               "files": target_files, **_export_section(prepared)}
@@ -390,7 +399,17 @@ def _source_section(spec: JobSpec, prepared: Prepared, digests: SourceDigests) -
     return section
 
 
+def _selection_section(prepared: Prepared) -> dict | None:
+    """manifest.json's ``selection``: target.include/exclude/rename and how many parameters they left out."""
+    selected = prepared.selected
+    if selected is None:
+        return None
+    return {**selected.selection.describe(), "left_out": len(selected.left_out),
+            "left_out_first": selected.summary()["left_out_first"], "renamed": len(selected.renamed)}
+
+
 def _plan_summary(prepared: Prepared) -> dict:
     plan = prepared.plan
     return {"totals": plan.totals(), "omitted": plan.omitted, "notes": plan.notes,
+            **({"selection": plan.selection} if plan.selection is not None else {}),
             "source_ranks": {str(rp.target_rank): rp.source_ranks for rp in plan.ranks}}

@@ -36,8 +36,9 @@ class SourceDigests:
 def hash_sources(prepared: Prepared, *, use_cache: bool = True, progress: bool | None = None,
                  storage: StorageOptions | None = None) -> SourceDigests:
     needed = sorted(prepared.plan.source_ranks)
-    parts = [(r, reader) for r in needed for reader in _file_readers(prepared.readers.reader(r))]
-    identical = identical_to_check(prepared)
+    # files are hashed under their own names (a selection renames what the plan sees, not the files)
+    parts = [(r, reader) for r in needed for reader in _file_readers(prepared.readers.raw_reader(r))]
+    identical = _under_stored_names(identical_to_check(prepared), prepared)
     compare = _to_compare(identical)
     requests, held = zip(*[_request(reader, compare.get(r, ())) for r, reader in parts]) if parts else ((), ())
     cache = HashCache(default_cache_path(), storage) if use_cache else None
@@ -65,6 +66,12 @@ def hash_sources(prepared: Prepared, *, use_cache: bool = True, progress: bool |
 def _file_readers(reader) -> tuple:
     """The per-file readers of one source rank (one, or one per file of a multi-file rank)."""
     return tuple(reader.readers) if isinstance(reader, MultiFileReader) else (reader,)
+
+
+def _under_stored_names(identical: dict, prepared: Prepared) -> dict:
+    """The plan's ``identical`` groups under the files' own names (``target.rename``)."""
+    renamed = prepared.selected.renamed if prepared.selected is not None else {}
+    return {renamed.get(name, name): groups for name, groups in identical.items()} if renamed else identical
 
 
 def _identities(prepared: Prepared, parts, digests: list[FileDigest]) -> dict[int, tuple]:
@@ -136,7 +143,7 @@ def _compare_identical(prepared: Prepared, identical: dict, compare: dict[int, l
     is kept: a million replicated small tensors cost one entry each, not one per rank."""
     hashed = {r for r, _ in parts}
     for r, names in compare.items():  # a rank of a group without the tensor differs from the rest
-        entries = prepared.readers.reader(r).entries if r in hashed else {}
+        entries = prepared.readers.raw_reader(r).entries if r in hashed else {}
         lacking = next((name for name in names if name not in entries), None)
         if lacking is not None:
             raise identical_mismatch(lacking, next(g for g in identical[lacking] if r in g), prepared.source.strategy)

@@ -46,6 +46,10 @@ from reshard_job.text import shorten
 from reshard_job.job.run.progress import Progress
 from reshard_job.job.config.spec import SourceSpec, TargetSpec
 from reshard_job.job.stages.target import Target, settle_target
+from reshard_job.job.stages.select_names import (apply_selection, export_include, narrow_target,
+                                                 optimizer_prefixes, record_in_plan, renamed_strategy, select_index,
+                                                 selection_of, under_stored_names)
+from reshard_job.plan.selection import Selected
 
 log = logging.getLogger("reshard_job")
 SAMPLE_BYTES = 4096  # per probe when telling shards from copies
@@ -65,6 +69,7 @@ class Prepared:
     mindformers: MindFormersSource | None = None  # the save, when the source is a MindFormers folder
     export: ExportLayout | None = None  # the shards, for target.format=safetensors_index
     every_file: RankFiles | None = None  # a MindFormers save's files, before narrowing to those the plan reads
+    selected: Selected | None = None  # target.include/exclude/rename: what was kept, under which names
 
     @property
     def source_paths(self) -> dict[int, str | tuple[str, ...]]:
@@ -137,9 +142,12 @@ def _prepare_files(found: RankFiles, strategy: LoadedStrategy, source: SourceSpe
     """Open and index the source files (rank -> file), cross-check them, settle the target, plan."""
     paths = _usable_ranks(found, strategy, source)
     remote = _remote_ranks(paths, storage) if hashing is not None else set()
+    selection = selection_of(target, optimizer_prefixes(target))
     # the target strategy, read now to foresee the reads (and not read again for the plan)
-    settled = settle_target(target, strategy, {}, storage) if remote and target.strategy is not None else None
-    digest = _ranks_to_hash_now(remote, paths, strategy, source, target, settled, ranks, storage, hashing)
+    settled = settle_target(target, renamed_strategy(strategy, selection), {}, storage) \
+        if remote and target.strategy is not None else None
+    digest = _ranks_to_hash_now(remote, paths, renamed_strategy(strategy, selection), source, target, settled, ranks,
+                                storage, hashing)
     bar = Progress(sum(found.sizes.get(r, 0) for r in digest), len(digest),
                    enabled=hashing.progress if hashing else False, desc="indexing and hashing sources", unit="files")
     readers = SourceFiles(paths, verify_crc=False, identities=found.identities, storage=storage,
@@ -150,8 +158,9 @@ def _prepare_files(found: RankFiles, strategy: LoadedStrategy, source: SourceSpe
         finally:
             bar.close()
         checks = _cross_check(found, strategy, source, index, storage)
+        strategy, index, selected = apply_selection(selection, strategy, readers, index)
         return _settle_and_plan(source, found, strategy, readers, index, target, ranks, storage, checks,
-                                settled=settled)
+                                settled=settled, selected=selected)
     except BaseException:
         readers.close()
         raise
@@ -209,32 +218,37 @@ def _prepare_mindformers(reader: MindFormersFolder, found: RankFiles, source: So
     target without optimizer states reads, hashes and records no opt file).
     """
     reader.log_found()
-    strategy = reader.layouts()
-    index = reader.index(found)
-    tgt = settle_target(target, strategy, index, storage)
+    strategy, index, selected = select_index(selection_of(target, optimizer_prefixes(target)), reader.layouts(),
+                                             reader.index(found))
+    tgt = narrow_target(settle_target(target, strategy, index, storage), selected)
     plan, missing = _plan(strategy, tgt, target, index, ranks)
     export = _export_layout(target, plan)
     _warn_omitted(plan, missing)
-    every_file, found = found, reader.files_read(found, plan)
-    readers = SourceFiles(found.files, verify_crc=False, identities=found.identities, storage=storage)
+    record_in_plan(plan, selected)
+    every_file, found = found, reader.files_read(found, under_stored_names(plan, selected))
+    readers = SourceFiles(found.files, verify_crc=False, identities=found.identities, storage=storage,
+                          names=selected.stored if selected else None, only_named=True)
     try:
         checks = ["MindFormers metadata.json agrees with every file's header (dtypes, shapes, placement)"]
         checks += list(plan.checks)
         return Prepared(source, found, strategy, readers, index, tgt, plan, missing, checks, reader.save, export,
-                        every_file)
+                        every_file, selected)
     except BaseException:
         readers.close()
         raise
 
 
 def _settle_and_plan(source: SourceSpec, found: RankFiles, strategy: LoadedStrategy, readers: SourceFiles, index,
-                     target: TargetSpec, ranks, storage, checks: list[str], *, settled: Target | None = None) -> Prepared:
-    tgt = settled if settled is not None else settle_target(target, strategy, index, storage)
+                     target: TargetSpec, ranks, storage, checks: list[str], *, settled: Target | None = None,
+                     selected: Selected | None = None) -> Prepared:
+    tgt = narrow_target(settled if settled is not None else settle_target(target, strategy, index, storage), selected)
     plan, missing = _plan(strategy, tgt, target, index, ranks)
+    record_in_plan(plan, selected)
     checks += list(plan.checks)
     export = _export_layout(target, plan)
     _warn_omitted(plan, missing)
-    return Prepared(source, found, strategy, readers, index, tgt, plan, missing, checks, export=export)
+    return Prepared(source, found, strategy, readers, index, tgt, plan, missing, checks, export=export,
+                    selected=selected)
 
 
 def _export_layout(target: TargetSpec, plan: Plan) -> ExportLayout | None:
@@ -243,7 +257,7 @@ def _export_layout(target: TargetSpec, plan: Plan) -> ExportLayout | None:
     if target.format != FORMAT_SAFETENSORS_INDEX or not plan.ranks:
         return None
     rank_plan = plan.ranks[0]
-    layout = plan_export(rank_plan, max_shard_size=target.max_shard_size, include=target.include)
+    layout = plan_export(rank_plan, max_shard_size=target.max_shard_size, include=export_include(target))
     exported = set(layout.weight_map())
     rank_plan.params = [p for p in rank_plan.params if p.name in exported]
     plan.omitted.extend({"name": name, "reason": f"not exported: {why}"} for name, why in layout.left_out)

@@ -152,7 +152,9 @@ class _WiderSources:
         wider = {r: files for r, files in every_file.files.items()
                  if readers.paths.get(r) != (files if isinstance(files, str) else tuple(files))}
         identities = {r: every_file.identities[r] for r in wider if r in every_file.identities}
-        self.others = SourceFiles(wider, verify_crc=False, identities=identities, storage=storage)
+        # under the selection's names too (target.include/exclude/rename), as the job's own readers
+        self.others = SourceFiles(wider, verify_crc=False, identities=identities, storage=storage,
+                                  names=readers.names, only_named=readers.only_named)
         self.storage = getattr(readers, "storage", None)
 
     def reader(self, rank: int):

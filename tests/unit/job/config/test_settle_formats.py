@@ -44,7 +44,7 @@ def test_source_iteration(tmp_path):
     (["target=hf_export", "target.devices=2"], "target.devices=2 needs target.strategy or target.layout"),
     (["target=hf_export", "target.max_shard_size=lots"], "target.max_shard_size 'lots' is not a size"),
     (["target=hf_export", "target.max_shard_size=0"], "target.max_shard_size must be at least 1 byte"),
-    (["target=hf_export", "target.include=weights_only"], "target.include must be weights or all, got 'weights_only'"),
+    (["target=hf_export", "target.include=weights_only"], "target.include must be weights or all, or a list of name patterns"),
     (["source.iteration=-1"], "source.iteration must be an integer from 0 to"),
 ])
 def test_bad_values_are_refused_in_one_line(tmp_path, overrides, message):

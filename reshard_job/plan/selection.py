@@ -1,0 +1,183 @@
+"""Which source parameters a conversion keeps, and under which names (pure: no I/O).
+
+MindSpore lets its users convert part of a model (``choice_func``) or rename it (``name_map``);
+``target.include``, ``target.exclude`` and ``target.rename`` do the same here:
+
+- ``include``: ``all`` (every parameter), ``weights`` (no optimizer state or training-loop
+  bookkeeping, the rule ``plan.export_shards.is_training_state`` applies), or a list of glob
+  patterns (``fnmatch``, case-sensitive): a parameter is kept when one of them matches it;
+- ``exclude``: glob patterns; a parameter one of them matches is left out, whatever ``include`` said;
+- ``rename``: ordered prefix rewrites (``backbone.`` -> ``model.``); the first prefix a name starts
+  with is replaced, later ones are not tried. An optimizer state that no prefix matches follows its
+  parameter (``adam_m.backbone.w`` becomes ``adam_m.model.w``), as the target network names it.
+
+Patterns match a parameter's name in the source or its new name, so ``include=[model.*]`` with
+``rename={backbone.: model.}`` keeps the renamed parameters. Renaming happens before the
+parameters are matched against the target strategy, so a renamed network's strategy lines up.
+Two names renamed onto one, or onto a name the source keeps as it is, are refused: which tensor
+the output would hold under that name would be a guess.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+from reshard_job.core.topology import OPTIMIZER_PREFIXES
+from reshard_job.errors import ConfigError, PlanError
+from reshard_job.plan.export_shards import INCLUDE_ALL, INCLUDE_CHOICES, INCLUDE_WEIGHTS, is_training_state
+from reshard_job.text import shorten
+
+SHOWN_LEFT_OUT = 5  # names of what is left out shown in the plan and the log
+
+
+@dataclass(frozen=True)
+class Selection:
+    """What the user asked for (``target.include``, ``target.exclude``, ``target.rename``)."""
+
+    include: str | tuple[str, ...] = INCLUDE_ALL
+    exclude: tuple[str, ...] = ()
+    rename: tuple[tuple[str, str], ...] = ()
+    optimizer_prefixes: tuple[str, ...] = field(default=tuple(OPTIMIZER_PREFIXES), compare=False)
+
+    @property
+    def active(self) -> bool:
+        """Whether any parameter could be left out or renamed."""
+        return self.include != INCLUDE_ALL or bool(self.exclude) or bool(self.rename)
+
+    def new_name(self, name: str) -> str:
+        renamed = self._rewritten(name)
+        if renamed is not None:
+            return renamed
+        # an optimizer state follows its parameter: adam_m.backbone.w becomes adam_m.model.w
+        for opt in self.optimizer_prefixes:
+            if name.startswith(opt):
+                renamed = self._rewritten(name[len(opt):])
+                if renamed is not None:
+                    return opt + renamed
+        return name
+
+    def _rewritten(self, name: str) -> str | None:
+        for old, new in self.rename:
+            if name.startswith(old):
+                return new + name[len(old):]
+        return None
+
+    def describe(self) -> dict:
+        """As recorded in the plan and the manifest."""
+        include = self.include if isinstance(self.include, str) else list(self.include)
+        return {"include": include, "exclude": list(self.exclude), "rename": [list(pair) for pair in self.rename]}
+
+
+@dataclass
+class Selected:
+    """The outcome over a source's names: new name -> name in the source, for every parameter kept."""
+
+    selection: Selection
+    stored: dict[str, str]
+    left_out: list[str]  # source names, sorted
+    unmatched: list[str]  # patterns (include or exclude) that matched no parameter
+
+    @property
+    def renamed(self) -> dict[str, str]:
+        """New name -> source name, for the kept parameters whose name changed."""
+        return {new: old for new, old in self.stored.items() if new != old}
+
+    def summary(self) -> dict:
+        """The selection and its outcome, as the plan and the manifest record them."""
+        return {**self.selection.describe(), "left_out": len(self.left_out),
+                "left_out_first": self.left_out[:SHOWN_LEFT_OUT], "renamed": len(self.renamed)}
+
+    def note(self) -> str:
+        """One line for the plan report."""
+        s = self.selection.describe()
+        parts = [f"include={s['include']}"]
+        if s["exclude"]:
+            parts.append(f"exclude={s['exclude']}")
+        if s["rename"]:
+            parts.append("rename=" + ", ".join(f"{old!r}->{new!r}" for old, new in self.selection.rename))
+        shown = ", ".join(repr(shorten(n, 60)) for n in self.left_out[:SHOWN_LEFT_OUT])
+        more = ", ..." if len(self.left_out) > SHOWN_LEFT_OUT else ""
+        left = f"; {len(self.left_out)} parameter(s) left out" + (f": {shown}{more}" if shown else "")
+        return f"selection: {' '.join(parts)}{left}; {len(self.renamed)} renamed"
+
+
+def _matcher(patterns: Sequence[str]):
+    """One compiled regular expression for all of `patterns` (a million names, one match each)."""
+    return re.compile("|".join(f"(?:{fnmatch.translate(p)})" for p in patterns)).match
+
+
+def select(selection: Selection, names: Iterable[str]) -> Selected:
+    """Apply `selection` to the source's parameter names (module docstring); PlanError when nothing
+    is left or two parameters would share a name."""
+    names = list(dict.fromkeys(names))  # the source's order: the outputs keep it
+    patterns = () if isinstance(selection.include, str) else selection.include
+    include = _matcher(patterns) if patterns else None
+    exclude = _matcher(selection.exclude) if selection.exclude else None
+    stored: dict[str, str] = {}
+    left_out: list[str] = []
+    for name in names:
+        new = selection.new_name(name)
+        if not _included(selection, name, new, include) or (exclude is not None and (exclude(name) or exclude(new))):
+            left_out.append(name)
+            continue
+        other = stored.get(new)
+        if other is not None:
+            first, second = sorted((other, name), key=lambda n: (n != new, n))
+            raise PlanError(f"target.rename: parameters {first!r} and {second!r} would both be named {new!r}; "
+                            "change the rename so that every name stays unique")
+        stored[new] = name
+    if not stored:
+        raise PlanError(f"target.include/target.exclude leave none of the {len(names)} source parameter(s) "
+                        f"(include={selection.describe()['include']}, exclude={list(selection.exclude)})")
+    unmatched = [p for p in (*patterns, *selection.exclude) if not any(_matches(p, n, selection) for n in names)]
+    return Selected(selection, stored, sorted(left_out), unmatched)
+
+
+def _included(selection: Selection, name: str, new: str, include) -> bool:
+    if include is not None:
+        return bool(include(name) or include(new))
+    if selection.include == INCLUDE_WEIGHTS:
+        return not is_training_state(name, selection.optimizer_prefixes)
+    return True
+
+
+def _matches(pattern: str, name: str, selection: Selection) -> bool:
+    return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(selection.new_name(name), pattern)
+
+
+# ------------------------------------------------------------------------------ settings
+def include_value(value, key: str = "target.include") -> str | tuple[str, ...]:
+    """``all``, ``weights`` or a list of glob patterns, from a configuration or API value."""
+    if isinstance(value, str) and value in INCLUDE_CHOICES:
+        return value
+    if isinstance(value, (list, tuple)) and value:
+        return patterns_value(value, key)
+    raise ConfigError(f"{key} must be {' or '.join(INCLUDE_CHOICES)}, or a list of name patterns "
+                      f"(e.g. [model.*,lm_head.*]), got {shorten(repr(value), 60)}")
+
+
+def patterns_value(value, key: str = "target.exclude") -> tuple[str, ...]:
+    """A list of glob patterns (None or [] for none)."""
+    if value is None:
+        return ()
+    if isinstance(value, str) or not isinstance(value, (list, tuple)) \
+            or not all(isinstance(p, str) and p for p in value):
+        raise ConfigError(f"{key} must be a list of name patterns (e.g. [adam_m.*,adam_v.*]), "
+                          f"got {shorten(repr(value), 60)}")
+    return tuple(value)
+
+
+def rename_value(value, key: str = "target.rename") -> tuple[tuple[str, str], ...]:
+    """Ordered (old prefix, new prefix) pairs from a map (``{backbone.: model.}``) or a list of pairs."""
+    if value is None:
+        return ()
+    pairs = list(value.items()) if isinstance(value, dict) else value
+    if isinstance(pairs, (list, tuple)) and all(isinstance(p, (list, tuple)) and len(p) == 2 for p in pairs):
+        out = tuple((p[0], p[1]) for p in pairs)
+        if all(isinstance(old, str) and old and isinstance(new, str) for old, new in out):
+            return out
+    raise ConfigError(f"{key} must map name prefixes to new ones, in order (e.g. {{backbone.: model.}}), "
+                      f"got {shorten(repr(value), 60)}")
