@@ -166,6 +166,9 @@ class MindFormersSource:
         """What each storage rank's files hold (rank -> name -> TensorMeta), from the headers."""
         out = {}
         for rank, files in sorted(self.rank_files.items()):
+            if len(files) == 1:  # the header as it was read, not a copy (600,000 entries)
+                out[rank] = self.file_tensors[files[0]]
+                continue
             merged: dict[str, TensorMeta] = {}
             for f in files:
                 merged.update(self.file_tensors[f])
