@@ -382,8 +382,8 @@ SETTLE_CHILD = textwrap.dedent("""
 
 def test_a_compiled_target_of_many_parameters_is_written_and_read_without_an_object_each(tmp_path):
     """A declarative target compiled for 60,000 layout-less parameters, its strategy file written
-    and read back: some 120 bytes per parameter (the file's own bytes among them) beyond what the
-    loaded save holds, where protobuf objects per parameter and a mapping each took 1,000."""
+    and read back: under 150 bytes per parameter here beyond what the loaded save holds (the file's
+    own bytes among them), where protobuf objects and a layout mapping per parameter took 1,000."""
     n = 60_000
     root = write_layoutless_save(tmp_path / "mf", n)
     res = subprocess.run([sys.executable, "-c", SETTLE_CHILD, str(root)], capture_output=True, text=True,
