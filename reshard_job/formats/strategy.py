@@ -25,7 +25,7 @@ import sys
 from reshard_job.errors import StrategyFormatError
 from reshard_job.text import bounded_list, quoted, shorten
 import reshard_job.formats.proto_schema as schema
-from reshard_job.formats.strategy_wire import layout_bytes, layout_item, plain_layout_items, split_layout_items
+from reshard_job.formats.strategy_wire import layout_bytes, plain_layout_items, split_layout_items, write_layout_items
 from reshard_job.storage.atomic import write_bytes_atomic
 
 from reshard_job.jsonchunks import JsonProblem, strict_int
@@ -320,31 +320,7 @@ def write_protobuf(sf: StrategyFile, write) -> None:
         if not it.strategies:
             item.parallel_strategys.SetInParent()
     write(msg.SerializeToString())
-    encoded: dict[ParamLayout, bytes] = {}
-    for name, lay in sf.layouts.items():
-        body = encoded.get(lay)
-        if body is None:
-            body = encoded[lay] = _layout_message(lay).SerializeToString()
-        write(layout_item(name.encode("utf-8"), body))
-
-
-def _layout_message(lay: ParamLayout):
-    """One layout as a ``ParallelLayouts`` message."""
-    pl = schema.ParallelLayouts()
-    pl.dev_matrix.add().dim.extend(lay.dev_matrix)
-    if lay.nested:
-        for e in lay.tensor_map:
-            pl.tensor_map.add().dim.extend(e if isinstance(e, tuple) else (e,))
-        if len(lay.tensor_map) == 1:  # keeps the count above one so readers see the nested form
-            pl.tensor_map.add()
-    else:
-        pl.tensor_map.add().dim.extend(lay.tensor_map)
-    pl.param_split_shape.add().dim.extend(lay.param_split_shape)
-    pl.indices_offset.add().dim.extend(lay.indices_offset)
-    pl.field = lay.field
-    pl.opt_weight_shard_step = lay.opt_shard_step
-    pl.opt_weight_shard_size = lay.opt_shard_size
-    return pl
+    write_layout_items(sf.layouts, write)
 
 
 def to_json_bytes(sf: StrategyFile) -> bytes:

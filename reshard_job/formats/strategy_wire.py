@@ -9,6 +9,7 @@ items the same way (the bytes protobuf's serializer gives: fields in number orde
 
 from __future__ import annotations
 
+import reshard_job.formats.proto_schema as schema
 from reshard_job.formats import wire
 
 
@@ -127,3 +128,33 @@ def layout_item(name: bytes, layouts: bytes) -> bytes:
     inner = b"".join((_NAME_TAG, wire.encode_varint(len(name)), name,
                       _LAYOUTS_TAG, wire.encode_varint(len(layouts)), layouts))
     return wire.len_field(LAYOUT_ITEM, len(inner)) + inner
+
+
+def write_layout_items(layouts, write) -> None:
+    """Each (name, layout) of `layouts` as an encoded layout item, handed to `write`; a layout's
+    encoding is made once per distinct layout, through protobuf."""
+    encoded: dict = {}
+    for name, lay in layouts.items():
+        body = encoded.get(lay)
+        if body is None:
+            body = encoded[lay] = _layout_message(lay).SerializeToString()
+        write(layout_item(name.encode("utf-8"), body))
+
+
+def _layout_message(lay):
+    """One layout (a ``ParamLayout``) as a ``ParallelLayouts`` message."""
+    pl = schema.ParallelLayouts()
+    pl.dev_matrix.add().dim.extend(lay.dev_matrix)
+    if lay.nested:
+        for e in lay.tensor_map:
+            pl.tensor_map.add().dim.extend(e if isinstance(e, tuple) else (e,))
+        if len(lay.tensor_map) == 1:  # keeps the count above one so readers see the nested form
+            pl.tensor_map.add()
+    else:
+        pl.tensor_map.add().dim.extend(lay.tensor_map)
+    pl.param_split_shape.add().dim.extend(lay.param_split_shape)
+    pl.indices_offset.add().dim.extend(lay.indices_offset)
+    pl.field = lay.field
+    pl.opt_weight_shard_step = lay.opt_shard_step
+    pl.opt_weight_shard_size = lay.opt_shard_size
+    return pl
