@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass, field
-from functools import cached_property
 
 JSON_SUFFIX = ".json"
 FORMAT_PROTOBUF = "protobuf"
@@ -25,9 +24,13 @@ MAX_AXES = 64  # entries of a device matrix, of a tensor map, of one multi-axis 
 AxisEntry = int | tuple[int, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ParamLayout:
-    """One parameter's layout exactly as a strategy file records it."""
+    """One parameter's layout exactly as a strategy file records it.
+
+    Slotted, its hash computed once as it is made: a model of 600,000 parameters holds one layout
+    per parameter until equal ones are shared, and a ``__dict__`` each would be most of their size.
+    """
 
     dev_matrix: tuple[int, ...]
     tensor_map: tuple[AxisEntry, ...]  # ints (flat) or tuples of ints (multi-axis dims)
@@ -37,15 +40,16 @@ class ParamLayout:
     indices_offset: tuple[int, ...] = ()
     field: int = 0
     tensor_shape: tuple[int, ...] | None = None  # JSON only; informational
+    # layouts key caches once per parameter: hash each one once
+    _hash: int = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash((self.dev_matrix, self.tensor_map, self.opt_shard_step,
+                                                self.opt_shard_size, self.param_split_shape, self.indices_offset,
+                                                self.field, self.tensor_shape)))
 
     def __hash__(self) -> int:
         return self._hash
-
-    @cached_property
-    def _hash(self) -> int:
-        # layouts key caches once per parameter: hash each one once
-        return hash((self.dev_matrix, self.tensor_map, self.opt_shard_step, self.opt_shard_size,
-                     self.param_split_shape, self.indices_offset, self.field, self.tensor_shape))
 
     @property
     def nested(self) -> bool:

@@ -68,41 +68,16 @@ class Topology:
                 layouts.setdefault(m.group(2), {})[stage] = lay
         else:
             _check_single_stage(sf)
-            # one mapping per distinct layout object (equal layouts are one object once parsed)
-            alike: dict[int, dict[int, ParamLayout]] = {}
+            # one mapping per distinct layout (a parsed file shares equal layouts already; a compiled
+            # one may hold an equal object per parameter, 600,000 of them)
+            alike: dict[ParamLayout, dict[int, ParamLayout]] = {}  # (hashes are computed once per layout)
             for key, lay in sf.layouts.items():
-                per = alike.get(id(lay))
+                per = alike.get(lay)
                 if per is None:
-                    per = alike[id(lay)] = {0: lay}
+                    per = alike[lay] = {0: lay}
                 layouts[key] = per
-        if not layouts:
-            raise LayoutError(f"{where}: strategy file has no parameter layouts")
-        shared: dict[tuple, dict[int, ParamLayout]] = {}  # parameters laid out alike share one mapping
-        canonical: dict[int, dict[int, ParamLayout]] = {}  # id of a mapping -> its shared equal
-        for name, per in layouts.items():
-            same = canonical.get(id(per))
-            if same is None:
-                same = canonical[id(per)] = shared.setdefault(tuple(per.items()), per)
-            layouts[name] = same
-        stages = sorted({s for per in layouts.values() for s in per})
-        missing = missing_stages(stages)
-        if missing:
-            raise LayoutError(f"{where}: pipeline stages {bounded_list(missing)} have no layouts "
-                              f"(found stages {bounded_list(stages)})")
-        sizes = {prod(lay.dev_matrix) for per in layouts.values() for lay in per.values() if lay.dev_matrix}
-        if not sizes:
-            raise LayoutError(f"{where}: every device matrix is empty (pipeline-only strategy)")
-        stage_devices = max(sizes)
-        bad = sorted(s for s in sizes if stage_devices % s)
-        if bad:
-            raise LayoutError(
-                f"{where}: device matrices describe {bounded_list(sorted(sizes))} devices; "
-                f"{bounded_list(bad)} do not divide the stage's {stage_devices} devices"
-            )
-        if stage_devices * len(stages) > MAX_DEVICES:
-            raise LayoutError(f"{where}: {len(stages)} pipeline stages of {stage_devices} devices exceed the "
-                              f"{MAX_DEVICES} devices supported")
-        return Topology(stage_devices, len(stages), layouts, sf.path)
+            return _checked(sf, layouts)
+        return _checked(sf, _shared_mappings(layouts))
 
     # ----------------------------------------------------------------------------------- queries
     def stages_of(self, name: str) -> list[int]:
@@ -145,3 +120,42 @@ def _check_single_stage(sf: StrategyFile) -> None:
             f"{where}: its operators claim pipeline stages {bounded_list(claimed)}, but its layout names carry no "
             "matching '<stage>-' prefix; merge the per-stage files of all stages"
         )
+
+
+def _shared_mappings(layouts: dict[str, dict[int, ParamLayout]]) -> dict[str, dict[int, ParamLayout]]:
+    """Parameters laid out alike (at every stage) share one mapping."""
+    shared: dict[tuple, dict[int, ParamLayout]] = {}
+    canonical: dict[int, dict[int, ParamLayout]] = {}  # id of a mapping -> its shared equal
+    for name, per in layouts.items():
+        same = canonical.get(id(per))
+        if same is None:
+            same = canonical[id(per)] = shared.setdefault(tuple(per.items()), per)
+        layouts[name] = same
+    return layouts
+
+
+def _checked(sf: StrategyFile, layouts: dict[str, dict[int, ParamLayout]]) -> Topology:
+    """The topology of `layouts` (name -> stage -> layout), its stages and device counts checked."""
+    where = sf.path or "strategy"
+    if not layouts:
+        raise LayoutError(f"{where}: strategy file has no parameter layouts")
+    distinct = {id(per): per for per in layouts.values()}.values()
+    stages = sorted({s for per in distinct for s in per})
+    missing = missing_stages(stages)
+    if missing:
+        raise LayoutError(f"{where}: pipeline stages {bounded_list(missing)} have no layouts "
+                          f"(found stages {bounded_list(stages)})")
+    sizes = {prod(lay.dev_matrix) for per in distinct for lay in per.values() if lay.dev_matrix}
+    if not sizes:
+        raise LayoutError(f"{where}: every device matrix is empty (pipeline-only strategy)")
+    stage_devices = max(sizes)
+    bad = sorted(s for s in sizes if stage_devices % s)
+    if bad:
+        raise LayoutError(
+            f"{where}: device matrices describe {bounded_list(sorted(sizes))} devices; "
+            f"{bounded_list(bad)} do not divide the stage's {stage_devices} devices"
+        )
+    if stage_devices * len(stages) > MAX_DEVICES:
+        raise LayoutError(f"{where}: {len(stages)} pipeline stages of {stage_devices} devices exceed the "
+                          f"{MAX_DEVICES} devices supported")
+    return Topology(stage_devices, len(stages), layouts, sf.path)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import io
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import islice
 from math import prod
 
@@ -65,17 +65,49 @@ class MetadataLayout:
         return mixed_radix(j, list(fragments))
 
 
-@dataclass(frozen=True, eq=False, slots=True)
-class ParamMetadata:
-    """Everything metadata.json says about one parameter."""
+@dataclass(frozen=True, slots=True)
+class ParamSpec:
+    """What metadata.json says about a parameter apart from its name: equal ones are one object
+    (a save of 600,000 parameters repeats a few)."""
 
-    name: str
     dtype: str  # MindSpore name ("BFloat16", "Float32", ...)
     global_shape: tuple[int, ...]
     fragments: tuple[int, ...]  # axis_fragmentations: slices per dimension
     layout: MetadataLayout | None  # None: one full copy
     local_shape: tuple[int, ...] = ()  # every shard's shape (chunks must all have it)
     locations: tuple[tuple[ShardLocation, ...], ...] = ()  # shard index -> where it is stored
+
+
+@dataclass(frozen=True, eq=False, slots=True)
+class ParamMetadata:
+    """Everything metadata.json says about one parameter: its name and its (shared) spec."""
+
+    name: str
+    spec: ParamSpec
+
+    @property
+    def dtype(self) -> str:
+        return self.spec.dtype
+
+    @property
+    def global_shape(self) -> tuple[int, ...]:
+        return self.spec.global_shape
+
+    @property
+    def fragments(self) -> tuple[int, ...]:
+        return self.spec.fragments
+
+    @property
+    def layout(self) -> MetadataLayout | None:
+        return self.spec.layout
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        return self.spec.local_shape
+
+    @property
+    def locations(self) -> tuple[tuple[ShardLocation, ...], ...]:
+        return self.spec.locations
 
     @property
     def shard_count(self) -> int:
@@ -128,10 +160,10 @@ def read_metadata(read, path: str, max_shards: int | None = None) -> dict[str, P
 def _attach_locations(params: dict[str, ParamMetadata], storage: dict, path: str, shared: Shared) -> None:
     """Every parameter's shards' locations from `storage` (emptied), checked against its layout;
     what was checked for equal objects (shared: same layout, same locations) is not checked again."""
-    done: dict[tuple, tuple] = {}  # ids of layout, fragments and locations -> the locations, checked
+    done: dict[tuple, ParamSpec] = {}  # ids of spec and locations -> the spec with the locations, checked
     for name, p in params.items():
         locations = tuple(storage.pop((name, k), None) for k in range(p.shard_count))
-        key = (id(p.layout), id(p.fragments), *map(id, locations))
+        key = (id(p.spec), *map(id, locations))
         checked = done.get(key)
         if checked is None:
             missing = [k for k, locs in enumerate(locations) if locs is None][:8]
@@ -141,9 +173,9 @@ def _attach_locations(params: dict[str, ParamMetadata], storage: dict, path: str
                           f"(incomplete checkpoint)")
             locations = with_rank_groups(p, locations, shared)
             check_locations(p, locations, path)
-            checked = done[key] = locations
+            checked = done[key] = shared(replace(p.spec, locations=locations))
         # made here and not yet handed out: set in place rather than copied (a million parameters)
-        object.__setattr__(p, "locations", checked)
+        object.__setattr__(p, "spec", checked)
     for name, k in storage:  # left over: not a shard of a parameter described
         if name not in params:
             raise MindFormersFormatError(
@@ -207,8 +239,7 @@ def _read_params(stream: JsonStream, path: str, shared: Shared) -> dict[str, Par
             first = params[name] = _parse_param(name, obj, path, shared)
             _remember(seen, text, first)
         else:
-            params[name] = ParamMetadata(name, first.dtype, first.global_shape, first.fragments, first.layout,
-                                         first.local_shape)
+            params[name] = ParamMetadata(name, first.spec)
     return params
 
 
@@ -238,7 +269,7 @@ def _parse_param(name: str, obj, path: str, shared: Shared) -> ParamMetadata:
     _check_fragments(shape, fragments, layout, where, path)
     local = shared(tuple(g // f for g, f in zip(shape, fragments)))
     _check_chunks(obj["chunk"], prod(fragments), local, shape, fragments, where, path, shared)
-    return ParamMetadata(shared(name), dtype, shape, fragments, layout, local)
+    return ParamMetadata(shared(name), shared(ParamSpec(dtype, shape, fragments, layout, local)))
 
 
 def _check_fragments(shape, fragments, layout: MetadataLayout | None, where: str, path: str) -> None:

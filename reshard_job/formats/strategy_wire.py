@@ -1,12 +1,15 @@
-"""The layouts of a protobuf strategy file's items as they lie encoded in its bytes.
+"""The layouts of a protobuf strategy file's items as they lie encoded in its bytes, read and written.
 
 ``strategy.parse_protobuf_strategy`` decodes one layout per distinct encoding: a model of 300,000
 parameters has a handful of layouts, and reading each item's nested fields through protobuf costs
-microseconds per parameter. This walks the file's wire bytes to find each item's encoding.
+microseconds per parameter, and holding the file as protobuf objects hundreds of bytes per
+parameter. This walks the file's wire bytes to find each item's name and encoding, and writes
+items the same way (the bytes protobuf's serializer gives: fields in number order).
 """
 
 from __future__ import annotations
 
+import reshard_job.formats.proto_schema as schema
 from reshard_job.formats import wire
 
 
@@ -54,3 +57,104 @@ def layout_bytes(data: bytes) -> list | None:
     except wire.WireError:
         return None
     return out
+
+
+LAYOUT_ITEM = 3  # ParallelStrategyMap.parallel_layout_item
+_NAME_KEY, _LAYOUTS_KEY = 0x0A, 0x12  # ParallelLayoutItem: param_name (1), parallel_layouts (2), both LEN
+_NAME_TAG, _LAYOUTS_TAG = bytes((_NAME_KEY,)), bytes((_LAYOUTS_KEY,))
+
+
+def _plain_item(data, pos: int, item_end: int) -> int | None:
+    """Where the layouts of the layout item at data[pos:item_end] start, when it is in the form every
+    writer produces (the name, then the layouts, each once, to the end); else None."""
+    decode = wire.decode_varint
+    if pos >= item_end or data[pos] != _NAME_KEY:
+        return None
+    n, at = decode(data, pos + 1, item_end)
+    at += n
+    if at >= item_end or data[at] != _LAYOUTS_KEY:
+        return None
+    n, body = decode(data, at + 1, item_end)
+    return at if body + n == item_end else None
+
+
+def split_layout_items(data: bytes) -> tuple[bytes, int] | None:
+    """The file's bytes without its layout items (the header, the operator items: for protobuf to
+    parse) and how many layout items were left out, when every layout item is in the plain form
+    (``_plain_item``); None otherwise (then protobuf reads the whole file)."""
+    head: list[bytes] = []
+    count = 0
+    pos, end = 0, len(data)
+    view = memoryview(data)
+    try:
+        while pos < end:
+            start = pos
+            key, pos = wire.decode_varint(data, pos, end)
+            if key >> 3 == LAYOUT_ITEM and key & 7 == wire.LEN:
+                n, pos = wire.decode_varint(data, pos, end)
+                if pos + n > end or _plain_item(data, pos, pos + n) is None:
+                    return None
+                pos += n
+                count += 1
+                continue
+            pos = wire.skip_field(data, pos, end, key & 7)
+            head.append(view[start:pos])
+    except wire.WireError:
+        return None
+    return b"".join(head), count
+
+
+def plain_layout_items(data: bytes):
+    """(name as UTF-8 bytes, encoded ``ParallelLayouts``) of each layout item, in order: for a file
+    ``split_layout_items`` accepted."""
+    decode = wire.decode_varint
+    pos, end = 0, len(data)
+    while pos < end:
+        key, pos = decode(data, pos, end)
+        if key >> 3 != LAYOUT_ITEM or key & 7 != wire.LEN:
+            pos = wire.skip_field(data, pos, end, key & 7)
+            continue
+        n, pos = decode(data, pos, end)
+        item_end = pos + n
+        at = _plain_item(data, pos, item_end)
+        name_len, name_at = decode(data, pos + 1, item_end)
+        body_len, body_at = decode(data, at + 1, item_end)
+        yield data[name_at:name_at + name_len], data[body_at:item_end]
+        pos = item_end
+
+
+def layout_item(name: bytes, layouts: bytes) -> bytes:
+    """One encoded ``parallel_layout_item`` field: the name, then the encoded layouts."""
+    inner = b"".join((_NAME_TAG, wire.encode_varint(len(name)), name,
+                      _LAYOUTS_TAG, wire.encode_varint(len(layouts)), layouts))
+    return wire.len_field(LAYOUT_ITEM, len(inner)) + inner
+
+
+def write_layout_items(layouts, write) -> None:
+    """Each (name, layout) of `layouts` as an encoded layout item, handed to `write`; a layout's
+    encoding is made once per distinct layout, through protobuf."""
+    encoded: dict = {}
+    for name, lay in layouts.items():
+        body = encoded.get(lay)
+        if body is None:
+            body = encoded[lay] = _layout_message(lay).SerializeToString()
+        write(layout_item(name.encode("utf-8"), body))
+
+
+def _layout_message(lay):
+    """One layout (a ``ParamLayout``) as a ``ParallelLayouts`` message."""
+    pl = schema.ParallelLayouts()
+    pl.dev_matrix.add().dim.extend(lay.dev_matrix)
+    if lay.nested:
+        for e in lay.tensor_map:
+            pl.tensor_map.add().dim.extend(e if isinstance(e, tuple) else (e,))
+        if len(lay.tensor_map) == 1:  # keeps the count above one so readers see the nested form
+            pl.tensor_map.add()
+    else:
+        pl.tensor_map.add().dim.extend(lay.tensor_map)
+    pl.param_split_shape.add().dim.extend(lay.param_split_shape)
+    pl.indices_offset.add().dim.extend(lay.indices_offset)
+    pl.field = lay.field
+    pl.opt_weight_shard_step = lay.opt_shard_step
+    pl.opt_weight_shard_size = lay.opt_shard_size
+    return pl

@@ -164,7 +164,11 @@ class MindFormersFolder:
         save = self.save
         index: dict[int, dict[str, TensorMeta]] = {r: {} for r in range(save.devices) if r not in save.rank_files}
         for rank, files in found.files.items():
-            index[rank] = {name: meta for f in files_of(files) for name, meta in save.file_tensors[f].items()}
+            paths = files_of(files)
+            if len(paths) == 1:  # one file's header as it was read, not a copy (600,000 entries)
+                index[rank] = save.file_tensors[paths[0]]
+                continue
+            index[rank] = {name: meta for f in paths for name, meta in save.file_tensors[f].items()}
         return dict(sorted(index.items()))
 
     def files_read(self, found: RankFiles, plan: Plan) -> RankFiles:

@@ -166,6 +166,9 @@ class MindFormersSource:
         """What each storage rank's files hold (rank -> name -> TensorMeta), from the headers."""
         out = {}
         for rank, files in sorted(self.rank_files.items()):
+            if len(files) == 1:  # the header as it was read, not a copy (600,000 entries)
+                out[rank] = self.file_tensors[files[0]]
+                continue
             merged: dict[str, TensorMeta] = {}
             for f in files:
                 merged.update(self.file_tensors[f])
@@ -302,12 +305,16 @@ def _header(path: str, storage: StorageOptions | None = None) -> dict[str, Tenso
 
 def _check_files_against_metadata(params: dict[str, ParamMetadata], folder: str,
                                   file_tensors: dict[str, dict[str, TensorMeta]], where) -> None:
-    expected: dict[str, set[str]] = {}
+    """Every shard in the file metadata.json places it in, with its dtype and shape, and no file
+    holding a parameter none of whose shards metadata.json places there. Nothing is kept per
+    parameter: the files a parameter's shards lie in are worked out once per distinct locations."""
+    paths: dict[str, str] = {}  # file name -> its path
     for p in params.values():
         for k, locs in enumerate(p.locations):
             for loc in locs:
-                path = where.join(folder, loc.file_name)
-                expected.setdefault(path, set()).add(p.name)
+                path = paths.get(loc.file_name)
+                if path is None:
+                    path = paths[loc.file_name] = where.join(folder, loc.file_name)
                 meta = file_tensors[path].get(p.name)
                 if meta is None:
                     raise MindFormersFormatError(
@@ -317,11 +324,19 @@ def _check_files_against_metadata(params: dict[str, ParamMetadata], folder: str,
                     raise MindFormersFormatError(
                         path, f"parameter {short_name(p.name)!r} is {meta.dtype} {list(meta.shape)} in the file, "
                               f"but metadata.json says shard {k} is {p.dtype} {list(want)}")
+    placed: dict[int, set[str]] = {}  # id of a parameter's locations -> the files they name
     for path, tensors in file_tensors.items():
-        stray = [n for n in tensors if n in params and n not in expected.get(path, ())]
-        if stray:
-            raise MindFormersFormatError(
-                path, f"holds parameter {short_name(stray[0])!r}, but metadata.json places none of its shards in this file")
+        for name in tensors:
+            p = params.get(name)
+            if p is None:
+                continue
+            files = placed.get(id(p.locations))
+            if files is None:
+                files = placed[id(p.locations)] = {paths[loc.file_name] for locs in p.locations for loc in locs}
+            if path not in files:
+                raise MindFormersFormatError(
+                    path, f"holds parameter {short_name(name)!r}, but metadata.json places none of its shards in "
+                          f"this file")
 
 
 def _check_no_name_twice_per_rank(rank_files: dict[int, tuple[str, ...]],

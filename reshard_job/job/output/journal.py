@@ -27,6 +27,7 @@ sha256 is the journaled one.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import re
 from collections.abc import Container, Iterator
@@ -237,8 +238,14 @@ class Journal:
 
     def append(self, entry: JournalEntry) -> None:
         self.storage.makedirs(self.storage.parent(self._tensors_path(entry.rank)))
-        data = "".join(iter_json(entry.tensors)).encode()
-        entry.tensors_sha256 = hashlib.sha256(data).hexdigest()
+        # encoded a piece at a time: 600,000 digests joined as text, then encoded, held both copies
+        out, digest = io.BytesIO(), hashlib.sha256()
+        for piece in iter_json(entry.tensors):
+            piece = piece.encode()
+            digest.update(piece)
+            out.write(piece)
+        data = out.getvalue()
+        entry.tensors_sha256 = digest.hexdigest()
         self.storage.write_bytes(self._tensors_path(entry.rank), data, mode=0o644)
         self.storage.append(self.path, entry.line())
 
