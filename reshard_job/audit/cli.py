@@ -51,6 +51,7 @@ from reshard_job.audit.commands.base import (EXIT_BROKEN_PIPE, EXIT_ERROR, EXIT_
                                              EXIT_UNRECORDED, ArgumentParser, UsageError, parse_when)
 from reshard_job.audit.commands.database import DB_HELP, database_url, open_store
 from reshard_job.audit.commands.output import PipeClosed, complain, printable, save, write
+from reshard_job.lineage.errors import driver_detail
 
 __all__ = ["build_parser", "main", "parse_when", "printable"]
 
@@ -163,7 +164,7 @@ def _main(argv: list[str] | None) -> int:
         complain(f"error: invalid database URL {url!r}: {exc}")
         return EXIT_ERROR
     except SQLAlchemyError as exc:
-        detail = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
+        detail = driver_detail(exc)
         complain(f"error: cannot read the lineage database: {detail}")
         return EXIT_ERROR
     finally:

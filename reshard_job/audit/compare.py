@@ -37,7 +37,7 @@ from typing import Callable
 from reshard_job.core.fingerprint import ALGORITHM
 from reshard_job.errors import ReshardError
 from reshard_job.formats.manifest_file import MANIFEST_FILE
-from reshard_job.lineage.errors import LineageError
+from reshard_job.lineage.errors import LineageError, driver_detail
 from reshard_job.lineage.hash_names import MIN_PREFIX_LENGTH
 from reshard_job.plan.export_shards import is_training_state
 from reshard_job.storage import is_url, storage_for
@@ -239,7 +239,7 @@ def _run_output_dir(ref: str, open_store: Callable | None) -> str:
                 raise LineageError(f"{ref}: no such file or directory, nor a run id ({exc})") from None
             output_dir = session.get(Run, run_id).output_dir
     except SQLAlchemyError as exc:
-        detail = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
+        detail = driver_detail(exc)
         raise LineageError(f"cannot read the lineage database: {detail}") from None
     finally:
         store.close()

@@ -22,6 +22,7 @@ def db_command(action: str, url: str, *, as_json: bool, write: Callable[[str], N
     from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
     from reshard_job.errors import ReshardError
+    from reshard_job.lineage.errors import driver_detail
 
     try:
         answer = _revisions(action, url)
@@ -32,7 +33,7 @@ def db_command(action: str, url: str, *, as_json: bool, write: Callable[[str], N
         complain(f"error: invalid database URL {url!r}: {exc}")
         return 2
     except SQLAlchemyError as exc:
-        detail = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
+        detail = driver_detail(exc)
         complain(f"error: cannot {'upgrade' if action == 'upgrade' else 'read'} the lineage database: {detail}")
         return 2
     write(json.dumps(answer, indent=2) if as_json else revision_line(action, answer))

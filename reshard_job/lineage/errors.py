@@ -48,3 +48,9 @@ class AmbiguousReferenceError(LineageError):
         shown = ", ".join(matches[:4]) + (", ..." if len(matches) > 4 else "")
         super().__init__(f"{ref!r} matches {len(matches) if len(matches) <= 10 else 'more than 10'} records "
                          f"({shown}); give more characters")
+
+
+def driver_detail(exc: BaseException) -> str:
+    """The first line of what the database driver said: SQLAlchemy wraps it (``exc.orig``) in a
+    message of several lines with its own links, which a one-line error has no room for."""
+    return str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]

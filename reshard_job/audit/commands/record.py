@@ -12,6 +12,7 @@ import json
 from reshard_job.audit.commands.base import EXIT_ERROR, EXIT_OK
 from reshard_job.audit.commands.database import database_url
 from reshard_job.audit.commands.output import complain, write
+from reshard_job.lineage.errors import driver_detail
 
 
 def add_parser(commands, common) -> None:
@@ -42,7 +43,7 @@ def run(args) -> int:
         complain(f"error: {getattr(exc, 'filename', None) or ''}: cannot read ({exc.strerror or exc})")
         return EXIT_ERROR
     except SQLAlchemyError as exc:
-        detail = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
+        detail = driver_detail(exc)
         complain(f"error: cannot record in the lineage database {mask_url(url)}: {mask_url(detail)}")
         return EXIT_ERROR
     if getattr(args, "json", False):
