@@ -131,6 +131,7 @@ class OutputDir:
         self.manifest_path = storage.join(path, MANIFEST_FILE)
         self.journal = Journal(storage, path)
         self._lock = None
+        self._manifest_seen: tuple[tuple, dict] | None = None  # (identity, summary) of the last read
 
     # ------------------------------------------------------------------------------ guards
     def check_not_source(self, source_dirs: list[str], source_files: list[str]) -> None:
@@ -262,7 +263,27 @@ class OutputDir:
     def read_manifest(self) -> dict | None:
         """What the job needs of the directory's manifest (``manifest_reading``: read past the rest,
         bounded by what it lists); None when there is none, {} when it is damaged or unreadable
-        (treated as another job's). A store that does not answer is an error of its own."""
+        (treated as another job's). A store that does not answer is an error of its own.
+        Read again only when its identity changed since the last read (a run asks up to three
+        times, and for a large model one read costs a third of a second); the result is shared:
+        do not modify it."""
+        info = self._manifest_info()
+        if info is not None and self._manifest_seen is not None and self._manifest_seen[0] == info.identity:
+            return self._manifest_seen[1]
+        summary = self._read_manifest_once()
+        self._manifest_seen = (info.identity, summary) if info is not None and summary else None
+        return summary
+
+    def _manifest_info(self):
+        try:
+            info = self.storage.info(self.manifest_path)
+        except StoreUnresponsiveError:
+            raise
+        except Exception:  # noqa: BLE001 - unreadable: the read itself says what it is
+            return None
+        return info if info is not None and not info.is_dir and info.identity else None
+
+    def _read_manifest_once(self) -> dict | None:
         try:
             f = self.storage.open_read(self.manifest_path)
         except FileNotFoundError:

@@ -179,3 +179,27 @@ def test_a_huge_journal_is_read_in_blocks(tmp_path, filler):
         tracemalloc.stop()
     assert fingerprint == "fp" and [x.rank for x in entries] == [0]
     assert peak < 8 << 20, peak
+
+
+class _CountingReads(type(LOCAL)):
+    """The local store, counting the opens of each path (to see what is read again)."""
+
+    def __init__(self):
+        self.opened: list[str] = []
+
+    def open_read(self, path):
+        self.opened.append(path)
+        return super().open_read(path)
+
+
+def test_the_manifest_is_read_again_only_when_it_changed(tmp_path):
+    store = _CountingReads()
+    out = OutputDir(str(tmp_path / "out"), store)
+    out.write_manifest({"fingerprint": "fp", "run_id": "r1"})
+    for _ in range(3):
+        assert out.read_manifest()["run_id"] == "r1"
+    assert store.opened.count(out.manifest_path) == 1
+    out.write_manifest({"fingerprint": "fp", "run_id": "r2"})  # replaced: another identity
+    assert out.read_manifest()["run_id"] == "r2"
+    os.remove(out.manifest_path)
+    assert out.read_manifest() is None
