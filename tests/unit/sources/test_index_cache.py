@@ -165,6 +165,12 @@ def test_the_cache_answers_for_the_same_file_unchanged_only(tmp_path):
     assert cache.get(str(path), identity) is None
     stored.write_bytes(zlib.compress(b"[1, 2]"))
     assert cache.get(str(path), identity) is None
+    # an integer of absurd length anywhere in the document: not read (the file is walked)
+    text = json.dumps({"path": os.path.abspath(path), "identity": list(identity), "index": doc})
+    stored.write_bytes(zlib.compress(text.encode()))
+    assert cache.get(str(path), identity) == doc
+    stored.write_bytes(zlib.compress(text.replace('"index": {', '"index": {"x": %s, ' % ("9" * 21), 1).encode()))
+    assert cache.get(str(path), identity) is None
 
 
 @pytest.mark.parametrize("limit", ["files", "bytes"])
