@@ -31,12 +31,10 @@ from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import DBAPIError, OperationalError
 
+from reshard_job.lineage.urls import (  # noqa: F401 - where callers found them
+    DEFAULT_SQLITE_PATH, LEGACY_URL_ENV_VAR, URL_ENV_VAR, default_url, sqlite_url, url_from_environment)
 from reshard_job.lineage.waiting import BUSY_SLICE_SECONDS, LockWait
 from reshard_job.storage.local_files import make_folder
-
-URL_ENV_VAR = "RESHARD_JOB_LINEAGE_URL"
-LEGACY_URL_ENV_VAR = "RESHARD_LINEAGE_URL"  # the name earlier versions read; still honoured after URL_ENV_VAR
-DEFAULT_SQLITE_PATH = os.path.join("runs", "lineage.db")
 
 SQLITE_BUSY_TIMEOUT_S = 30.0  # readers (the audit): a WAL database never makes them wait for a writer
 POSTGRES_CONNECT_TIMEOUT_S = 10
@@ -44,29 +42,6 @@ POSTGRES_CONNECT_TIMEOUT_S = 10
 WRITE_OPTION = "reshard_lineage_write"
 
 _T = TypeVar("_T")
-
-
-def default_url() -> str:
-    """The lineage database to use when none is configured.
-
-    ``$RESHARD_JOB_LINEAGE_URL`` (or ``$RESHARD_LINEAGE_URL``) if set, else the SQLite file
-    ``runs/lineage.db`` under the current working directory, made absolute now so that a later
-    ``chdir`` cannot move it.
-    """
-    return url_from_environment() or sqlite_url(os.path.abspath(DEFAULT_SQLITE_PATH))
-
-
-def url_from_environment() -> str | None:
-    """The lineage database the environment names, if any; a plain path is the SQLite file there."""
-    for name in (URL_ENV_VAR, LEGACY_URL_ENV_VAR):
-        value = os.environ.get(name, "").strip()
-        if value:
-            return value if "://" in value else sqlite_url(os.path.abspath(value))
-    return None
-
-
-def sqlite_url(path: str | os.PathLike) -> str:
-    return f"sqlite:///{os.fspath(path)}"
 
 
 def normalize_url(url: str | URL) -> URL:

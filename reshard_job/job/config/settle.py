@@ -319,7 +319,7 @@ def _max_memory(value: Any) -> int:
 
 
 def _lineage(lin: schema.LineageConfig, ctx: JobContext) -> LineageSpec:
-    from reshard_job.lineage.database import url_from_environment
+    from reshard_job.lineage.urls import url_from_environment
 
     url = lin.url or url_from_environment() or "sqlite:///" + os.path.join(ctx.launch_dir, "runs", "lineage.db")
     if isinstance(url, str) and url and "://" not in url:  # a path, as people type it: the SQLite file there
