@@ -80,6 +80,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from reshard_job.core import dtypes
+from reshard_job.core import fingerprint_kernel as kernel
 from reshard_job.core.boxes import Box, split_rows
 
 ALGORITHM = "poslin64x2-v1"
@@ -151,7 +152,7 @@ def _column_dot(words: np.ndarray, c0: int, lane: int) -> np.ndarray:
     seg, i = divmod(c0, SEGMENT)
     if i + width <= SEGMENT:  # the usual case: the rows lie in one segment
         y = words @ table[i:i + width]
-        y *= _segment_key(lane, seg)
+        y *= _segment_key(lane, seg)[0]
         return y
     y = np.zeros(rows, dtype=_U64)
     t = 0
@@ -165,15 +166,30 @@ def _column_dot(words: np.ndarray, c0: int, lane: int) -> np.ndarray:
             continue
         n = min(SEGMENT - i, width - t)
         part = words[:, t:t + n] @ table[i:i + n]
-        part *= _segment_key(lane, seg)
+        part *= _segment_key(lane, seg)[0]
         y += part
         t += n
     return y
 
 
 @lru_cache(maxsize=256)
-def _segment_key(lane: int, seg: int) -> np.uint64:
-    return _odd_keys(seg, seg + 1, lane, "segment")[0]
+def _segment_key(lane: int, seg: int) -> np.ndarray:
+    key = _odd_keys(seg, seg + 1, lane, "segment")
+    key.setflags(write=False)
+    return key
+
+
+def _row_sums(u8: np.ndarray, start: int) -> list[np.ndarray]:
+    """Each lane's column sums (``_column_dot``) of rows of bytes that begin at byte `start` of
+    their grid rows: the compiled kernel (both lanes in one pass, no padding copy) or numpy."""
+    if kernel.active() == "compiled":
+        c0, words = start // 8, max(1, -(-(start % 8 + u8.shape[1]) // 8))
+        seg0, seg1 = c0 // SEGMENT, (c0 + words - 1) // SEGMENT + 1
+        segments = [_segment_key(lane, seg0) if seg1 == seg0 + 1 else _odd_keys(seg0, seg1, lane, "segment")
+                    for lane in range(LANES)]
+        return kernel.compiled_row_sums(u8, start, [_column_table(lane) for lane in range(LANES)], segments)
+    words = _words(u8, start)
+    return [_column_dot(words.view(_READS[lane]), start // 8, lane) for lane in range(LANES)]
 
 
 def _words(u8: np.ndarray, start: int) -> np.ndarray:
@@ -196,18 +212,20 @@ def _words(u8: np.ndarray, start: int) -> np.ndarray:
     return padded.view("<u8")
 
 
-def _lane_sum(box: Box, words: np.ndarray, lane: int, dim_keys: Sequence[np.ndarray]) -> int:
-    """One lane of a box of the byte grid given as (rows, words), rows in C order.
+def _box_lanes(box: Box, u8: np.ndarray, dim_keys: Sequence[Sequence[np.ndarray]]) -> list[int]:
+    """Both lanes of a box of the byte grid given as (rows, bytes), rows in C order.
 
-    The column dot gives one value per row; a row's key is a product of one key per leading dim
-    (`dim_keys`, over the box's ranges), so the rows are folded away by contracting one axis at a
-    time: one multiply-add per row. Lane 2 reads the same words big-endian (numpy swaps on the fly).
+    The column sums give one value per row; a row's key is a product of one key per leading dim
+    (`dim_keys[lane]`, over the box's ranges), so the rows are folded away by contracting one axis
+    at a time: one multiply-add per row.
     """
-    y = _column_dot(words.view(_READS[lane]), box[-1][0] // 8, lane)
-    y = y.reshape([hi - lo for lo, hi in box[:-1]])
-    for keys in reversed(dim_keys):
-        y = y @ keys
-    return int(y)
+    lanes = []
+    for y, keys in zip(_row_sums(u8, box[-1][0]), dim_keys):
+        y = y.reshape([hi - lo for lo, hi in box[:-1]])
+        for k in reversed(keys):
+            y = y @ k
+        lanes.append(int(y))
+    return lanes
 
 
 def _range_boxes(start: int, stop: int, shape: Sequence[int]) -> Iterator[Box]:
@@ -369,21 +387,24 @@ class Fingerprint:
         return self
 
     def _add(self, box: Box, raw: np.ndarray) -> None:
-        """Add a box of the byte grid whose bytes, in C order, are `raw`; in steps of <= CHUNK bytes."""
+        """Add a box of the byte grid whose bytes, in C order, are `raw`, in steps of a bounded size:
+        CHUNK bytes for numpy (its copies stay in cache); the compiled kernel copies nothing, so its
+        steps are longer (fewer calls), bounded by CHUNK // 8 rows (its per-row sums)."""
         keys = [[_dim_keys(lane, d, lo, hi) for d, (lo, hi) in enumerate(box[:-1])] for lane in range(LANES)]
-        if raw.size <= CHUNK:
-            words = _words(raw.reshape(-1, box[-1][1] - box[-1][0]), box[-1][0])
-            for lane in range(LANES):
-                self._lanes[lane] = (self._lanes[lane] + _lane_sum(box, words, lane, keys[lane])) & _MASK
+        width = box[-1][1] - box[-1][0]
+        step = CHUNK if kernel.active() == "numpy" else min(16 * CHUNK, max(CHUNK, CHUNK // 8 * width))
+        if raw.size <= step:
+            self._accumulate(_box_lanes(box, raw.reshape(-1, width), keys))
             return
         extents = [hi - lo for lo, hi in box]
         cube = raw.reshape(extents)
-        for piece in split_rows(box, prod(extents[1:]), CHUNK):
+        for piece in split_rows(box, prod(extents[1:]), step):
             local = tuple(slice(a - lo, b - lo) for (a, b), (lo, _) in zip(piece, box))
-            words = _words(cube[local].reshape(-1, piece[-1][1] - piece[-1][0]), piece[-1][0])
-            for lane in range(LANES):
-                part = _lane_sum(piece, words, lane, [k[s] for k, s in zip(keys[lane], local)])
-                self._lanes[lane] = (self._lanes[lane] + part) & _MASK
+            rows = cube[local].reshape(-1, piece[-1][1] - piece[-1][0])
+            self._accumulate(_box_lanes(piece, rows, [[k[s] for k, s in zip(lane, local)] for lane in keys]))
+
+    def _accumulate(self, lanes: Sequence[int]) -> None:
+        self._lanes = [(a + b) & _MASK for a, b in zip(self._lanes, lanes)]
 
 
 @lru_cache(maxsize=4096)

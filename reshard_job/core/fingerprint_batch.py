@@ -13,7 +13,7 @@ from typing import Sequence
 
 import numpy as np
 
-from reshard_job.core.fingerprint import LANES, _READS, Fingerprint, _column_dot, _dim_keys, _mask, _words
+from reshard_job.core.fingerprint import Fingerprint, _dim_keys, _mask, _row_sums
 
 
 class WholeTensorBatch:
@@ -57,10 +57,9 @@ class WholeTensorBatch:
             return
         grid, k = template._grid, len(names)
         raw = np.frombuffer(b"".join(blobs), dtype=np.uint8).reshape(k * prod(grid[:-1]), grid[-1])
-        words = _words(raw, 0)
         lanes = []
-        for lane in range(LANES):
-            y = _column_dot(words.view(_READS[lane]), 0, lane).reshape((k,) + tuple(grid[:-1]))
+        for lane, y in enumerate(_row_sums(raw, 0)):
+            y = y.reshape((k,) + tuple(grid[:-1]))
             for d in reversed(range(len(grid) - 1)):
                 y = y @ _dim_keys(lane, d, 0, grid[d])
             lanes.append(y)

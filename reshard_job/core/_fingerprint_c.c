@@ -1,0 +1,239 @@
+/* The hot loop of the parameter fingerprint (poslin64x2-v1, reshard_job/core/fingerprint.py):
+ * per row of bytes, both lanes' column sums in one pass over the words.
+ *
+ *   y1[i] = sum_t  word(i, t)        * A1[(c0+t) mod S] * G1[(c0+t) div S - (c0 div S)]   mod 2^64
+ *   y2[i] = sum_t  bswap(word(i, t)) * A2[(c0+t) mod S] * G2[(c0+t) div S - (c0 div S)]   mod 2^64
+ *
+ * word(i, t) is the little-endian value of bytes [8t - phase, 8t + 8 - phase) of row i, bytes
+ * outside the row being zero: a row that begins mid-word (a run cut anywhere) or whose width is
+ * not a multiple of 8 is padded here, without a copy. The keys stay in Python (one definition):
+ * the column tables A (S keys a lane) and the keys G of the segments the rows cross come in as
+ * buffers. Integer arithmetic mod 2^64 is exact, so any summation order gives the numpy path's
+ * bits. Plain CPython C API and the buffer protocol; the GIL is released while the loop runs.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(_MSC_VER)
+#include <stdlib.h>
+#define BSWAP64(x) _byteswap_uint64(x)
+#else
+#define BSWAP64(x) __builtin_bswap64(x)
+#endif
+
+#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
+#define X86_DISPATCH 1
+#define ALWAYS_INLINE __attribute__((always_inline))
+#else
+#define X86_DISPATCH 0
+#define ALWAYS_INLINE
+#endif
+
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+#define FROM_LE64(x) BSWAP64(x)
+#else
+#define FROM_LE64(x) (x)
+#endif
+
+typedef struct {
+    const uint64_t *col1, *col2;  /* column tables, S keys each */
+    const uint64_t *seg1, *seg2;  /* keys of the segments crossed, from segment c0 div S on */
+    Py_ssize_t size;              /* S */
+} Keys;
+
+static inline uint64_t load_le64(const unsigned char *p) {
+    uint64_t w;
+    memcpy(&w, p, 8);
+    return FROM_LE64(w);
+}
+
+/* A word only partly inside the row: its bytes at row offsets [lo, hi) of [first, first + 8). */
+static uint64_t partial_word(const unsigned char *row, Py_ssize_t first, Py_ssize_t width) {
+    uint64_t w = 0;
+    Py_ssize_t lo = first < 0 ? 0 : first, hi = first + 8 > width ? width : first + 8;
+    for (Py_ssize_t b = lo; b < hi; b++)
+        w |= (uint64_t)row[b] << (8 * (b - first));
+    return w;
+}
+
+/* One segment's run of m full words (p: the first), both lanes, before the segment keys. The loop
+ * is plain so that compilers vectorise it; on x86 it is compiled three times (AVX-512 has a 64-bit
+ * multiply, AVX2 and the baseline do not) and the best one the CPU runs is picked at import. */
+static inline ALWAYS_INLINE void dot_body(const unsigned char *p, Py_ssize_t m, const uint64_t *a1,
+                                          const uint64_t *a2, uint64_t *s1, uint64_t *s2) {
+    uint64_t x1 = 0, x2 = 0;
+    for (Py_ssize_t t = 0; t < m; t++) {
+        uint64_t w = load_le64(p + 8 * t);
+        x1 += w * a1[t];
+        x2 += BSWAP64(w) * a2[t];
+    }
+    *s1 = x1;
+    *s2 = x2;
+}
+
+typedef void (*DotFn)(const unsigned char *, Py_ssize_t, const uint64_t *, const uint64_t *, uint64_t *,
+                      uint64_t *);
+
+static void dot_baseline(const unsigned char *p, Py_ssize_t m, const uint64_t *a1, const uint64_t *a2,
+                         uint64_t *s1, uint64_t *s2) {
+    dot_body(p, m, a1, a2, s1, s2);
+}
+
+#if X86_DISPATCH
+__attribute__((target("avx2")))
+static void dot_avx2(const unsigned char *p, Py_ssize_t m, const uint64_t *a1, const uint64_t *a2,
+                     uint64_t *s1, uint64_t *s2) {
+    dot_body(p, m, a1, a2, s1, s2);
+}
+
+__attribute__((target("avx512f,avx512dq,avx512vl,avx512bw")))
+static void dot_avx512(const unsigned char *p, Py_ssize_t m, const uint64_t *a1, const uint64_t *a2,
+                       uint64_t *s1, uint64_t *s2) {
+    dot_body(p, m, a1, a2, s1, s2);
+}
+#endif
+
+static DotFn dot = dot_baseline;
+static const char *dot_name = "baseline";
+
+static void choose_dot(void) {
+#if X86_DISPATCH
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl")) {
+        dot = dot_avx512;
+        dot_name = "avx512";
+    } else if (__builtin_cpu_supports("avx2")) {
+        dot = dot_avx2;
+        dot_name = "avx2";
+    }
+#endif
+}
+
+/* Full words of a row (p: the first, c: its column), both lanes, segment by segment. */
+static void full_words(const unsigned char *p, Py_ssize_t c, Py_ssize_t n, Py_ssize_t seg0,
+                       const Keys *k, uint64_t *y1, uint64_t *y2) {
+    while (n > 0) {
+        Py_ssize_t j = c % k->size, g = c / k->size - seg0;
+        Py_ssize_t m = k->size - j < n ? k->size - j : n;
+        uint64_t s1, s2;
+        dot(p, m, k->col1 + j, k->col2 + j, &s1, &s2);
+        *y1 += s1 * k->seg1[g];
+        *y2 += s2 * k->seg2[g];
+        p += 8 * m;
+        c += m;
+        n -= m;
+    }
+}
+
+static void add_partial(const unsigned char *row, Py_ssize_t t, Py_ssize_t phase, Py_ssize_t width,
+                        Py_ssize_t c0, Py_ssize_t seg0, const Keys *k, uint64_t *y1, uint64_t *y2) {
+    uint64_t w = partial_word(row, 8 * t - phase, width);
+    Py_ssize_t c = c0 + t, j = c % k->size, g = c / k->size - seg0;
+    *y1 += w * k->col1[j] * k->seg1[g];
+    *y2 += BSWAP64(w) * k->col2[j] * k->seg2[g];
+}
+
+static void row_sums(const unsigned char *base, Py_ssize_t rows, Py_ssize_t stride, Py_ssize_t width,
+                     Py_ssize_t phase, Py_ssize_t c0, const Keys *k, uint64_t *out1, uint64_t *out2) {
+    Py_ssize_t words = (phase + width + 7) / 8, seg0 = c0 / k->size;
+    Py_ssize_t t0 = phase ? 1 : 0, t1 = (phase + width) / 8;  /* the words wholly inside a row */
+    for (Py_ssize_t i = 0; i < rows; i++) {
+        const unsigned char *row = base + i * stride;
+        uint64_t y1 = 0, y2 = 0;
+        if (width > 0) {
+            if (t1 <= t0) {  /* no full word: at most two partial ones */
+                for (Py_ssize_t t = 0; t < words; t++)
+                    add_partial(row, t, phase, width, c0, seg0, k, &y1, &y2);
+            } else {
+                if (t0)
+                    add_partial(row, 0, phase, width, c0, seg0, k, &y1, &y2);
+                full_words(row + 8 * t0 - phase, c0 + t0, t1 - t0, seg0, k, &y1, &y2);
+                if (t1 < words)
+                    add_partial(row, t1, phase, width, c0, seg0, k, &y1, &y2);
+            }
+        }
+        out1[i] = y1;
+        out2[i] = y2;
+    }
+}
+
+static int get_table(PyObject *obj, Py_buffer *view, int flags, const char *what) {
+    if (PyObject_GetBuffer(obj, view, flags) < 0)
+        return -1;
+    if (view->len % 8 || ((uintptr_t)view->buf) % 8) {
+        PyErr_Format(PyExc_ValueError, "%s: an aligned buffer of 64-bit words is expected", what);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(row_sums_doc,
+"row_sums(rows, phase, c0, col1, col2, seg1, seg2, out1, out2)\n--\n\n"
+"Both lanes' column sums of each row of `rows` (a 2-D byte buffer, rows at any stride, bytes\n"
+"contiguous within a row) whose first byte lies at place `phase` of word `c0` of its grid row.\n"
+"col1/col2: the column tables (S uint64 keys each); seg1/seg2: the keys of segments c0 // S on;\n"
+"out1/out2: writable uint64 buffers of one value a row.");
+
+static PyObject *py_row_sums(PyObject *self, PyObject *args) {
+    PyObject *objs[7];
+    Py_ssize_t phase, c0;
+    Py_buffer rows = {0}, bufs[6] = {{0}};
+    int got = 0;
+    PyObject *result = NULL;
+    if (!PyArg_ParseTuple(args, "OnnOOOOOO:row_sums", &objs[0], &phase, &c0, &objs[1], &objs[2],
+                          &objs[3], &objs[4], &objs[5], &objs[6]))
+        return NULL;
+    if (PyObject_GetBuffer(objs[0], &rows, PyBUF_STRIDED_RO) < 0)
+        return NULL;
+    static const char *names[6] = {"col1", "col2", "seg1", "seg2", "out1", "out2"};
+    for (; got < 6; got++)
+        if (get_table(objs[got + 1], &bufs[got], got < 4 ? PyBUF_SIMPLE : PyBUF_WRITABLE, names[got]) < 0)
+            goto done;
+    Py_ssize_t n = rows.ndim == 2 ? rows.shape[0] : 0, width = rows.ndim == 2 ? rows.shape[1] : 0;
+    Keys k = {bufs[0].buf, bufs[1].buf, bufs[2].buf, bufs[3].buf, bufs[0].len / 8};
+    if (rows.ndim != 2 || rows.itemsize != 1 || (width > 1 && rows.strides[1] != 1)) {
+        PyErr_SetString(PyExc_ValueError, "rows: a 2-D byte buffer with contiguous rows is expected");
+        goto done;
+    }
+    if (phase < 0 || phase > 7 || c0 < 0 || k.size == 0 || bufs[1].len != bufs[0].len) {
+        PyErr_SetString(PyExc_ValueError, "phase in 0..7, c0 >= 0 and two equal non-empty column tables expected");
+        goto done;
+    }
+    Py_ssize_t words = (phase + width + 7) / 8;
+    Py_ssize_t segs = width ? (c0 + words - 1) / k.size - c0 / k.size + 1 : 0;
+    if (bufs[2].len / 8 < segs || bufs[3].len / 8 < segs || bufs[4].len / 8 < n || bufs[5].len / 8 < n) {
+        PyErr_Format(PyExc_ValueError, "%zd segment keys and %zd outputs a lane expected", segs, n);
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    row_sums(rows.buf, n, n > 1 ? rows.strides[0] : 0, width, phase, c0, &k, bufs[4].buf, bufs[5].buf);
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_None);
+done:
+    for (int i = 0; i < got; i++)
+        PyBuffer_Release(&bufs[i]);
+    PyBuffer_Release(&rows);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"row_sums", py_row_sums, METH_VARARGS, row_sums_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_fingerprint_c",
+    "Compiled row sums of the poslin64x2-v1 fingerprint (see reshard_job.core.fingerprint).", -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__fingerprint_c(void) {
+    choose_dot();
+    PyObject *m = PyModule_Create(&module);
+    if (m && PyModule_AddStringConstant(m, "VARIANT", dot_name) < 0)
+        Py_CLEAR(m);
+    return m;
+}
