@@ -26,10 +26,9 @@ KERNELS = ("compiled", "numpy")
 
 
 def _chosen() -> str:
-    wanted = os.environ.get(ENV, "").strip().lower()
-    if wanted not in ("", *KERNELS):
-        raise ValueError(f"{ENV}={wanted!r}: expected one of {', '.join(KERNELS)}")
-    return "numpy" if wanted == "numpy" or _compiled is None else "compiled"
+    """``RESHARD_JOB_FINGERPRINT_KERNEL=numpy`` forces numpy; otherwise the compiled kernel when built."""
+    forced_numpy = os.environ.get(ENV, "").strip().lower() == "numpy"
+    return "numpy" if forced_numpy or _compiled is None else "compiled"
 
 
 _active = _chosen()
@@ -43,6 +42,11 @@ def available() -> bool:
 def active() -> str:
     """``"compiled"`` or ``"numpy"``: the kernel that fingerprints use now."""
     return _active
+
+
+def describe() -> str:
+    """The active kernel in words, with the compiled one's instruction set (``compiled (avx512)``)."""
+    return f"compiled ({_compiled.VARIANT})" if _active == "compiled" else "numpy"
 
 
 @contextmanager
@@ -65,8 +69,8 @@ def compiled_row_sums(rows: np.ndarray, start: int, columns: Sequence[np.ndarray
     """Both lanes' sums of each row of bytes `rows` (rows, width), whose first byte is byte `start`
     of its grid row; `columns`: each lane's column table (S keys); `segments`: each lane's keys of
     the segments ``start // 8 // S`` onwards that the rows reach."""
-    if rows.ndim != 2 or (rows.shape[1] > 1 and rows.strides[1] != 1):
-        rows = np.ascontiguousarray(rows).reshape(rows.shape[0], -1)
+    if rows.shape[1] > 1 and rows.strides[1] != 1:  # bytes apart within a row: the kernel reads them packed
+        rows = np.ascontiguousarray(rows)
     out = np.empty((2, rows.shape[0]), dtype=np.uint64)
     _compiled.row_sums(rows, start % 8, start // 8, columns[0], columns[1], segments[0], segments[1], out[0], out[1])
     return [out[0], out[1]]
