@@ -1,16 +1,21 @@
 """CPU cost of the parameter fingerprint (`reshard_job.core.fingerprint`), in CPU-seconds per GB.
 
-Budget (issue "parameter fingerprints"): <= 0.25 CPU-s/GB, one thread, numpy only. The machine may
-be shared and loaded, so every run also times, on the same bytes and in the same process, three
-baselines: ``hashlib.sha256``, ``numpy.sum`` (of the bytes as uint64: one memory-bound pass) and the
-kernel's floor, one uint64 matmul pass (``X @ keys``, what one lane costs at least). Each case is
-timed with ``time.process_time`` (this process's user + sys CPU), median of ``--runs`` runs, cases
-interleaved run by run so that drifting load hits them alike. Two more rows show where the time
-goes: the two bare matmul passes of this algorithm (little- and big-endian reading of the words,
-no padding, keys or bookkeeping), and two little-endian passes, the cost of the weaker design that
-reads words one way only (see the module docstring for why it was rejected).
+Budget (issue "parameter fingerprints"): <= 0.25 CPU-s/GB, one thread. Two kernels compute it
+(`reshard_job.core.fingerprint_kernel`): the compiled extension, built at install time when a C
+compiler is there (both lanes in one pass over the bytes), and numpy (one uint64 matmul pass a
+lane); every case runs under each, in one process, on the same bytes. The machine may be shared
+and loaded, so every run also times baselines on those bytes: ``hashlib.sha256``, ``numpy.sum``
+(of the bytes as uint64: one memory-bound pass), numpy's floor (one uint64 matmul pass, ``X @
+keys``, what one lane costs it at least) and the compiled kernel's bare pass (both lanes, rows of
+32 KiB, no Python around it). Each case is timed with ``time.process_time`` (this process's user +
+sys CPU), median of ``--runs`` runs, cases interleaved run by run so that drifting load hits them
+alike. Two more rows show where numpy's time goes: its two bare matmul passes (little- and
+big-endian reading of the words, no padding, keys or bookkeeping), and two little-endian passes,
+the cost of the weaker design that reads words one way only (see the module docstring for why it
+was rejected).
 
-Cases, on ``--size-mib`` MiB (default 256) of float32 and of bfloat16 (raw uint16 words):
+Cases, on ``--size-mib`` MiB (default 256) of float32 and of bfloat16 (raw uint16 words), each
+under both kernels:
 
 - ``whole``: one ``add_box`` of the whole (rows of 32 KiB);
 - ``boxes``: an uneven 3 x 5 grid of boxes (dims 0 and 1 cut at uneven points), fed out of
@@ -20,6 +25,8 @@ Cases, on ``--size-mib`` MiB (default 256) of float32 and of bfloat16 (raw uint1
 - ``1-D``: the same bytes as one 1-D tensor (one long row, the folded path);
 - per-tensor overhead and narrow rows, for the record: 20 000 tensors of 1 KiB, and an
   (N, 3) float32 tensor of 48 MiB (12-byte rows).
+
+Without the extension (or with ``RESHARD_JOB_FINGERPRINT_KERNEL=numpy``) only numpy's rows appear.
 
 Usage::
 
@@ -43,7 +50,8 @@ if _REPO not in sys.path:
     sys.path.insert(0, _REPO)
 
 from reshard_job.core import dtypes  # noqa: E402
-from reshard_job.core.fingerprint import ALGORITHM, Fingerprint, _column_table, fingerprint_array  # noqa: E402
+from reshard_job.core import fingerprint_kernel as kernel  # noqa: E402
+from reshard_job.core.fingerprint import ALGORITHM, Fingerprint, _column_table, _odd_keys, fingerprint_array  # noqa: E402
 
 ROW_BYTES = 32 << 10
 
@@ -52,6 +60,29 @@ def _cpu(fn) -> float:
     start = time.process_time()
     fn()
     return time.process_time() - start
+
+
+def _kernels() -> list[str]:
+    return ["compiled", "numpy"] if kernel.active() == "compiled" else ["numpy"]
+
+
+def _under(which: str, fn):
+    """`fn` run under kernel `which`."""
+    def run():
+        with kernel.forced(which):
+            return fn()
+    return run
+
+
+def _bare_compiled_pass(words: np.ndarray):
+    """The compiled kernel alone over rows of 32 KiB: both lanes, one pass, no Python around it."""
+    from reshard_job.core import _fingerprint_c
+
+    rows = words.view(np.uint8)
+    columns = [_column_table(lane) for lane in (0, 1)]
+    segments = [_odd_keys(0, 1, lane, "segment") for lane in (0, 1)]
+    out = np.empty((2, rows.shape[0]), np.uint64)
+    return lambda: _fingerprint_c.row_sums(rows, 0, 0, *columns, *segments, out[0], out[1])
 
 
 def _uneven(n: int, parts: int) -> list[int]:
@@ -82,7 +113,9 @@ def _cases(name: str, array: np.ndarray) -> dict:
         return fp.hexdigest()
 
     whole = fingerprint_array(name, array)
-    assert fed_boxes() == fed_runs() == whole, "fingerprints disagree"
+    for which in _kernels():
+        with kernel.forced(which):
+            assert fed_boxes() == fed_runs() == whole == fingerprint_array(name, array), f"{which}: fingerprints disagree"
     words = raw.view(np.uint64).reshape(-1, ROW_BYTES // 8)
     keys = _column_table(0)[:ROW_BYTES // 8]
     step = (1 << 20) // ROW_BYTES
@@ -92,11 +125,18 @@ def _cases(name: str, array: np.ndarray) -> dict:
             words[a:a + step] @ keys
             words[a:a + step].view(second) @ keys
 
+    cases = {}
+    for which in _kernels():
+        cases.update({
+            f"{which}: {name} whole": _under(which, lambda: fingerprint_array(name, array)),
+            f"{which}: {name} boxes (3x5 uneven)": _under(which, fed_boxes),
+            f"{which}: {name} runs (4 MiB, odd cuts)": _under(which, fed_runs),
+            f"{which}: {name} 1-D": _under(which, lambda: fingerprint_array(name, array.reshape(-1))),
+        })
+    if kernel.active() == "compiled":
+        cases[f"floor: compiled kernel alone, both lanes, one pass ({name} bytes)"] = _bare_compiled_pass(words)
     return {
-        f"{name} whole": lambda: fingerprint_array(name, array),
-        f"{name} boxes (3x5 uneven)": fed_boxes,
-        f"{name} runs (4 MiB, odd cuts)": fed_runs,
-        f"{name} 1-D": lambda: fingerprint_array(name, array.reshape(-1)),
+        **cases,
         f"baseline sha256 ({name} bytes)": lambda: hashlib.sha256(raw).digest(),
         f"baseline numpy.sum ({name} bytes)": lambda: words.sum(),
         f"floor: one uint64 matmul pass ({name} bytes)": lambda: words @ keys,
@@ -108,10 +148,13 @@ def _cases(name: str, array: np.ndarray) -> dict:
 def _small_cases() -> dict:
     small = [np.full(256, i, dtype=np.float32) for i in range(20_000)]
     narrow = np.random.default_rng(1).standard_normal(((48 << 20) // 12, 3)).astype(np.float32)
-    return {
-        "20 000 tensors of 1 KiB (per tensor)": (lambda: [fingerprint_array("Float32", a) for a in small], 20_000),
-        "narrow rows (N, 3) float32, 48 MiB": (lambda: fingerprint_array("Float32", narrow), narrow.nbytes),
-    }
+    cases = {}
+    for which in _kernels():
+        cases[f"{which}: 20 000 tensors of 1 KiB (per tensor)"] = (
+            _under(which, lambda: [fingerprint_array("Float32", a) for a in small]), 20_000)
+        cases[f"{which}: narrow rows (N, 3) float32, 48 MiB"] = (
+            _under(which, lambda: fingerprint_array("Float32", narrow)), narrow.nbytes)
+    return cases
 
 
 def main(argv=None) -> None:
@@ -148,7 +191,8 @@ def _report(args, cases, small, times, nbytes, load0) -> None:
     runs = len(next(iter(times.values())))
     print(f"# fingerprint kernel ({ALGORITHM}): CPU-seconds per GB (10^9 bytes)\n")
     print(f"{cores} cores usable (os.cpu_count() = {os.cpu_count()}), one thread; {_cpu_model()}; "
-          f"Python {platform.python_version()}, numpy {np.__version__}; {nbytes / 2**20:.0f} MiB per dtype; "
+          f"Python {platform.python_version()}, numpy {np.__version__}; kernel {kernel.describe()}; "
+          f"{nbytes / 2**20:.0f} MiB per dtype; "
           f"median of {runs} runs (min, max); load average {load0[0]:.2f} at start, {os.getloadavg()[0]:.2f} at end\n")
     print("| case | CPU-s/GB | min | max |\n|---|---:|---:|---:|")
     for key in cases:

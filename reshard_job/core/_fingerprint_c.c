@@ -49,15 +49,6 @@ static inline uint64_t load_le64(const unsigned char *p) {
     return FROM_LE64(w);
 }
 
-/* A word only partly inside the row: its bytes at row offsets [lo, hi) of [first, first + 8). */
-static uint64_t partial_word(const unsigned char *row, Py_ssize_t first, Py_ssize_t width) {
-    uint64_t w = 0;
-    Py_ssize_t lo = first < 0 ? 0 : first, hi = first + 8 > width ? width : first + 8;
-    for (Py_ssize_t b = lo; b < hi; b++)
-        w |= (uint64_t)row[b] << (8 * (b - first));
-    return w;
-}
-
 /* One segment's run of m full words (p: the first), both lanes, before the segment keys. The loop
  * is plain so that compilers vectorise it; on x86 it is compiled three times (AVX-512 has a 64-bit
  * multiply, AVX2 and the baseline do not) and the best one the CPU runs is picked at import. */
@@ -112,48 +103,66 @@ static void choose_dot(void) {
 #endif
 }
 
-/* Full words of a row (p: the first, c: its column), both lanes, segment by segment. */
-static void full_words(const unsigned char *p, Py_ssize_t c, Py_ssize_t n, Py_ssize_t seg0,
-                       const Keys *k, uint64_t *y1, uint64_t *y2) {
-    while (n > 0) {
-        Py_ssize_t j = c % k->size, g = c / k->size - seg0;
-        Py_ssize_t m = k->size - j < n ? k->size - j : n;
-        uint64_t s1, s2;
-        dot(p, m, k->col1 + j, k->col2 + j, &s1, &s2);
-        *y1 += s1 * k->seg1[g];
-        *y2 += s2 * k->seg2[g];
-        p += 8 * m;
-        c += m;
-        n -= m;
-    }
+/* Word t of a row whose first byte lies at place `phase` of word 0: the row's bytes
+ * [8t - phase, 8t + 8 - phase), those outside [0, width) zero. */
+static inline uint64_t word_at(const unsigned char *row, Py_ssize_t t, Py_ssize_t phase, Py_ssize_t width) {
+    Py_ssize_t first = 8 * t - phase;
+    if (first >= 0 && first + 8 <= width)
+        return load_le64(row + first);
+    unsigned char bytes[8] = {0};
+    Py_ssize_t lo = first < 0 ? 0 : first, hi = first + 8 > width ? width : first + 8;
+    if (hi > lo)
+        memcpy(bytes + (lo - first), row + lo, (size_t)(hi - lo));
+    return load_le64(bytes);
 }
 
-static void add_partial(const unsigned char *row, Py_ssize_t t, Py_ssize_t phase, Py_ssize_t width,
-                        Py_ssize_t c0, Py_ssize_t seg0, const Keys *k, uint64_t *y1, uint64_t *y2) {
-    uint64_t w = partial_word(row, 8 * t - phase, width);
-    Py_ssize_t c = c0 + t, j = c % k->size, g = c / k->size - seg0;
-    *y1 += w * k->col1[j] * k->seg1[g];
-    *y2 += BSWAP64(w) * k->col2[j] * k->seg2[g];
+static inline Py_ssize_t clamp(Py_ssize_t x, Py_ssize_t lo, Py_ssize_t hi) {
+    return x < lo ? lo : x > hi ? hi : x;
+}
+
+/* Both lanes' sums of words t..end-1 of a row, all in one segment (a1, a2: the keys of word t on),
+ * before the segment's keys. Whole words in a long stretch go to the vectorised loop; the at most
+ * two partial words at the row's ends, and short stretches (narrow rows), are summed here. */
+static inline void piece_sums(const unsigned char *row, Py_ssize_t t, Py_ssize_t end, Py_ssize_t phase,
+                              Py_ssize_t width, const uint64_t *a1, const uint64_t *a2, uint64_t *s1,
+                              uint64_t *s2) {
+    Py_ssize_t lo = clamp(phase ? 1 : 0, t, end), hi = clamp((phase + width) / 8, lo, end);
+    uint64_t x1 = 0, x2 = 0;
+    if (hi - lo >= 8) {
+        dot(row + 8 * lo - phase, hi - lo, a1 + (lo - t), a2 + (lo - t), &x1, &x2);
+    } else {
+        for (Py_ssize_t u = lo; u < hi; u++) {
+            uint64_t w = load_le64(row + 8 * u - phase);
+            x1 += w * a1[u - t];
+            x2 += BSWAP64(w) * a2[u - t];
+        }
+    }
+    for (Py_ssize_t u = t; u < end; u++) {  /* the words outside [lo, hi): a row's partial ends */
+        if (u == lo)
+            u = hi;
+        if (u == end)
+            break;
+        uint64_t w = word_at(row, u, phase, width);
+        x1 += w * a1[u - t];
+        x2 += BSWAP64(w) * a2[u - t];
+    }
+    *s1 = x1;
+    *s2 = x2;
 }
 
 static void row_sums(const unsigned char *base, Py_ssize_t rows, Py_ssize_t stride, Py_ssize_t width,
                      Py_ssize_t phase, Py_ssize_t c0, const Keys *k, uint64_t *out1, uint64_t *out2) {
-    Py_ssize_t words = (phase + width + 7) / 8, seg0 = c0 / k->size;
-    Py_ssize_t t0 = phase ? 1 : 0, t1 = (phase + width) / 8;  /* the words wholly inside a row */
+    Py_ssize_t words = width ? (phase + width + 7) / 8 : 0, j0 = c0 % k->size;
     for (Py_ssize_t i = 0; i < rows; i++) {
         const unsigned char *row = base + i * stride;
-        uint64_t y1 = 0, y2 = 0;
-        if (width > 0) {
-            if (t1 <= t0) {  /* no full word: at most two partial ones */
-                for (Py_ssize_t t = 0; t < words; t++)
-                    add_partial(row, t, phase, width, c0, seg0, k, &y1, &y2);
-            } else {
-                if (t0)
-                    add_partial(row, 0, phase, width, c0, seg0, k, &y1, &y2);
-                full_words(row + 8 * t0 - phase, c0 + t0, t1 - t0, seg0, k, &y1, &y2);
-                if (t1 < words)
-                    add_partial(row, t1, phase, width, c0, seg0, k, &y1, &y2);
-            }
+        uint64_t y1 = 0, y2 = 0, s1, s2;
+        /* the rows share their columns: segment by segment, from column c0 (place j0 of its segment) */
+        for (Py_ssize_t t = 0, j = j0, g = 0; t < words; j = 0, g++) {
+            Py_ssize_t end = t + (k->size - j < words - t ? k->size - j : words - t);
+            piece_sums(row, t, end, phase, width, k->col1 + j, k->col2 + j, &s1, &s2);
+            y1 += s1 * k->seg1[g];
+            y2 += s2 * k->seg2[g];
+            t = end;
         }
         out1[i] = y1;
         out2[i] = y2;
