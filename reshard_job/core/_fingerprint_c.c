@@ -109,11 +109,11 @@ static inline uint64_t word_at(const unsigned char *row, Py_ssize_t t, Py_ssize_
     Py_ssize_t first = 8 * t - phase;
     if (first >= 0 && first + 8 <= width)
         return load_le64(row + first);
-    unsigned char bytes[8] = {0};
+    uint64_t w = 0;
     Py_ssize_t lo = first < 0 ? 0 : first, hi = first + 8 > width ? width : first + 8;
-    if (hi > lo)
-        memcpy(bytes + (lo - first), row + lo, (size_t)(hi - lo));
-    return load_le64(bytes);
+    for (Py_ssize_t b = lo; b < hi; b++)
+        w |= (uint64_t)row[b] << (8 * (b - first));
+    return w;
 }
 
 static inline Py_ssize_t clamp(Py_ssize_t x, Py_ssize_t lo, Py_ssize_t hi) {
@@ -140,19 +140,60 @@ static inline void piece_sums(const unsigned char *row, Py_ssize_t t, Py_ssize_t
     for (Py_ssize_t u = t; u < end; u++) {  /* the words outside [lo, hi): a row's partial ends */
         if (u == lo)
             u = hi;
-        if (u == end)
-            break;
-        uint64_t w = word_at(row, u, phase, width);
-        x1 += w * a1[u - t];
-        x2 += BSWAP64(w) * a2[u - t];
+        if (u < end) {
+            uint64_t w = word_at(row, u, phase, width);
+            x1 += w * a1[u - t];
+            x2 += BSWAP64(w) * a2[u - t];
+        }
     }
     *s1 = x1;
     *s2 = x2;
 }
 
+/* Rows of at most NARROW words in one segment (an (N, 3) tensor's): each word's two keys, column
+ * times segment, are multiplied once for all rows, and a row is a few multiply-adds. */
+#define NARROW 8
+
+static void narrow_row_sums(const unsigned char *base, Py_ssize_t rows, Py_ssize_t stride, Py_ssize_t width,
+                            Py_ssize_t phase, Py_ssize_t words, Py_ssize_t j0, const Keys *k,
+                            uint64_t *out1, uint64_t *out2) {
+    uint64_t k1[NARROW], k2[NARROW];
+    for (Py_ssize_t t = 0; t < words; t++) {
+        k1[t] = k->col1[j0 + t] * k->seg1[0];
+        k2[t] = k->col2[j0 + t] * k->seg2[0];
+    }
+    Py_ssize_t lo = phase ? 1 : 0, hi = (phase + width) / 8;  /* the whole words: [lo, hi) */
+    if (hi < lo)
+        hi = lo;
+    for (Py_ssize_t i = 0; i < rows; i++) {
+        const unsigned char *row = base + i * stride;
+        uint64_t y1 = 0, y2 = 0;
+        for (Py_ssize_t t = lo; t < hi; t++) {
+            uint64_t w = load_le64(row + 8 * t - phase);
+            y1 += w * k1[t];
+            y2 += BSWAP64(w) * k2[t];
+        }
+        for (Py_ssize_t t = 0; t < words; t++) {  /* the partial ends: word 0 if lo is 1, words hi.. */
+            if (t == lo)
+                t = hi;
+            if (t < words) {
+                uint64_t w = word_at(row, t, phase, width);
+                y1 += w * k1[t];
+                y2 += BSWAP64(w) * k2[t];
+            }
+        }
+        out1[i] = y1;
+        out2[i] = y2;
+    }
+}
+
 static void row_sums(const unsigned char *base, Py_ssize_t rows, Py_ssize_t stride, Py_ssize_t width,
                      Py_ssize_t phase, Py_ssize_t c0, const Keys *k, uint64_t *out1, uint64_t *out2) {
     Py_ssize_t words = width ? (phase + width + 7) / 8 : 0, j0 = c0 % k->size;
+    if (words <= NARROW && j0 + words <= k->size) {
+        narrow_row_sums(base, rows, stride, width, phase, words, j0, k, out1, out2);
+        return;
+    }
     for (Py_ssize_t i = 0; i < rows; i++) {
         const unsigned char *row = base + i * stride;
         uint64_t y1 = 0, y2 = 0, s1, s2;
@@ -229,8 +270,51 @@ done:
     return result;
 }
 
+/* splitmix64's finaliser of index * gamma + seed, low bit set: fingerprint._odd_keys's keys. */
+static inline ALWAYS_INLINE void keys_body(uint64_t lo, uint64_t seed, uint64_t *out, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint64_t z = (lo + (uint64_t)i) * 0x9E3779B97F4A7C15ULL + seed;
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+        out[i] = (z ^ (z >> 31)) | 1;
+    }
+}
+
+static void keys_baseline(uint64_t lo, uint64_t seed, uint64_t *out, Py_ssize_t n) {
+    keys_body(lo, seed, out, n);
+}
+
+#if X86_DISPATCH
+__attribute__((target("avx512f,avx512dq,avx512vl,avx512bw")))
+static void keys_avx512(uint64_t lo, uint64_t seed, uint64_t *out, Py_ssize_t n) {
+    keys_body(lo, seed, out, n);
+}
+#endif
+
+PyDoc_STRVAR(odd_keys_doc,
+"odd_keys(lo, seed, out)\n--\n\n"
+"Fill `out` (a writable uint64 buffer of n keys) with the odd keys of indices lo..lo+n-1.");
+
+static PyObject *py_odd_keys(PyObject *self, PyObject *args) {
+    unsigned long long lo, seed;
+    PyObject *obj;
+    Py_buffer out;
+    if (!PyArg_ParseTuple(args, "KKO:odd_keys", &lo, &seed, &obj) || get_table(obj, &out, PyBUF_WRITABLE, "out") < 0)
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+#if X86_DISPATCH
+    (dot == dot_avx512 ? keys_avx512 : keys_baseline)(lo, seed, out.buf, out.len / 8);
+#else
+    keys_baseline(lo, seed, out.buf, out.len / 8);
+#endif
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&out);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"row_sums", py_row_sums, METH_VARARGS, row_sums_doc},
+    {"odd_keys", py_odd_keys, METH_VARARGS, odd_keys_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -104,6 +104,8 @@ def _odd_keys(lo: int, hi: int, lane: int, purpose: str) -> np.ndarray:
 
     A keyed mixer rather than a table, so that any index costs O(1) and no state is kept.
     """
+    if hi - lo > 64 and kernel.active() == "compiled":  # many keys (a tall tensor's rows): one C loop
+        return kernel.compiled_odd_keys(lo, hi, int(_seed(lane, purpose)))
     out = np.arange(lo, hi, dtype=_U64)
     seed = _seed(lane, purpose)
     if out.size <= 64:  # few keys (segments): fewer numpy calls

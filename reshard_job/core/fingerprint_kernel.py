@@ -74,3 +74,10 @@ def compiled_row_sums(rows: np.ndarray, start: int, columns: Sequence[np.ndarray
     out = np.empty((2, rows.shape[0]), dtype=np.uint64)
     _compiled.row_sums(rows, start % 8, start // 8, columns[0], columns[1], segments[0], segments[1], out[0], out[1])
     return [out[0], out[1]]
+
+
+def compiled_odd_keys(lo: int, hi: int, seed: int) -> np.ndarray:
+    """``fingerprint._odd_keys``'s keys of indices lo..hi-1, given the purpose's `seed`, in one C loop."""
+    out = np.empty(hi - lo, dtype=np.uint64)
+    _compiled.odd_keys(lo, seed, out)
+    return out

@@ -174,6 +174,16 @@ def test_rows_with_scattered_bytes_are_packed_first():
     assert got == want == reference_row_sums(np.ascontiguousarray(rows), 3)
 
 
+@needs_compiled
+@settings(deadline=None, max_examples=40)
+@given(lo=st.one_of(st.integers(0, 1 << 20), st.integers(0, (1 << 64) - 5000)), n=st.integers(0, 3000),
+       lane=st.sampled_from([0, 1]), purpose=st.sampled_from(["col", "segment", "dim0", "dim3"]))
+def test_keys_of_long_ranges_alike(lo, n, lane, purpose):
+    """A tall tensor's row keys come from the C loop: the same odd keys as numpy's mixer."""
+    want, got = on_both(lambda: fp._odd_keys(lo, lo + n, lane, purpose).tolist())
+    assert got == want and all(k & 1 for k in got)
+
+
 # ================================================================================ digests
 
 
