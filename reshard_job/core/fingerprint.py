@@ -396,7 +396,8 @@ class Fingerprint:
     def _add(self, box: Box, raw: np.ndarray) -> None:
         """Add a box of the byte grid whose bytes, in C order, are `raw`, in steps of a bounded size:
         CHUNK bytes for numpy (its copies stay in cache); the compiled kernel copies nothing, so its
-        steps are longer (fewer calls), bounded by CHUNK // 8 rows (its per-row sums)."""
+        steps are longer (fewer calls): up to 16 * CHUNK bytes, but at most CHUNK // 8 rows unless
+        CHUNK bytes hold more (its per-row sums take 16 bytes a row)."""
         keys = [[_dim_keys(lane, d, lo, hi) for d, (lo, hi) in enumerate(box[:-1])] for lane in range(LANES)]
         width = box[-1][1] - box[-1][0]
         step = CHUNK if kernel.active() == "numpy" else min(16 * CHUNK, max(CHUNK, CHUNK // 8 * width))
