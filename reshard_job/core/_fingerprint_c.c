@@ -86,21 +86,64 @@ static void dot_avx512(const unsigned char *p, Py_ssize_t m, const uint64_t *a1,
 }
 #endif
 
-static DotFn dot = dot_baseline;
-static const char *dot_name = "baseline";
+/* splitmix64's finaliser of index * gamma + seed, low bit set: fingerprint._odd_keys's keys. */
+static inline ALWAYS_INLINE void keys_body(uint64_t lo, uint64_t seed, uint64_t *out, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint64_t z = (lo + (uint64_t)i) * 0x9E3779B97F4A7C15ULL + seed;
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+        out[i] = (z ^ (z >> 31)) | 1;
+    }
+}
 
-static void choose_dot(void) {
+static void keys_baseline(uint64_t lo, uint64_t seed, uint64_t *out, Py_ssize_t n) {
+    keys_body(lo, seed, out, n);
+}
+
+#if X86_DISPATCH
+__attribute__((target("avx512f,avx512dq,avx512vl,avx512bw")))
+static void keys_avx512(uint64_t lo, uint64_t seed, uint64_t *out, Py_ssize_t n) {
+    keys_body(lo, seed, out, n);
+}
+#endif
+
+/* The instruction sets a loop is compiled for, best first; the first one this CPU runs is used. */
+typedef void (*KeysFn)(uint64_t, uint64_t, uint64_t *, Py_ssize_t);
+typedef struct {
+    const char *name;
+    DotFn dot;
+    KeysFn keys;
+} Variant;
+
+static const Variant variants[] = {
+#if X86_DISPATCH
+    {"avx512", dot_avx512, keys_avx512},
+    {"avx2", dot_avx2, keys_baseline},
+#endif
+    {"baseline", dot_baseline, keys_baseline},
+};
+#define VARIANTS ((Py_ssize_t)(sizeof(variants) / sizeof(variants[0])))
+
+static const Variant *variant = &variants[VARIANTS - 1];
+
+static int runs_here(const Variant *v) {
+#if X86_DISPATCH
+    if (v->dot == dot_avx512)
+        return __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512vl");
+    if (v->dot == dot_avx2)
+        return __builtin_cpu_supports("avx2");
+#endif
+    return 1;
+}
+
+static void choose_variant(void) {
 #if X86_DISPATCH
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vl")) {
-        dot = dot_avx512;
-        dot_name = "avx512";
-    } else if (__builtin_cpu_supports("avx2")) {
-        dot = dot_avx2;
-        dot_name = "avx2";
-    }
 #endif
+    for (Py_ssize_t i = VARIANTS - 1; i >= 0; i--)
+        if (runs_here(&variants[i]))
+            variant = &variants[i];
 }
 
 /* Word t of a row whose first byte lies at place `phase` of word 0: the row's bytes
@@ -129,7 +172,7 @@ static inline void piece_sums(const unsigned char *row, Py_ssize_t t, Py_ssize_t
     Py_ssize_t lo = clamp(phase ? 1 : 0, t, end), hi = clamp((phase + width) / 8, lo, end);
     uint64_t x1 = 0, x2 = 0;
     if (hi - lo >= 8) {
-        dot(row + 8 * lo - phase, hi - lo, a1 + (lo - t), a2 + (lo - t), &x1, &x2);
+        variant->dot(row + 8 * lo - phase, hi - lo, a1 + (lo - t), a2 + (lo - t), &x1, &x2);
     } else {
         for (Py_ssize_t u = lo; u < hi; u++) {
             uint64_t w = load_le64(row + 8 * u - phase);
@@ -270,27 +313,6 @@ done:
     return result;
 }
 
-/* splitmix64's finaliser of index * gamma + seed, low bit set: fingerprint._odd_keys's keys. */
-static inline ALWAYS_INLINE void keys_body(uint64_t lo, uint64_t seed, uint64_t *out, Py_ssize_t n) {
-    for (Py_ssize_t i = 0; i < n; i++) {
-        uint64_t z = (lo + (uint64_t)i) * 0x9E3779B97F4A7C15ULL + seed;
-        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
-        z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
-        out[i] = (z ^ (z >> 31)) | 1;
-    }
-}
-
-static void keys_baseline(uint64_t lo, uint64_t seed, uint64_t *out, Py_ssize_t n) {
-    keys_body(lo, seed, out, n);
-}
-
-#if X86_DISPATCH
-__attribute__((target("avx512f,avx512dq,avx512vl,avx512bw")))
-static void keys_avx512(uint64_t lo, uint64_t seed, uint64_t *out, Py_ssize_t n) {
-    keys_body(lo, seed, out, n);
-}
-#endif
-
 PyDoc_STRVAR(odd_keys_doc,
 "odd_keys(lo, seed, out)\n--\n\n"
 "Fill `out` (a writable uint64 buffer of n keys) with the odd keys of indices lo..lo+n-1.");
@@ -302,19 +324,49 @@ static PyObject *py_odd_keys(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "KKO:odd_keys", &lo, &seed, &obj) || get_table(obj, &out, PyBUF_WRITABLE, "out") < 0)
         return NULL;
     Py_BEGIN_ALLOW_THREADS
-#if X86_DISPATCH
-    (dot == dot_avx512 ? keys_avx512 : keys_baseline)(lo, seed, out.buf, out.len / 8);
-#else
-    keys_baseline(lo, seed, out.buf, out.len / 8);
-#endif
+    variant->keys(lo, seed, out.buf, out.len / 8);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&out);
     Py_RETURN_NONE;
 }
 
+static PyObject *py_variant(PyObject *self, PyObject *noargs) {
+    return PyUnicode_FromString(variant->name);
+}
+
+static PyObject *py_variants(PyObject *self, PyObject *noargs) {
+    PyObject *names = PyList_New(0);
+    for (Py_ssize_t i = 0; names && i < VARIANTS; i++) {
+        if (!runs_here(&variants[i]))
+            continue;
+        PyObject *name = PyUnicode_FromString(variants[i].name);
+        if (!name || PyList_Append(names, name) < 0)
+            Py_CLEAR(names);
+        Py_XDECREF(name);
+    }
+    return names;
+}
+
+static PyObject *py_use_variant(PyObject *self, PyObject *arg) {
+    const char *name = PyUnicode_AsUTF8(arg);
+    if (!name)
+        return NULL;
+    for (Py_ssize_t i = 0; i < VARIANTS; i++) {
+        if (strcmp(variants[i].name, name) == 0 && runs_here(&variants[i])) {
+            variant = &variants[i];
+            Py_RETURN_NONE;
+        }
+    }
+    PyErr_Format(PyExc_ValueError, "variant %R: not compiled in or not run by this CPU", arg);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"row_sums", py_row_sums, METH_VARARGS, row_sums_doc},
     {"odd_keys", py_odd_keys, METH_VARARGS, odd_keys_doc},
+    {"variant", py_variant, METH_NOARGS, "The instruction set the loops use now (avx512, avx2 or baseline)."},
+    {"variants", py_variants, METH_NOARGS, "The instruction sets compiled in that this CPU runs, best first."},
+    {"use_variant", py_use_variant, METH_O, "Use the loops of one of variants() (for tests: not thread-safe)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -324,9 +376,6 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit__fingerprint_c(void) {
-    choose_dot();
-    PyObject *m = PyModule_Create(&module);
-    if (m && PyModule_AddStringConstant(m, "VARIANT", dot_name) < 0)
-        Py_CLEAR(m);
-    return m;
+    choose_variant();
+    return PyModule_Create(&module);
 }

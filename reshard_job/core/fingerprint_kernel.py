@@ -46,7 +46,7 @@ def active() -> str:
 
 def describe() -> str:
     """The active kernel in words, with the compiled one's instruction set (``compiled (avx512)``)."""
-    return f"compiled ({_compiled.VARIANT})" if _active == "compiled" else "numpy"
+    return f"compiled ({_compiled.variant()})" if _active == "compiled" else "numpy"
 
 
 @contextmanager

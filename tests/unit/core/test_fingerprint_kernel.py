@@ -166,6 +166,29 @@ def test_long_rows_cross_real_segments(which, start):
 
 
 @needs_compiled
+def test_every_instruction_set_gives_the_same_bits():
+    """The loops are compiled for AVX-512, AVX2 and the baseline; each one this CPU runs must give
+    the definition's sums (the best is used; the others serve other CPUs)."""
+    from reshard_job.core import _fingerprint_c
+
+    rng = np.random.default_rng(8)
+    cases = [(rng.integers(0, 256, (3, 8 * S + 45), dtype=np.uint8)[:, 2:], 8 * (S - 20) + 5),  # long, phased
+             (rng.integers(0, 256, (50, 12), dtype=np.uint8), 0), (rng.integers(0, 256, (4, 200), dtype=np.uint8), 3)]
+    want = [reference_row_sums(rows, start) for rows, start in cases]
+    keys = fp._odd_keys(0, 1000, 1, "dim0").tolist()
+    best = _fingerprint_c.variant()
+    assert best == _fingerprint_c.variants()[0] and "baseline" in _fingerprint_c.variants()
+    try:
+        for name in _fingerprint_c.variants():
+            _fingerprint_c.use_variant(name)
+            with kernel.forced("compiled"):
+                assert [[y.tolist() for y in fp._row_sums(rows, start)] for rows, start in cases] == want, name
+                assert fp._odd_keys(0, 1000, 1, "dim0").tolist() == keys, name
+    finally:
+        _fingerprint_c.use_variant(best)
+
+
+@needs_compiled
 def test_rows_with_scattered_bytes_are_packed_first():
     """Bytes apart within a row (a column of a wider array): the kernel reads them packed."""
     wide = np.random.default_rng(2).integers(0, 256, (5, 24), dtype=np.uint8)
@@ -364,3 +387,5 @@ def test_the_compiled_call_refuses_bad_buffers():
         c.row_sums(rows, 0, 0, bytes(12), cols[1], *keys, out[0], out[1])
     with pytest.raises(BufferError):
         c.row_sums(rows, 0, 0, *cols, *keys, bytes(16), out[1])  # read-only output
+    with pytest.raises(ValueError, match="not compiled in"):
+        c.use_variant("sse9")
