@@ -68,9 +68,9 @@ build on purpose. It detects corruption and resharding mistakes, not tampering (
 *Cost.* Two kernels give the same bits (``fingerprint_kernel``). The compiled one (a C extension
 built at install time when a compiler is there) reads each word once for both lanes, pads rows cut
 mid-word in registers, uses AVX-512 or AVX2 where the CPU has them, and runs without the GIL: about
-0.13-0.17 CPU-s/GB on one core here, near one memory-bound pass (``numpy.sum``: 0.09).
+0.13-0.18 CPU-s/GB on one core here, near one memory-bound pass (``numpy.sum``: 0.09).
 numpy's runs two uint64 matmul passes (about 1 ns a word and lane, the big-endian lane paying
-numpy's byteswap cast) in cache-sized steps: about 0.38-0.51. Rows cost some ns more each (row
+numpy's byteswap cast) in cache-sized steps: about 0.38-0.50. Rows cost some ns more each (row
 keys, contraction; numpy's padding and calls), so tensors whose last axis is only a few bytes cost
 more per byte. ``benchmarks/fingerprint_kernel.py``, ``benchmarks/results/fingerprint_kernel.md``.
 """
