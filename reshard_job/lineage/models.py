@@ -303,3 +303,21 @@ class RunFingerprint(Base):
     name: Mapped[str] = mapped_column(Text, primary_key=True)
     digest: Mapped[str] = mapped_column(String(64))
     algorithm: Mapped[str] = mapped_column(String(32))
+
+
+class LoadFingerprint(Base):
+    """A load's share of one parameter's fingerprint: the part of the global tensor that the loading
+    rank holds (``box``: ``start:stop`` per dim, comma-separated), fingerprinted where it lies in the
+    parameter (``core.fingerprint_shares``). The shares of all target ranks add up to the parameter's
+    fingerprint, so a load says what it read in the terms a conversion's ``run_fingerprints`` use."""
+
+    __tablename__ = "load_fingerprints"
+    __table_args__ = ({"sqlite_with_rowid": False},)
+
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    name: Mapped[str] = mapped_column(Text, primary_key=True)
+    digest: Mapped[str] = mapped_column(String(64))
+    algorithm: Mapped[str] = mapped_column(String(32))
+    dtype: Mapped[str] = mapped_column(String(32))
+    shape: Mapped[str] = mapped_column(Text)  # the global shape, comma-separated ("" for a scalar)
+    box: Mapped[str] = mapped_column(Text)
