@@ -19,7 +19,9 @@ not cover every element is incomplete (a load of some ranks only), and says how 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 from itertools import groupby
+from operator import attrgetter
 from math import prod
 from typing import Iterable, NamedTuple, Sequence
 
@@ -135,7 +137,7 @@ def merge_shares(shares: Iterable[Share]) -> MergedFingerprints:
     database reads them), so that one parameter's shares are held at a time."""
     merged = MergedFingerprints()
     seen: set[str] = set()
-    for name, group in groupby(shares, key=lambda s: s.name):
+    for name, group in groupby(shares, key=attrgetter("name")):
         if name in seen:
             raise ValueError(f"shares of parameter {name!r} are not grouped by name")
         seen.add(name)
@@ -152,22 +154,21 @@ def merge_shares(shares: Iterable[Share]) -> MergedFingerprints:
 def _merge_one(shares: list[Share]) -> tuple[str, str | None]:
     """(why not, None) or ("", the parameter's fingerprint) from one parameter's shares."""
     first = shares[0]
+    by_box: dict[Box, Share] = {}
     for s in shares:
         if s.algorithm != ALGORITHM:
             return f"recorded as {s.algorithm} (rank {s.rank}), merged here as {ALGORITHM}", None
-        if (s.dtype, tuple(s.shape)) != (first.dtype, tuple(first.shape)):
+        if s.dtype != first.dtype or s.shape != first.shape:
             return (f"loaded as {s.dtype}{list(s.shape)} by rank {s.rank} and as {first.dtype}{list(first.shape)} "
                     f"by rank {first.rank}"), None
-    by_box: dict[Box, Share] = {}
-    for s in shares:
-        held = by_box.setdefault(tuple(s.box), s)
+        held = by_box.setdefault(s.box, s)
         if held.digest != s.digest:
             return f"ranks {held.rank} and {s.rank} loaded different bytes for its box {_show(s.box)}", None
     boxes = list(by_box)
-    overlap = _overlapping(boxes)
+    overlap = _overlapping(boxes) if len(boxes) > 1 else None
     if overlap:
         return f"boxes {_show(overlap[0])} and {_show(overlap[1])} overlap", None
-    total, covered = prod(first.shape), sum(box_size(b) for b in boxes)
+    total, covered = _volume(first.shape), sum(_volume(b) for b in boxes)
     if covered < total:
         ranks = sorted({s.rank for s in shares if s.rank is not None})
         return f"incomplete: {covered} of its {total} elements loaded (by ranks {ranks})", None
@@ -186,13 +187,27 @@ def _overlapping(boxes: list[Box]) -> tuple[Box, Box] | None:
     return None
 
 
-def _sum(digests: list[str], dtype: str, shape: Sequence[int]) -> str:
-    mask = _mask(Fingerprint(dtype, shape)._header())
+def _sum(digests: list[str], dtype: str, shape: tuple[int, ...]) -> str:
+    mask = _share_mask(dtype, shape)
     lo = hi = 0
     for digest in digests:
         lanes = int.from_bytes(bytes.fromhex(digest), "little") ^ mask
         lo, hi = (lo + (lanes & _MASK64)) & _MASK64, (hi + (lanes >> 64)) & _MASK64
     return ((lo | hi << 64) ^ mask).to_bytes(16, "little").hex()
+
+
+@lru_cache(maxsize=1 << 16)
+def _volume(shape_or_box: tuple) -> int:
+    """Elements of a shape or a box (cached: a model's parameters share a few of each)."""
+    if shape_or_box and isinstance(shape_or_box[0], tuple):
+        return box_size(shape_or_box)
+    return prod(shape_or_box)
+
+
+@lru_cache(maxsize=4096)
+def _share_mask(dtype: str, shape: tuple[int, ...]) -> int:
+    """The mask of a parameter's digests (its dtype and shape); parameters share a few of them."""
+    return _mask(Fingerprint(dtype, shape)._header())
 
 
 def _show(box: Box) -> str:

@@ -13,6 +13,7 @@ Text forms: a shape is its dims comma-separated (``"4096,1024"``, ``""`` for a s
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Iterable, Iterator, Sequence
 
 from sqlalchemy import delete, func, insert, select
@@ -37,10 +38,12 @@ def box_text(box: Box) -> str:
     return ",".join(f"{int(lo)}:{int(hi)}" for lo, hi in box)
 
 
+@lru_cache(maxsize=1 << 16)  # a model's parameters share a few shapes and boxes: parse each once
 def parse_shape(text: str) -> tuple[int, ...]:
     return tuple(int(n) for n in text.split(",")) if text else ()
 
 
+@lru_cache(maxsize=1 << 16)
 def parse_box(text: str) -> Box:
     return tuple(tuple(int(i) for i in part.split(":")) for part in text.split(",")) if text else ()
 
