@@ -30,6 +30,13 @@ it is not read again; the digest cache is not trusted), and the tensors the sour
 several of those files hold identically (replicas of one block) are compared by content, as the
 job compares them; the rank reads one copy, by default the others are not looked at. It costs a read of every file the rank touches, which is why it is not the default.
 
+What a recorded load keeps of the bytes it returned: the fingerprint *share* of each tensor
+(``core.fingerprint_shares``), the ``poslin64x2-v1`` fingerprint of the slice the rank holds keyed
+by where it lies in the parameter (its box in the target layout, ``plan.target_boxes``), computed
+in one pass over the arrays as they are returned. ``merge_load_fingerprints`` adds up the shares
+of the loads of all target ranks into each parameter's fingerprint, the value a conversion's
+``manifest.json`` holds, and names the parameters that some ranks' loads leave incomplete.
+
 Arrays come back in their own dtype; bfloat16 as ``ml_dtypes.bfloat16``; qint4x2 (Int4) as int8 of
 its stored shape (two 4-bit values per byte); a dtype numpy has no type for as its raw bytes (uint8). A ``.ckpt``'s string entries are not tensors and
 are left out. ``iter_rank`` yields ``(name, array)`` a few parameters at a time, for a rank that

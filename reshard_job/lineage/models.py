@@ -30,6 +30,8 @@ Choices and their trade-offs:
   batches and compared side against side in SQL. ``Run`` has no relationship to them, so loading
   a run never loads its fingerprints; the database deletes them with their run. On SQLite the
   table is ``WITHOUT ROWID``: its rows live in the primary key's b-tree, not beside a copy of it.
+  A load (``reshard_job.load_rank``) keeps its per-parameter fingerprint shares the same way, in
+  ``load_fingerprints``, with the dtype, global shape and box that putting shares together needs.
 
 Schema changes go through the Alembic migrations in ``reshard_job/lineage/migrations`` only;
 a test compares these models with the migration head.
