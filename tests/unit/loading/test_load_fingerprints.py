@@ -23,29 +23,32 @@ from reshard_job.lineage import LineageStore
 from reshard_job.lineage.models import LoadFingerprint, Run
 
 GOLDEN = Path(__file__).parents[2] / "golden"
-SCENARIOS = {  # scenario -> its source strategy: sharded with optimizer parallel, and pipeline stages to a flat target
-    "S2_block_mp4dp2opt_to_mp4": "src_strategy.ckpt",
-    "S3_pipeline2x4opt_to_4": "src_strategy_dir",
+# case -> (scenario, source strategy, target strategy): optimizer parallel to model parallel, pipeline
+# stages to a flat target, and into a target with pipeline stages and optimizer shards (its own layout)
+CASES = {
+    "S2": ("S2_block_mp4dp2opt_to_mp4", "src_strategy.ckpt", "dst_strategy.ckpt"),
+    "S3": ("S3_pipeline2x4opt_to_4", "src_strategy_dir", "dst_strategy.ckpt"),
+    "S3-into-pipeline": ("S3_pipeline2x4opt_to_4", "src_strategy_dir", "src_strategy_merged.ckpt"),
 }
 
 
-def _converted(tmp_path: Path, d: Path, src_strategy: str) -> dict:
+def _converted(tmp_path: Path, d: Path, src_strategy: str, dst_strategy: str) -> dict:
     """The job's ``manifest.json`` for the scenario's conversion, run in this process."""
     out = tmp_path / "out"
     spec = JobSpec(SourceSpec(str(d / "src_checkpoints"), str(d / src_strategy)),
-                   TargetSpec(strategy=str(d / "dst_strategy.ckpt")), OutputSpec(str(out)), LineageSpec(False, ""),
+                   TargetSpec(strategy=str(d / dst_strategy)), OutputSpec(str(out)), LineageSpec(False, ""),
                    RunSpec(progress=False, workers=1), JobContext(str(tmp_path), str(tmp_path / "run"), ()), config={})
     run_job(spec, emit=lambda _: None)
     return json.loads((out / "manifest.json").read_text())
 
 
-def _load_every_rank(d: Path, src_strategy: str, url: str, ranks) -> list[str]:
+def _load_every_rank(d: Path, src_strategy: str, url: str, ranks, dst_strategy: str = "dst_strategy.ckpt") -> list[str]:
     """Load `ranks` with lineage at `url`; the run ids of the loads, in rank order."""
     with LineageStore(url) as store:
         store.ensure_schema()
         known = set(_run_ids(store))
     for rank in ranks:
-        reshard_job.load_rank(rank, d / "src_checkpoints", d / src_strategy, d / "dst_strategy.ckpt",
+        reshard_job.load_rank(rank, d / "src_checkpoints", d / src_strategy, d / dst_strategy,
                               consumer="eval-7b", lineage_url=url)
     with LineageStore(url) as store:
         new = [r for r in _run_ids(store) if r not in known]
@@ -58,12 +61,13 @@ def _run_ids(store) -> list[str]:
         return list(session.scalars(Run.__table__.select().with_only_columns(Run.id)))
 
 
-@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
-def test_the_loads_of_every_target_rank_put_together_equal_the_conversions_fingerprints(scenario, tmp_path):
-    d, src_strategy = GOLDEN / scenario, SCENARIOS[scenario]
-    manifest = _converted(tmp_path, d, src_strategy)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_loads_of_every_target_rank_put_together_equal_the_conversions_fingerprints(case, tmp_path):
+    scenario, src_strategy, dst_strategy = CASES[case]
+    d = GOLDEN / scenario
+    manifest = _converted(tmp_path, d, src_strategy, dst_strategy)
     url = f"sqlite:///{tmp_path / 'lineage.db'}"
-    loads = _load_every_rank(d, src_strategy, url, range(manifest["target"]["devices"]))
+    loads = _load_every_rank(d, src_strategy, url, range(manifest["target"]["devices"]), dst_strategy)
     merged = reshard_job.merge_load_fingerprints(loads, lineage_url=url)
     assert merged.complete and merged.algorithm == manifest["fingerprints"]["algorithm"] == ALGORITHM
     assert merged.fingerprints == manifest["fingerprints"]["target"]
