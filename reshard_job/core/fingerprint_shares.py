@@ -53,13 +53,15 @@ class ShareBatch:
 
     A rank's tensors are mostly small (biases, norms, their optimizer states) and alike: those of
     one dtype, global shape and box share every key, so k of them cost one matmul per lane. Larger
-    ones are fingerprinted on their own. ``digests`` (name -> hex) is complete after ``flush``."""
+    ones are fingerprinted on their own. ``digests`` (name -> hex) is complete after ``flush``.
+    The small arrays are held by reference until their batch is computed (no copy: a load returns
+    them anyway), so they must not change before ``flush``."""
 
     LIMIT = 4 << 20  # bytes held per kind before its batch is computed
 
     def __init__(self):
         self.digests: dict[str, str] = {}
-        self._groups: dict[tuple, tuple[list[str], list[bytes]]] = {}
+        self._groups: dict[tuple, tuple[list[str], list[np.ndarray]]] = {}
         self._held: dict[tuple, int] = {}
 
     def add(self, name: str, dtype: str, shape: Sequence[int], box: Box, array: np.ndarray) -> None:
@@ -74,8 +76,8 @@ class ShareBatch:
         key = (dtype, shape, tuple(box))
         names, blobs = self._groups.setdefault(key, ([], []))
         names.append(name)
-        blobs.append(np.ascontiguousarray(array).tobytes())
-        self._held[key] = self._held.get(key, 0) + len(blobs[-1])
+        blobs.append(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+        self._held[key] = self._held.get(key, 0) + blobs[-1].size
         if self._held[key] >= self.LIMIT:
             self._compute(key)
 
@@ -91,13 +93,13 @@ class ShareBatch:
         template = Fingerprint(dtype, shape)
         grid_box = template._grid_box(box)
         extents = tuple(hi - lo for lo, hi in grid_box)
-        if any(len(b) != prod(extents) for b in blobs):
+        if any(b.size != prod(extents) for b in blobs):
             raise ValueError(f"{template!r}: a tensor of {names[0]!r}'s batch does not hold the bytes of box {box}")
         mask = _mask(template._header())
         if prod(extents) == 0:
             self.digests.update((n, mask.to_bytes(16, "little").hex()) for n in names)
             return
-        raw = np.frombuffer(b"".join(blobs), dtype=np.uint8).reshape(-1, extents[-1])
+        raw = np.concatenate(blobs).reshape(-1, extents[-1])
         words = _words(raw, grid_box[-1][0])
         lanes = []
         for lane in range(LANES):
