@@ -65,19 +65,23 @@ class ShareBatch:
         self._held: dict[tuple, int] = {}
 
     def add(self, name: str, dtype: str, shape: Sequence[int], box: Box, array: np.ndarray) -> None:
-        shape = tuple(int(n) for n in shape)
-        if not dtypes.BY_NAME[dtype].sliceable:  # an opaque dtype is only ever held whole
-            fp = Fingerprint(dtype, shape, nbytes=array.nbytes).add_run(0, array)
-            self.digests[name] = fp.hexdigest(partial=True)
-            return
-        if array.nbytes > BATCHED:
-            self.digests[name] = Fingerprint(dtype, shape).add_box(box, array).hexdigest(partial=True)
-            return
-        key = (dtype, shape, tuple(box))
-        names, blobs = self._groups.setdefault(key, ([], []))
-        names.append(name)
-        blobs.append(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
-        self._held[key] = self._held.get(key, 0) + blobs[-1].size
+        """`array`: the C-order data of `box` (start, stop per dim) of a parameter of global `shape`."""
+        key = (dtype, tuple(shape), tuple(box))
+        group = self._groups.get(key)
+        if group is None:
+            if not dtypes.BY_NAME[dtype].sliceable:  # an opaque dtype is only ever held whole
+                fp = Fingerprint(dtype, key[1], nbytes=array.nbytes).add_run(0, array)
+                self.digests[name] = fp.hexdigest(partial=True)
+                return
+            if array.nbytes > BATCHED:
+                self.digests[name] = Fingerprint(dtype, key[1]).add_box(box, array).hexdigest(partial=True)
+                return
+            group = self._groups[key] = ([], [])
+            self._held[key] = 0
+        group[0].append(name)
+        raw = array.reshape(-1) if array.flags.c_contiguous else np.ascontiguousarray(array).reshape(-1)
+        group[1].append(raw.view(np.uint8))
+        self._held[key] += raw.nbytes
         if self._held[key] >= self.LIMIT:
             self._compute(key)
 

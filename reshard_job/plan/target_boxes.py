@@ -40,22 +40,29 @@ class TargetBoxes:
         self.dst, self.shapes = dst, shapes
         self.stage, self.local = divmod(target_rank, dst.stage_devices) if dst is not None else (0, 0)
         self._lists_states = dst is not None and any(optimizer_base(n) is not None for n in dst.layouts)
+        # (recorded layout, shape) -> box: a model's parameters are laid out in a few ways (equal
+        # recorded layouts are one object in a Topology), so most boxes are found here
+        self._boxes: dict[tuple, Box] = {}
 
     def box(self, tensor: TensorFacts, target_shape: Sequence[int]) -> Box:
         shape = tuple(tensor.global_shape)
         recorded = self._recorded(tensor) if tensor.action != ACTION_COPY else None
-        if recorded is None:
-            box = full_box(shape)
-        else:
-            stage_devices = self.dst.stage_devices
-            layout = Layout.from_recorded(unflatten(recorded, len(shape), stage_devices=stage_devices,
-                                                    global_shape=shape, name=tensor.name),
-                                          len(shape), stage_devices, tensor.name)
-            box = layout.box(self.local % layout.devices, shape)
+        key = (id(recorded), shape)
+        box = self._boxes.get(key)
+        if box is None:
+            box = self._boxes[key] = self._laid_out(tensor.name, recorded, shape)
         if box_shape(box) != tuple(target_shape):
             raise ValueError(f"parameter {tensor.name!r}: its box {list(box)} in the target layout does not have "
                              f"the planned shape {list(target_shape)}")
         return box
+
+    def _laid_out(self, name: str, recorded, shape: tuple[int, ...]) -> Box:
+        if recorded is None:
+            return full_box(shape)
+        stage_devices = self.dst.stage_devices
+        layout = Layout.from_recorded(unflatten(recorded, len(shape), stage_devices=stage_devices, global_shape=shape,
+                                                name=name), len(shape), stage_devices, name)
+        return layout.box(self.local % layout.devices, shape)
 
     def _recorded(self, tensor: TensorFacts):
         if self.dst is None:
