@@ -241,7 +241,8 @@ def _read(prepared, rank_id: int, shares: "_Shares | None" = None) -> Iterator[t
 class _Shares:
     """The fingerprint share of each tensor a rank loads (``core.fingerprint_shares``): its bytes
     keyed by where they lie in the parameter, the box the target layout gives the rank. One pass
-    over the arrays as they are returned; nothing is read again."""
+    over the arrays as they are returned; nothing is read again. Iterating gives the ``Share``s in
+    name order, made as they are recorded (a model of many parameters holds no list of them)."""
 
     def __init__(self, prepared, rank_id: int):
         from reshard_job.core.fingerprint_shares import ShareBatch
@@ -251,21 +252,22 @@ class _Shares:
         self.rank = rank_id
         self.planned = {t.name: (t, shape) for t, shape in planned}
         self.boxes = TargetBoxes(prepared.target.topology, rank_id, {t.name: tuple(t.global_shape) for t, _ in planned})
-        self.held: dict[str, tuple] = {}
+        self.box_of: dict[str, tuple] = {}
         self.batch = ShareBatch()
 
     def add(self, name: str, array: np.ndarray) -> None:
         tensor, target_shape = self.planned[name]
-        box = self.boxes.box(tensor, target_shape)
-        self.held[name] = (tensor.dtype, tuple(tensor.global_shape), box)
+        box = self.box_of[name] = self.boxes.box(tensor, target_shape)
         self.batch.add(name, tensor.dtype, tensor.global_shape, box, array)
 
-    def shares(self) -> list:
+    def __iter__(self):
         from reshard_job.core.fingerprint_shares import Share
 
         digests = self.batch.flush()
-        return [Share(name, dtype, shape, box, digests[name], rank=self.rank)
-                for name, (dtype, shape, box) in self.held.items()]
+        for name in sorted(self.box_of):
+            tensor = self.planned[name][0]
+            yield Share(name, tensor.dtype, tuple(tensor.global_shape), self.box_of[name], digests[name],
+                        rank=self.rank)
 
 
 def _slice(params, start: int):
@@ -308,7 +310,7 @@ def load_rank(rank_id: int, src_checkpoints, src_strategy_file=None, dst_strateg
             arrays = dict(_read(prepared, int(rank_id), shares))
             prepared.readers.check_unchanged()
             record_load(prepared, int(rank_id), consumer or _consumer_from_environment(), url, digests,
-                        shares=shares.shares())
+                        shares=shares)
     return arrays
 
 

@@ -49,7 +49,8 @@ def parse_box(text: str) -> Box:
 
 
 def replace_shares(session: Session, run_id: str, shares: Iterable[Share]) -> int:
-    """Replace the shares recorded for the load `run_id`; return the number of rows written."""
+    """Replace the shares recorded for the load `run_id`; return the number of rows written.
+    `shares`: a list or tuple in any order, else an iterable in name order (not held whole)."""
     session.execute(delete(_TABLE).where(_TABLE.c.run_id == run_id))
     rows = _rows(run_id, shares)
     if session.get_bind().dialect.driver == "psycopg":
@@ -63,9 +64,16 @@ def replace_shares(session: Session, run_id: str, shares: Iterable[Share]) -> in
 
 def _rows(run_id: str, shares: Iterable[Share]) -> Iterator[tuple[str, ...]]:
     """Rows in key order, so that the primary key's b-tree grows at its end."""
-    for s in sorted(shares, key=lambda s: s.name):
+    if isinstance(shares, (list, tuple)):
+        shares = sorted(shares, key=lambda s: s.name)
+    previous = None
+    for s in shares:
         if not s.name or len(s.digest) > _TABLE.c.digest.type.length:
             raise LineageError(f"load fingerprint of parameter {s.name[:200]!r} is {s.digest[:80]!r}, not a hex digest")
+        if previous is not None and s.name <= previous:
+            raise LineageError(f"load fingerprints: parameter {s.name[:200]!r} comes after {previous[:200]!r} "
+                               "(twice, or out of name order)")
+        previous = s.name
         yield run_id, s.name, s.digest, s.algorithm, s.dtype, shape_text(s.shape), box_text(s.box)
 
 

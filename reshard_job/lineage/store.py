@@ -156,9 +156,9 @@ class LineageStore:
         self._write(record)
 
     def record_load_shares(self, run_id: str, shares) -> int:
-        """Record the fingerprint shares of what a load returned (``lineage.load_shares``), in one
-        transaction; recording again replaces them. Returns the number recorded."""
-        shares = list(shares)  # a retried transaction writes them again
+        """Record a load's fingerprint shares (``lineage.load_shares``) in one transaction, replacing
+        any; return how many. `shares`: a list, or an iterable giving them in name order each time."""
+        shares = list(shares) if iter(shares) is shares else shares  # a retry iterates them again
 
         def record(session: Session) -> int:
             self._reportable_run(session, run_id, "record load fingerprints for")

@@ -71,3 +71,14 @@ def test_a_malformed_share_is_refused_in_one_line_and_nothing_is_written(store):
 def test_shapes_and_boxes_as_text_and_back(shape, box):
     assert parse_shape(shape_text(shape)) == shape and parse_box(box_text(box)) == box
     assert box_text(((0, 1024), (512, 1024))) == "0:1024,512:1024"
+
+
+def test_shares_streamed_out_of_name_order_are_refused_naming_the_parameter(store):
+    class Streamed:  # what a load hands over: every iteration gives the shares again, lazily
+        def __iter__(self):
+            yield from reversed(_shares(3, 0))
+
+    run_id = _load(store, 0)
+    with pytest.raises(LineageError, match=r"parameter 'layer.00001.weight' comes after 'layer.00002.weight'"):
+        store.record_load_shares(run_id, Streamed())
+    assert store.record_load_shares(run_id, iter(_shares(3, 0)[::-1])) == 3  # a one-time iterator is sorted first
