@@ -47,7 +47,7 @@ class UseRun:
     plan: dict | None = None  # a load's plan; none for another program's use
     source_devices: int | None = None
     target_devices: int | None = None
-    shares: list | None = None  # a load's fingerprint shares (``core.fingerprint_shares.Share``)
+    shares: Iterable | None = None  # a load's fingerprint shares (``core.fingerprint_shares.Share``), name order
 
 
 def record_run(url: str, use: UseRun) -> str:

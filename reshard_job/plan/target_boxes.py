@@ -74,9 +74,3 @@ class TargetBoxes:
                 per_stage = self.dst.layouts.get(base)
         return None if per_stage is None else per_stage.get(self.stage)
 
-
-def rank_boxes(dst: Topology | None, target_rank: int, params) -> dict[str, Box]:
-    """Name -> global box of every tensor of a target rank's plan `params`."""
-    planned = list(planned_tensors(params))
-    boxes = TargetBoxes(dst, target_rank, {t.name: tuple(t.global_shape) for t, _ in planned})
-    return {t.name: boxes.box(t, shape) for t, shape in planned}
