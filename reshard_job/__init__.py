@@ -17,6 +17,7 @@ __all__ = [
     "rank_list_for_convert",
     "load_rank",
     "iter_rank",
+    "merge_load_fingerprints",
     "record_use",
     "ReshardError",
     "__version__",
@@ -30,7 +31,7 @@ def __getattr__(name):
         from reshard_job import api
 
         return getattr(api, name)
-    if name in ("load_rank", "iter_rank"):
+    if name in ("load_rank", "iter_rank", "merge_load_fingerprints"):
         from reshard_job import loading
 
         return getattr(loading, name)

@@ -30,6 +30,13 @@ it is not read again; the digest cache is not trusted), and the tensors the sour
 several of those files hold identically (replicas of one block) are compared by content, as the
 job compares them; the rank reads one copy, by default the others are not looked at. It costs a read of every file the rank touches, which is why it is not the default.
 
+What a recorded load keeps of the bytes it returned: the fingerprint *share* of each tensor
+(``core.fingerprint_shares``), the ``poslin64x2-v1`` fingerprint of the slice the rank holds keyed
+by where it lies in the parameter (its box in the target layout, ``plan.target_boxes``), computed
+in one pass over the arrays as they are returned. ``merge_load_fingerprints`` adds up the shares
+of the loads of all target ranks into each parameter's fingerprint, the value a conversion's
+``manifest.json`` holds, and names the parameters that some ranks' loads leave incomplete.
+
 Arrays come back in their own dtype; bfloat16 as ``ml_dtypes.bfloat16``; qint4x2 (Int4) as int8 of
 its stored shape (two 4-bit values per byte); a dtype numpy has no type for as its raw bytes (uint8). A ``.ckpt``'s string entries are not tensors and
 are left out. ``iter_rank`` yields ``(name, array)`` a few parameters at a time, for a rank that
@@ -218,14 +225,49 @@ def check_whole_files(prepared, *, use_cache: bool = False):
     return hash_sources(prepared, use_cache=use_cache, progress=False, storage=prepared.readers.storage)
 
 
-def _read(prepared, rank_id: int) -> Iterator[tuple[str, np.ndarray]]:
+def _read(prepared, rank_id: int, shares: "_Shares | None" = None) -> Iterator[tuple[str, np.ndarray]]:
     from reshard_job.execute.rank_task import write_params
 
     params = prepared.plan.rank(rank_id).params
     for start in range(0, len(params), BATCH_PARAMETERS):
         arrays = _Arrays()
         write_params(arrays, RankPlan(rank_id, _slice(params, start)), prepared.readers, max_memory=READ_MEMORY)
+        if shares is not None:
+            for name, array in arrays.out:
+                shares.add(name, array)
         yield from arrays.out
+
+
+class _Shares:
+    """The fingerprint share of each tensor a rank loads (``core.fingerprint_shares``): its bytes
+    keyed by where they lie in the parameter, the box the target layout gives the rank. One pass
+    over the arrays as they are returned; nothing is read again. Iterating gives the ``Share``s in
+    name order, made as they are recorded (a model of many parameters holds no list of them)."""
+
+    def __init__(self, prepared, rank_id: int):
+        from reshard_job.core.fingerprint_shares import ShareBatch
+        from reshard_job.plan.target_boxes import TargetBoxes, planned_tensors
+
+        planned = list(planned_tensors(prepared.plan.rank(rank_id).params))
+        self.rank = rank_id
+        self.planned = {t.name: (t, shape) for t, shape in planned}
+        self.boxes = TargetBoxes(prepared.target.topology, rank_id, {t.name: tuple(t.global_shape) for t, _ in planned})
+        self.box_of: dict[str, tuple] = {}
+        self.batch = ShareBatch()
+
+    def add(self, name: str, array: np.ndarray) -> None:
+        tensor, target_shape = self.planned[name]
+        box = self.box_of[name] = self.boxes.box(tensor, target_shape)
+        self.batch.add(name, tensor.dtype, tensor.global_shape, box, array)
+
+    def __iter__(self):
+        from reshard_job.core.fingerprint_shares import Share
+
+        digests = self.batch.flush()
+        for name in sorted(self.box_of):
+            tensor = self.planned[name][0]
+            yield Share(name, tensor.dtype, tuple(tensor.global_shape), self.box_of[name], digests[name],
+                        rank=self.rank)
 
 
 def _slice(params, start: int):
@@ -264,9 +306,11 @@ def load_rank(rank_id: int, src_checkpoints, src_strategy_file=None, dst_strateg
                              unmapped, verify, {"include": include, "exclude": exclude, "rename": rename})
         with prepared:
             digests = check_whole_files(prepared) if verify == VERIFY_FULL else None
-            arrays = dict(_read(prepared, int(rank_id)))
+            shares = _Shares(prepared, int(rank_id))
+            arrays = dict(_read(prepared, int(rank_id), shares))
             prepared.readers.check_unchanged()
-            record_load(prepared, int(rank_id), consumer or _consumer_from_environment(), url, digests)
+            record_load(prepared, int(rank_id), consumer or _consumer_from_environment(), url, digests,
+                        shares=shares)
     return arrays
 
 
@@ -276,13 +320,14 @@ def _consumer_from_environment() -> str:
     return os.environ.get(CONSUMER_ENV_VAR) or os.path.basename(sys.argv[0] or "") or "python"
 
 
-def record_load(prepared, rank_id: int, consumer: str, url: str, digests=None) -> str:
+def record_load(prepared, rank_id: int, consumer: str, url: str, digests=None, shares=None) -> str:
     """Record in the lineage database at `url` that `consumer` loaded target rank `rank_id` from
     the source files the rank read, with their sha256: `digests` (``check_whole_files``'s), else
     taken now by the job's integrity pass, CRCs and replicas checked as the job checks them (from
     the digest cache where the files are unchanged since hashed, else in one read of each file);
     returns the run id. ``audit trace --descendants`` of any of those files lists it. The same
-    core as ``record_use`` records it (``lineage.uses``): a load is a use whose plan is the rank's."""
+    core as ``record_use`` records it (``lineage.uses``): a load is a use whose plan is the rank's.
+    `shares`: the fingerprint share of each tensor returned (``_Shares``), recorded with the load."""
     from reshard_job.lineage import FileRecord
     from reshard_job.lineage.uses import UseRun, record_run
     from reshard_job.sources.file_digests import HashRequest, digest_files
@@ -302,7 +347,33 @@ def record_load(prepared, rank_id: int, consumer: str, url: str, digests=None) -
     return record_run(url, UseRun(consumer, inputs, details={"load": load},
                                   where=f"(loaded into memory by {consumer}, target rank {rank_id})",
                                   plan=prepared.plan.to_json(), source_devices=prepared.strategy.topology.devices,
-                                  target_devices=prepared.target.devices))
+                                  target_devices=prepared.target.devices, shares=shares))
+
+
+def merge_load_fingerprints(loads, *, lineage_url: str | None = None):
+    """Whole-parameter fingerprints of a model loaded rank by rank: the recorded loads `loads` (run
+    ids, or unique prefixes of 8+ characters; one per target rank) put back together.
+
+    Each load recorded the fingerprint of the part of each parameter its rank returned; the parts
+    of all target ranks add up to the parameter's fingerprint, equal to what a conversion of the
+    same sources to the same layout records in ``manifest.json`` (``fingerprints.target``). Returns
+    ``MergedFingerprints``: ``fingerprints`` (name -> hex) of every parameter the loads cover,
+    ``incomplete`` (name -> what is missing: loads of some ranks only), ``conflicts`` (name -> why
+    its parts disagree: replicas that loaded different bytes), ``complete``, ``to_json()``. The
+    database: `lineage_url`, else ``$RESHARD_JOB_LINEAGE_URL``, else ``runs/lineage.db``."""
+    from reshard_job.audit.commands.database import open_store
+    from reshard_job.audit.load_fingerprints import merge_loads
+    from reshard_job.lineage.database import default_url, sqlite_url
+    from reshard_job.lineage.migrate import check_at_head
+
+    url = lineage_url or default_url()
+    store = open_store(url if "://" in url else sqlite_url(os.path.abspath(url)))
+    try:
+        with store.read_session() as session:
+            check_at_head(session.connection())
+            return merge_loads(session, [loads] if isinstance(loads, str) else list(loads))
+    finally:
+        store.close()
 
 
 def to_mindspore_parameters(arrays: dict[str, np.ndarray]) -> dict:

@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session
 
 from reshard_job.audit.entities import FileUse, RankMapEntry, RunDetails, RunInfo, sorted_files
 from reshard_job.lineage.errors import UnknownRunError
+from reshard_job.lineage.load_shares import count_shares
 from reshard_job.lineage.models import Artifact, Event, Run, RunFingerprint, RunPlan, RunRank
 from reshard_job.audit.reading import path_forms
 from reshard_job.lineage.status import RunStatus
@@ -134,10 +135,11 @@ class FingerprintSummary:
     source: int
     target: int
     mismatches: tuple[FingerprintMismatch, ...]
+    loaded: int = 0  # a load's shares: one per parameter its rank returned (``lineage.load_shares``)
 
     @property
     def recorded(self) -> bool:
-        return self.source + self.target > 0
+        return self.source + self.target + self.loaded > 0
 
     @property
     def equal(self) -> bool:
@@ -145,7 +147,7 @@ class FingerprintSummary:
 
     def to_json(self) -> dict[str, Any]:
         return {"algorithm": self.algorithm, "source": self.source, "target": self.target, "equal": self.equal,
-                "mismatches": [m.to_json() for m in self.mismatches]}
+                "mismatches": [m.to_json() for m in self.mismatches], "loaded": self.loaded}
 
 
 def fingerprint_summary(session: Session, run_id: str) -> FingerprintSummary:
@@ -170,8 +172,11 @@ def fingerprint_summary(session: Session, run_id: str) -> FingerprintSummary:
              .order_by(target.c.name))
     mismatches = tuple(FingerprintMismatch(name, digest, source_digest)
                        for name, digest, source_digest in session.execute(query))
+    loaded, load_algorithm = count_shares(session, run_id)
+    if load_algorithm:
+        algorithms.update(load_algorithm.split(", "))
     return FingerprintSummary(algorithm=", ".join(sorted(algorithms)) or None, source=counts["source"],
-                              target=counts["target"], mismatches=mismatches)
+                              target=counts["target"], mismatches=mismatches, loaded=loaded)
 
 
 @dataclass(frozen=True)

@@ -90,6 +90,8 @@ def fingerprint_counts(summary: FingerprintSummary) -> str:
     """'51 source, 51 target, all equal (poslin64x2-v1)', or what else was recorded."""
     if not summary.recorded:
         return "none recorded (a run from before fingerprints were kept)"
+    if summary.loaded and not summary.source + summary.target:
+        return f"{summary.loaded} loaded, each the share its rank holds ({summary.algorithm})"
     if not summary.target:
         return f"{summary.source} source, outputs not read back ({summary.algorithm})"
     differ = len(summary.mismatches)

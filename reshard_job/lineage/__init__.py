@@ -12,6 +12,7 @@ Writing:
 * ``file_records`` — ``FileRecord``, what a job says about a file (no SQLAlchemy)
 * ``store``     — the recording API a job calls
 * ``fingerprint_rows`` — the per-parameter fingerprints of a run's sources and outputs (bulk rows)
+* ``load_shares`` — a load's per-parameter fingerprint shares, with their boxes (bulk rows)
 * ``waiting``   — lock waits bounded in time and ended by a stop request
 
 Reading is ``reshard_job.audit``'s (the CLI, lookups, traces, graphs, verification).

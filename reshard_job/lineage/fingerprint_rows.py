@@ -51,14 +51,16 @@ def replace_fingerprints(session: Session, run_id: str, algorithm: str, source: 
     return written
 
 
-def _copy(session: Session, rows: Iterator[tuple[str, ...]]) -> int:
-    """PostgreSQL's bulk load, on the session's own connection and so inside its transaction.
+def _copy(session: Session, rows: Iterator[tuple[str, ...]], table=_TABLE,
+          columns: tuple[str, ...] = _COLUMNS) -> int:
+    """PostgreSQL's bulk load of `rows` (in `columns` order) into `table`, on the session's own
+    connection and so inside its transaction.
 
     The driver's errors are raised as SQLAlchemy's, as every other statement's are, so that
     contention is retried and failures are reported like any other database error."""
     connection = session.connection()
     dbapi = connection.dialect.loaded_dbapi
-    statement = f"COPY {_TABLE.name} ({', '.join(_COLUMNS)}) FROM STDIN"
+    statement = f"COPY {table.name} ({', '.join(columns)}) FROM STDIN"
     written = 0
     try:
         with connection.connection.driver_connection.cursor() as cursor, cursor.copy(statement) as copy:

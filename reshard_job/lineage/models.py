@@ -30,6 +30,8 @@ Choices and their trade-offs:
   batches and compared side against side in SQL. ``Run`` has no relationship to them, so loading
   a run never loads its fingerprints; the database deletes them with their run. On SQLite the
   table is ``WITHOUT ROWID``: its rows live in the primary key's b-tree, not beside a copy of it.
+  A load (``reshard_job.load_rank``) keeps its per-parameter fingerprint shares the same way, in
+  ``load_fingerprints``, with the dtype, global shape and box that putting shares together needs.
 
 Schema changes go through the Alembic migrations in ``reshard_job/lineage/migrations`` only;
 a test compares these models with the migration head.
@@ -303,3 +305,21 @@ class RunFingerprint(Base):
     name: Mapped[str] = mapped_column(Text, primary_key=True)
     digest: Mapped[str] = mapped_column(String(64))
     algorithm: Mapped[str] = mapped_column(String(32))
+
+
+class LoadFingerprint(Base):
+    """A load's share of one parameter's fingerprint: the part of the global tensor that the loading
+    rank holds (``box``: ``start:stop`` per dim, comma-separated), fingerprinted where it lies in the
+    parameter (``core.fingerprint_shares``). The shares of all target ranks add up to the parameter's
+    fingerprint, so a load says what it read in the terms a conversion's ``run_fingerprints`` use."""
+
+    __tablename__ = "load_fingerprints"
+    __table_args__ = ({"sqlite_with_rowid": False},)
+
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    name: Mapped[str] = mapped_column(Text, primary_key=True)
+    digest: Mapped[str] = mapped_column(String(64))
+    algorithm: Mapped[str] = mapped_column(String(32))
+    dtype: Mapped[str] = mapped_column(String(32))
+    shape: Mapped[str] = mapped_column(Text)  # the global shape, comma-separated ("" for a scalar)
+    box: Mapped[str] = mapped_column(Text)

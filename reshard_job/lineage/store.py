@@ -8,6 +8,7 @@ A job's life in the store::
     run_id = store.start_run(config=..., ...)    # status "started"
     store.record_inputs(run_id, [FileRecord...])
     store.record_fingerprints(run_id, algorithm, source={...}, target={...})   # per parameter
+    store.record_load_shares(run_id, shares)     # a load: what each parameter's share held
     store.complete_run(run_id, outputs=[...], plan=plan)   # or fail_run(run_id, error),
                                                            # or interrupt_run(run_id, "SIGTERM")
 
@@ -42,6 +43,7 @@ from reshard_job.lineage.database import (check_sqlite_file, create_lineage_engi
 from reshard_job.lineage.hash_names import HASH_ALGO
 from reshard_job.lineage.errors import LineageError, RunStateError, SchemaError, UnknownRunError
 from reshard_job.lineage.fingerprint_rows import read_fingerprints, replace_fingerprints
+from reshard_job.lineage.load_shares import replace_shares
 from reshard_job.lineage.migrate import upgrade_to_head
 from reshard_job.lineage.models import Artifact, ArtifactLocation, Event, Run, RunPlan, RunRank
 from reshard_job.lineage.file_records import FileRecord
@@ -152,6 +154,17 @@ class LineageStore:
             replace_fingerprints(session, run_id, algorithm, source, target)
 
         self._write(record)
+
+    def record_load_shares(self, run_id: str, shares) -> int:
+        """Record a load's fingerprint shares (``lineage.load_shares``) in one transaction, replacing
+        any; return how many. `shares`: a list, or an iterable giving them in name order each time."""
+        shares = list(shares) if iter(shares) is shares else shares  # a retry iterates them again
+
+        def record(session: Session) -> int:
+            self._reportable_run(session, run_id, "record load fingerprints for")
+            return replace_shares(session, run_id, shares)
+
+        return self._write(record)
 
     @staticmethod
     def _store_plan(session: Session, run: Run, plan: "JSONText", rank_rows: list[dict]) -> None:

@@ -5,7 +5,8 @@ evaluated by another program after the conversion. ``record_use(consumer, inputs
 that program (or ``audit record``) say "I read these, I wrote those": one completed run whose
 inputs and outputs are hashed artifacts like the job's, so ``audit trace`` of the model reaches the
 conversion's sources and ``--descendants`` of a source reaches the model. A load-time reshard
-(``reshard_job.load_rank``) records its loads through the same ``record_run`` core.
+(``reshard_job.load_rank``) records its loads through the same ``record_run`` core, with the
+fingerprint shares of what it returned (``lineage.load_shares``).
 
 Choices:
 
@@ -46,6 +47,7 @@ class UseRun:
     plan: dict | None = None  # a load's plan; none for another program's use
     source_devices: int | None = None
     target_devices: int | None = None
+    shares: Iterable | None = None  # a load's fingerprint shares (``core.fingerprint_shares.Share``), name order
 
 
 def record_run(url: str, use: UseRun) -> str:
@@ -59,6 +61,8 @@ def record_run(url: str, use: UseRun) -> str:
         run_id = store.start_run(config=use.details, overrides=[], tool_version=__version__, output_dir=where,
                                  source_devices=use.source_devices, target_devices=use.target_devices)
         store.record_inputs(run_id, use.inputs)
+        if use.shares is not None:
+            store.record_load_shares(run_id, use.shares)
         store.complete_run(run_id, outputs=use.outputs, plan=use.plan or {"consumer": use.consumer, "ranks": []})
     return run_id
 

@@ -18,7 +18,8 @@ from reshard_job.lineage.database import writer
 from reshard_job.lineage.migrate import alembic_config, check_at_head, head_revision, migrations_dir
 from reshard_job.lineage.models import Base
 
-LINEAGE_TABLES = {"runs", "run_plans", "run_ranks", "artifacts", "artifact_locations", "events", "run_fingerprints"}
+LINEAGE_TABLES = {"runs", "run_plans", "run_ranks", "artifacts", "artifact_locations", "events", "run_fingerprints",
+                  "load_fingerprints"}
 PROJECT_ROOT = Path(__file__).resolve().parents[3]
 
 
@@ -253,5 +254,50 @@ def test_0004_marks_copied_outputs_keeping_every_row_and_earlier_events_read_as_
         store.ensure_schema()
         assert copied() == {made.path: False, copy.path: False}  # recorded before: read as made, as they were
         assert _row_counts(store) == counts
+    finally:
+        store.close()
+
+
+def test_0005_adds_load_fingerprints_to_a_database_with_runs_and_downgrading_drops_only_it(db_url, tmp_path,
+                                                                                         record_lineage, get_run):
+    from reshard_job.core.fingerprint_shares import Share
+    from reshard_job.lineage import LineageStore
+    from reshard_job.lineage.load_shares import count_shares, read_shares
+
+    store = LineageStore(db_url)
+    try:
+        store.ensure_schema()
+        lineage = record_lineage(store, tmp_path / "files")
+        before = {run_id: get_run(store, run_id) for run_id in (lineage.run_a, lineage.run_b)}
+        counts = _row_counts(store)
+        _migrate(store, "0004", command.downgrade)  # a database as revision 0004 left it, with runs
+        with store.engine.connect() as connection:
+            assert "load_fingerprints" not in inspect(connection).get_table_names()
+            assert "run_fingerprints" in inspect(connection).get_table_names()
+        assert _row_counts(store) == counts
+
+        store.ensure_schema()  # what the next load does: 0004 -> 0005
+        assert {run_id: get_run(store, run_id) for run_id in before} == before
+        run_id = store.start_run(config={"load": {"rank": 1}}, overrides=[], tool_version="0.1.0",
+                                 output_dir="(loaded)", source_devices=4, target_devices=2)
+        share = Share("w", "Float16", (4, 6), ((2, 4), (0, 6)), "ab" * 16, rank=1)
+        assert store.record_load_shares(run_id, [share]) == 1
+        with store.read_session() as session:
+            assert list(read_shares(session, {run_id: 1})) == [share]
+            assert count_shares(session, lineage.run_a) == (0, None)  # earlier runs: none, nothing else changed
+        with store.engine.connect() as connection:
+            check_at_head(connection)
+            if connection.dialect.name == "sqlite":
+                created = connection.exec_driver_sql(
+                    "SELECT sql FROM sqlite_master WHERE name = 'load_fingerprints'").scalar_one()
+                assert created.rstrip().endswith("WITHOUT ROWID")
+
+        _migrate(store, "0004", command.downgrade)
+        with store.engine.connect() as connection:
+            assert "load_fingerprints" not in inspect(connection).get_table_names()
+            assert MigrationContext.configure(connection).get_current_revision() == "0004"
+        assert _row_counts(store) == {**counts, "runs": counts["runs"] + 1}  # the load itself stays
+        store.ensure_schema()
+        assert {run_id: get_run(store, run_id) for run_id in before} == before
     finally:
         store.close()
