@@ -1,0 +1,15 @@
+"""Fixtures of the end-to-end tests."""
+
+from __future__ import annotations
+
+import pytest
+
+from job_launcher import Launcher
+
+
+@pytest.fixture(scope="session")
+def app():
+    """``app(cwd, *args, timeout=300, env=None)``: run ``python -m reshard_job`` as a fresh process (forked from
+    a pre-imported one, see job_launcher) with this process's environment at the time of the call."""
+    with Launcher() as launcher:
+        yield lambda cwd, *args, timeout=300, env=None: launcher.run(cwd, list(args), timeout, env)
