@@ -9,7 +9,6 @@ trees are snapshotted (content hash, size, mtime) before and after every run tha
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 import shutil
