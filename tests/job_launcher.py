@@ -20,9 +20,17 @@ from pathlib import Path
 
 _ZYGOTE = r"""
 import json, os, runpy, signal, sys, time
+if sys.path and sys.path[0] == "":  # import what `python -m reshard_job` run elsewhere imports, not the launch folder's
+    del sys.path[0]
 import hydra, hydra._internal.utils, hydra.core.hydra_config, omegaconf  # the imports being shared, all but
 import reshard_job.job.runner, reshard_job.job.cli.sweep_summary, reshard_job.lineage  # reshard_job.__main__ itself
 import reshard_job.lineage.migrate, alembic.command, reshard_job.formats.safetensors
+import importlib
+for name in sys.argv[1:]:  # more to share where installed (the object-storage client, for the S3 tests)
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        pass
 for line in sys.stdin:
     req = json.loads(line)
     pid = os.fork()
@@ -81,9 +89,10 @@ def job_command(*args: str) -> list[str]:
 class Launcher:
     """Runs ``python -m reshard_job`` many times through a pre-imported interpreter (see _ZYGOTE)."""
 
-    def __init__(self) -> None:
-        self._proc = subprocess.Popen([sys.executable, "-c", _ZYGOTE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                      env=job_env(), text=True)
+    def __init__(self, preload: tuple[str, ...] = ()) -> None:
+        """`preload`: more modules the runs share, imported before the first fork where installed."""
+        self._proc = subprocess.Popen([sys.executable, "-c", _ZYGOTE, *preload], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, env=job_env(), text=True)
 
     def run(self, cwd: Path, args: list[str], timeout: int = 300,
             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
