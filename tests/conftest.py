@@ -58,6 +58,16 @@ def no_user_cache(monkeypatch, tmp_path_factory):
     monkeypatch.setenv("RESHARD_JOB_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "user-cache"))
 
 
+@pytest.fixture(scope="session")
+def job_launcher():
+    """Runs ``python -m reshard_job`` as fresh processes forked from one pre-imported interpreter (see
+    job_launcher.py), for tests where the program's start-up is not the point."""
+    from job_launcher import Launcher
+
+    with Launcher(preload=("s3fs",)) as launcher:
+        yield launcher
+
+
 @pytest.fixture
 def silent_server():
     """The port of a server on 127.0.0.1 that accepts every connection and never answers (a store

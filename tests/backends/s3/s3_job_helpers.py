@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Callable
 from urllib.parse import urlsplit
 
+from job_launcher import Launcher
+
 TESTS = Path(__file__).parents[2]
 GOLDEN = TESTS / "golden"
 LOG_LINE = re.compile(r"^\[\d{4}-\d\d-\d\d [\d:,]+\]\[[^\]]*\]\[[A-Z]+\] - ")
@@ -104,6 +106,7 @@ class Runner:
 
     cwd: Path
     env: dict[str, str] = field(default_factory=dict)  # AWS variables the runs see (credentials, endpoint)
+    launcher: Launcher | None = None  # job runs forked from a pre-imported interpreter instead of started afresh
 
     def environment(self) -> dict[str, str]:
         keep = {k: v for k, v in os.environ.items()
@@ -118,6 +121,8 @@ class Runner:
         return [sys.executable, "-m", module, *args]
 
     def job(self, *args: str, timeout: int = 240) -> subprocess.CompletedProcess:
+        if self.launcher is not None:
+            return self.launcher.run(self.cwd, list(args), timeout, self.environment())
         return subprocess.run(self.command("reshard_job", *args), cwd=self.cwd, env=self.environment(),
                               capture_output=True, text=True, timeout=timeout)
 

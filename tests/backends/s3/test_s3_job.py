@@ -27,11 +27,12 @@ def bucket(s3_store, s3_prefix) -> Bucket:
 
 
 @pytest.fixture
-def runner(tmp_path, s3_server) -> Runner:
+def runner(tmp_path, s3_server, job_launcher) -> Runner:
     """Job runs that find the store through the standard environment variables."""
     key, secret = s3_server.credentials["admin"]
     return Runner(tmp_path, {"AWS_ACCESS_KEY_ID": key, "AWS_SECRET_ACCESS_KEY": secret,
-                             "AWS_ENDPOINT_URL": s3_server.endpoint, "AWS_DEFAULT_REGION": "us-east-1"})
+                             "AWS_ENDPOINT_URL": s3_server.endpoint, "AWS_DEFAULT_REGION": "us-east-1"},
+                  job_launcher)
 
 
 def expected_files(scenario: Path, ranks) -> dict[str, bytes]:

@@ -42,10 +42,11 @@ def big_in_bucket(big, s3_store, s3_shared_bucket) -> tuple[Bucket, str]:
 
 
 @pytest.fixture
-def runner(tmp_path, s3_server) -> Runner:
+def runner(tmp_path, s3_server, job_launcher) -> Runner:
     key, secret = s3_server.credentials["admin"]
     return Runner(tmp_path, {"AWS_ACCESS_KEY_ID": key, "AWS_SECRET_ACCESS_KEY": secret,
-                             "AWS_ENDPOINT_URL": s3_server.endpoint, "AWS_DEFAULT_REGION": "us-east-1"})
+                             "AWS_ENDPOINT_URL": s3_server.endpoint, "AWS_DEFAULT_REGION": "us-east-1"},
+                  job_launcher)
 
 
 def wait_for(condition, process, what: str, timeout: float = 120) -> None:

@@ -1,4 +1,5 @@
-"""End-to-end tests of ``python -m reshard_job``: the app runs in a subprocess, as users run it."""
+"""End-to-end tests of ``python -m reshard_job``: the app runs as its own process, as users run it (forked from a
+pre-imported interpreter, the ``app`` fixture, where start-up is not the point of the test)."""
 
 from __future__ import annotations
 
@@ -75,10 +76,10 @@ def test_no_argument_demo_converts_8_to_4_and_records_lineage(tmp_path):
         np.testing.assert_array_equal(merged[name], want, err_msg=name)
 
 
-def test_the_lineage_database_named_by_the_environment_is_used_and_named(tmp_path, monkeypatch):
+def test_the_lineage_database_named_by_the_environment_is_used_and_named(tmp_path, app, monkeypatch):
     db = tmp_path / "team" / "lineage.db"
     monkeypatch.setenv("RESHARD_JOB_LINEAGE_URL", str(db))  # a plain path: the SQLite file there
-    res = run_app(tmp_path, "output.dir=out")
+    res = app(tmp_path, "output.dir=out")
     assert res.returncode == 0, res.stderr
     assert not (tmp_path / "runs" / "lineage.db").exists()
     with sqlite3.connect(db) as con:
@@ -87,7 +88,7 @@ def test_the_lineage_database_named_by_the_environment_is_used_and_named(tmp_pat
     assert result["lineage_url"] == f"sqlite:///{db}"
     assert str(db) in res.stdout
     monkeypatch.setenv("RESHARD_JOB_LINEAGE_URL", f"sqlite:///{tmp_path / 'other.db'}")
-    res = run_app(tmp_path, "output.dir=out2", f"lineage.url=sqlite:///{db}")  # the command line wins
+    res = app(tmp_path, "output.dir=out2", f"lineage.url=sqlite:///{db}")  # the command line wins
     assert res.returncode == 0 and not (tmp_path / "other.db").exists()
 
 
@@ -95,10 +96,10 @@ def test_the_lineage_database_named_by_the_environment_is_used_and_named(tmp_pat
     ("S1_mlp_tutorial_8to4", "src_strategy.ckpt", "dst_strategy.ckpt"),
     ("S3_pipeline2x4opt_to_4", "src_strategy_dir", "dst_strategy.ckpt"),
 ])
-def test_golden_scenario_through_the_cli_matches_mindspore(tmp_path, scenario, src, dst):
+def test_golden_scenario_through_the_cli_matches_mindspore(tmp_path, app, scenario, src, dst):
     d = GOLDEN / scenario
-    res = run_app(tmp_path, f"source.checkpoints={d / 'src_checkpoints'}", f"source.strategy={d / src}",
-                  "target=strategy", f"target.strategy={d / dst}", "output.dir=out", "job.workers=2")
+    res = app(tmp_path, f"source.checkpoints={d / 'src_checkpoints'}", f"source.strategy={d / src}",
+              "target=strategy", f"target.strategy={d / dst}", "output.dir=out", "job.workers=2")
     assert res.returncode == 0, res.stderr
     manifest = json.loads((d / "manifest.json").read_text())
     cats = manifest["verification"]["transform_checkpoints"]["categories"]
@@ -130,8 +131,8 @@ def test_sweep_over_four_card_counts_merges_back_to_the_source(tmp_path):
     assert rows == [(0, "completed", 1), (1, "completed", 2), (2, "completed", 4), (3, "completed", 8)]
 
 
-def test_plan_mode_writes_nothing_but_the_plan(tmp_path):
-    res = run_app(tmp_path, "job.mode=plan", "output.dir=out", "hydra.run.dir=rundir")
+def test_plan_mode_writes_nothing_but_the_plan(tmp_path, app):
+    res = app(tmp_path, "job.mode=plan", "output.dir=out", "hydra.run.dir=rundir")
     assert res.returncode == 0, res.stderr
     assert "target rank" in res.stdout and "Predicted peak memory" in res.stdout
     plan = json.loads((tmp_path / "rundir" / "plan.json").read_text())
@@ -141,13 +142,13 @@ def test_plan_mode_writes_nothing_but_the_plan(tmp_path):
     assert not (tmp_path / "runs" / "lineage.db").exists()
 
 
-def test_relative_paths_resolve_against_the_launch_directory(tmp_path):
+def test_relative_paths_resolve_against_the_launch_directory(tmp_path, app):
     d = GOLDEN / "S1_mlp_tutorial_8to4"
     work = tmp_path / "work"
     work.mkdir()
     os.symlink(d / "src_checkpoints", work / "ckpts")
-    res = run_app(work, "source.checkpoints=ckpts", f"source.strategy={d / 'src_strategy.ckpt'}", "target=single",
-                  "output.dir=merged", "lineage.url=sqlite:///db/lineage.db")
+    res = app(work, "source.checkpoints=ckpts", f"source.strategy={d / 'src_strategy.ckpt'}", "target=single",
+              "output.dir=merged", "lineage.url=sqlite:///db/lineage.db")
     assert res.returncode == 0, res.stderr
     assert (work / "merged" / "rank_0" / "checkpoint_0.ckpt").exists()
     assert (work / "db" / "lineage.db").exists()
@@ -171,25 +172,25 @@ def test_user_errors_exit_nonzero_with_one_line(tmp_path, args, expected):
     assert not (tmp_path / "out").exists()
 
 
-def test_a_misspelt_key_gets_the_same_suggestion_with_or_without_plus(tmp_path):
+def test_a_misspelt_key_gets_the_same_suggestion_with_or_without_plus(tmp_path, app):
     """Hydra refuses ``target.devcies=4`` itself, settle refuses ``+target.devcies=4``: one line each,
     the same one, naming the closest key."""
     for override in ("target.devcies=4", "+target.devcies=4"):
-        res = run_app(tmp_path, override, "job.mode=plan")
+        res = app(tmp_path, override, "job.mode=plan")
         assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
         lines = [ln for ln in res.stderr.splitlines() if ln.strip() and "[INFO]" not in ln]
         assert lines == ["reshard_job: error: unknown configuration key target.devcies; did you mean "
                          "target.devices?"], (override, res.stderr)
-    res = run_app(tmp_path, "devcies=4", "job.mode=plan")
+    res = app(tmp_path, "devcies=4", "job.mode=plan")
     assert res.returncode == 2 and "unknown configuration key devcies (known keys: job, " in res.stderr
 
 
 @pytest.mark.parametrize("key", ["job.max_memory", "target.max_shard_size"])
-def test_both_size_keys_take_the_same_spellings_on_the_command_line(tmp_path, key):
+def test_both_size_keys_take_the_same_spellings_on_the_command_line(tmp_path, app, key):
     for text in ("512M", "512MiB", "5GB", "1.5GiB"):
-        res = run_app(tmp_path, "target=hf_export", f"{key}={text}", "job.mode=plan")
+        res = app(tmp_path, "target=hf_export", f"{key}={text}", "job.mode=plan")
         assert res.returncode == 0, (text, res.stderr)
-    res = run_app(tmp_path, "target=hf_export", f"{key}=12Mo", "job.mode=plan")
+    res = app(tmp_path, "target=hf_export", f"{key}=12Mo", "job.mode=plan")
     assert res.returncode == 2 and f"reshard_job: error: {key}" in res.stderr, res.stderr
 
 
@@ -201,33 +202,33 @@ def test_full_traceback_only_with_hydra_full_error(tmp_path):
     assert res.returncode != 0 and "Traceback" in res.stderr and "ConfigError" in res.stderr
 
 
-def test_help_and_cfg_job_work_as_in_hydra(tmp_path):
-    res = run_app(tmp_path, "--help")
+def test_help_and_cfg_job_work_as_in_hydra(tmp_path, app):
+    res = app(tmp_path, "--help")
     assert res.returncode == 0 and "target: demo_mlp, hf_export, megatron, single, strategy" in res.stdout
-    res = run_app(tmp_path, "--cfg", "job", "target.devices=8")
+    res = app(tmp_path, "--cfg", "job", "target.devices=8")
     assert res.returncode == 0
     assert "devices: 8" in res.stdout and "mp: ${target.devices}" in res.stdout
-    res = run_app(tmp_path, "--cfg", "job", "--resolve", "target.devices=8")
+    res = app(tmp_path, "--cfg", "job", "--resolve", "target.devices=8")
     assert "mp: 8" in res.stdout
 
 
-def test_safetensors_output_and_safetensors_source_round_trip(tmp_path):
-    res = run_app(tmp_path, "target.format=safetensors", "output.dir=st")
+def test_safetensors_output_and_safetensors_source_round_trip(tmp_path, app):
+    res = app(tmp_path, "target.format=safetensors", "output.dir=st")
     assert res.returncode == 0, res.stderr
     files = sorted((tmp_path / "st").glob("rank_*/checkpoint_*.safetensors"))
     assert len(files) == 4
     from safetensors.numpy import load_file
 
     assert load_file(files[0])  # the safetensors library reads our files
-    res = run_app(tmp_path, "source.checkpoints=st", "source.strategy=st/strategy.ckpt", "target=single",
-                  "output.dir=back")
+    res = app(tmp_path, "source.checkpoints=st", "source.strategy=st/strategy.ckpt", "target=single",
+              "output.dir=back")
     assert res.returncode == 0, res.stderr
     merged = tensors_of(tmp_path / "back" / "rank_0" / "checkpoint_0.ckpt")
     for name, want in global_tensors().items():
         assert merged[name] == want.tobytes(), name
 
 
-def test_source_select_latest_step_beats_mindspores_lexicographic_rule(tmp_path):
+def test_source_select_latest_step_beats_mindspores_lexicographic_rule(tmp_path, app):
     d = GOLDEN / "S1_mlp_tutorial_8to4"
     src = tmp_path / "ckpts"
     for rank_dir in sorted((d / "src_checkpoints").iterdir()):
@@ -237,28 +238,28 @@ def test_source_select_latest_step_beats_mindspores_lexicographic_rule(tmp_path)
         (src / rank_dir.name / "net-9_100.ckpt").write_bytes(b"an older step, unreadable\n")  # sorts last
     common = [f"source.checkpoints={src}", f"source.strategy={d / 'src_strategy.ckpt'}", "target=strategy",
               f"target.strategy={d / 'dst_strategy.ckpt'}"]
-    res = run_app(tmp_path, *common, "source.select=last", "output.dir=last")
+    res = app(tmp_path, *common, "source.select=last", "output.dir=last")
     assert res.returncode != 0 and "net-9_" in res.stderr  # MindSpore's rule takes the -9_ file
-    res = run_app(tmp_path, *common, "output.dir=latest")  # the default: the newest step
+    res = app(tmp_path, *common, "output.dir=latest")  # the default: the newest step
     assert res.returncode == 0, res.stderr
     manifest = json.loads((d / "manifest.json").read_text())
     got = tensors_of(tmp_path / "latest" / "rank_0" / "checkpoint_0.ckpt")
     for name, info in manifest["expected"]["0"].items():
         assert hashlib.sha256(got[name]).hexdigest() == info["sha256"], name
-    res = run_app(tmp_path, *common, "source.select=net-10_*.ckpt", "output.dir=glob")
+    res = app(tmp_path, *common, "source.select=net-10_*.ckpt", "output.dir=glob")
     assert res.returncode == 0, res.stderr
 
 
-def test_a_strategy_file_on_the_command_line_wins_over_the_default_presets_layout(tmp_path):
+def test_a_strategy_file_on_the_command_line_wins_over_the_default_presets_layout(tmp_path, app):
     d = GOLDEN / "S2_block_mp4dp2opt_to_mp4"
-    res = run_app(tmp_path, f"source.checkpoints={d / 'src_checkpoints'}", f"source.strategy={d / 'src_strategy.ckpt'}",
-                  f"target.strategy={d / 'dst_strategy.ckpt'}", "output.dir=out")
+    res = app(tmp_path, f"source.checkpoints={d / 'src_checkpoints'}", f"source.strategy={d / 'src_strategy.ckpt'}",
+              f"target.strategy={d / 'dst_strategy.ckpt'}", "output.dir=out")
     assert res.returncode == 0, res.stderr
     assert len(list((tmp_path / "out").glob("rank_*/checkpoint_*.ckpt"))) == 4
     # given explicitly, a disagreeing device count or a layout is still an error
-    res = run_app(tmp_path, f"source.checkpoints={d / 'src_checkpoints'}", f"source.strategy={d / 'src_strategy.ckpt'}",
-                  f"target.strategy={d / 'dst_strategy.ckpt'}", "target.devices=8", "output.dir=out2")
+    res = app(tmp_path, f"source.checkpoints={d / 'src_checkpoints'}", f"source.strategy={d / 'src_strategy.ckpt'}",
+              f"target.strategy={d / 'dst_strategy.ckpt'}", "target.devices=8", "output.dir=out2")
     assert res.returncode != 0 and "target.devices=8 but target.strategy" in res.stderr
-    res = run_app(tmp_path, f"source.checkpoints={d / 'src_checkpoints'}", f"source.strategy={d / 'src_strategy.ckpt'}",
-                  f"target.strategy={d / 'dst_strategy.ckpt'}", "target.layout.optimizer_shard=mp", "output.dir=out3")
+    res = app(tmp_path, f"source.checkpoints={d / 'src_checkpoints'}", f"source.strategy={d / 'src_strategy.ckpt'}",
+              f"target.strategy={d / 'dst_strategy.ckpt'}", "target.layout.optimizer_shard=mp", "output.dir=out3")
     assert res.returncode != 0 and "not both" in res.stderr

@@ -31,10 +31,10 @@ OPTIONAL = "quirk_not_in_metadata_optional"  # global_step, learning_rate: not i
 INDEX = "model.safetensors.index.json"
 
 
-def run_app(cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", "RESHARD_JOB_FULL_ERROR")}
-    return subprocess.run([sys.executable, "-m", "reshard_job", *args, "job.progress=false"], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=180)
+@pytest.fixture
+def run_app(app):
+    """``python -m reshard_job`` as its own process (forked by the e2e `app` launcher), without progress lines."""
+    return lambda cwd, *args: app(cwd, *args, "job.progress=false", timeout=180)
 
 
 def sha256s(path: Path) -> dict[str, str]:
@@ -59,7 +59,7 @@ def source_tensors(manifest: dict, files) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("scenario", [M1A, M1B], ids=lambda p: p.name[:3])
-def test_mindformers_save_converts_like_mindformers_loader_and_is_recorded_file_by_file(scenario, tmp_path):
+def test_mindformers_save_converts_like_mindformers_loader_and_is_recorded_file_by_file(scenario, tmp_path, run_app):
     golden = json.loads((scenario / "manifest.json").read_text())
     res = run_app(tmp_path, "source=checkpoints", f"source.checkpoints={scenario / 'src_mindformers'}",
                   "target=strategy", f"target.strategy={scenario / 'dst_strategy.ckpt'}", "output.dir=out")
@@ -89,7 +89,7 @@ def test_mindformers_save_converts_like_mindformers_loader_and_is_recorded_file_
         ("strategy", save.metadata_path), ("strategy", str(scenario / "dst_strategy.ckpt"))])  # the target's too
 
 
-def test_plan_lists_the_files_of_each_rank_and_iterations_are_chosen(tmp_path):
+def test_plan_lists_the_files_of_each_rank_and_iterations_are_chosen(tmp_path, run_app):
     root = tmp_path / "mf"
     shutil.copytree(M1A / "src_mindformers", root)
     shutil.copytree(root / "iteration_00000020", root / "iteration_00000010")  # an older save, same content
@@ -135,7 +135,7 @@ def check_export(folder: Path, bound: int) -> dict[str, np.ndarray]:
     return tensors
 
 
-def test_export_is_journaled_verified_resumed_and_converts_back_to_the_saved_layout(tmp_path):
+def test_export_is_journaled_verified_resumed_and_converts_back_to_the_saved_layout(tmp_path, run_app):
     golden = json.loads((M1B / "manifest.json").read_text())
     common = ["source=checkpoints", f"source.checkpoints={M1B / 'src_mindformers'}", "target=hf_export",
               "target.max_shard_size=12KB", "target.include=all", "output.dir=exp"]
@@ -183,7 +183,7 @@ def test_export_is_journaled_verified_resumed_and_converts_back_to_the_saved_lay
         assert got == source_tensors(golden, rank_files), rank
 
 
-def test_mindformers_rank_names_with_several_saves_per_rank_folder(tmp_path):
+def test_mindformers_rank_names_with_several_saves_per_rank_folder(tmp_path, run_app):
     """MindFormers' legacy saves: rank_<r>/<prefix>_rank_<r>-<epoch>_<step>.ckpt, several steps kept.
     The older saves here are real checkpoints of another rank, so taking one shows in the output."""
     src = tmp_path / "checkpoint"

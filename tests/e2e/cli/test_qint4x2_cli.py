@@ -12,9 +12,6 @@ same bytes as ``Int8``: one run shows both side by side.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -26,12 +23,6 @@ from reshard_job.formats.ckpt import CheckpointReader, CheckpointWriter
 S5B = Path(__file__).parents[2] / "golden" / "S5b_split_1to8"
 PACKED = ("head.weight", "layers.0.ffn.w1.weight")  # split by the target strategy
 WHOLE = "quant.offset"  # in no strategy: copied whole
-
-
-def run_app(cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", "RESHARD_JOB_FULL_ERROR")}
-    return subprocess.run([sys.executable, "-m", "reshard_job", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=180)
 
 
 @pytest.fixture(scope="module")
@@ -53,17 +44,18 @@ def source(tmp_path_factory) -> tuple[Path, dict[str, tuple]]:
     return root, shapes
 
 
-def _convert(tmp_path: Path, src: Path, fmt: str) -> Path:
+def _convert(app, tmp_path: Path, src: Path, fmt: str) -> Path:
+    """The job (as its own process, forked by the e2e `app` launcher) on `src`, to `fmt`."""
     out = tmp_path / f"out_{fmt}"
-    res = run_app(tmp_path, f"source.checkpoints={src}", "target=strategy",
-                  f"target.strategy={S5B / 'dst_strategy.ckpt'}", f"target.format={fmt}", f"output.dir={out}")
+    res = app(tmp_path, f"source.checkpoints={src}", "target=strategy", f"target.strategy={S5B / 'dst_strategy.ckpt'}",
+              f"target.format={fmt}", f"output.dir={out}", timeout=180)
     assert res.returncode == 0, res.stderr
     return out
 
 
-def test_int4_splits_exactly_as_its_bytes_typed_int8(tmp_path, source):
+def test_int4_splits_exactly_as_its_bytes_typed_int8(tmp_path, source, app):
     src, shapes = source
-    out = _convert(tmp_path, src, "ckpt")
+    out = _convert(app, tmp_path, src, "ckpt")
     for rank in range(8):
         with CheckpointReader(out / f"rank_{rank}" / f"checkpoint_{rank}.ckpt") as r:
             for name in PACKED:
@@ -75,8 +67,8 @@ def test_int4_splits_exactly_as_its_bytes_typed_int8(tmp_path, source):
             assert r.read_raw(WHOLE) == np.arange(-3, 3, dtype=np.int8).tobytes()
 
 
-def test_int4_to_safetensors_keeps_mindspores_marker(tmp_path, source):
-    out = _convert(tmp_path, source[0], "safetensors")
+def test_int4_to_safetensors_keeps_mindspores_marker(tmp_path, source, app):
+    out = _convert(app, tmp_path, source[0], "safetensors")
     with safetensors.safe_open(str(out / "rank_3" / "checkpoint_3.safetensors"), framework="np") as f:
         meta = f.metadata()
         for name in (*PACKED, WHOLE):

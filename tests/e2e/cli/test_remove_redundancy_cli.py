@@ -5,9 +5,6 @@ source: converting that to one device gives the very bytes the original gives.""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,10 +19,10 @@ from reshard_job.formats.strategy import read_strategy
 GOLDEN = Path(__file__).parents[2] / "golden"
 
 
-def run_app(cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", "RESHARD_JOB_FULL_ERROR")}
-    return subprocess.run([sys.executable, "-m", "reshard_job", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=180)
+@pytest.fixture
+def run_app(app):
+    """``python -m reshard_job`` as its own process (forked by the e2e `app` launcher)."""
+    return lambda cwd, *args: app(cwd, *args, timeout=180)
 
 
 def _contents(path: Path) -> dict[str, bytes]:
@@ -57,7 +54,7 @@ def _check_each_block_written_once(out: Path, strategy: Path, files: dict[int, d
     ("S3_pipeline2x4opt_to_4", "src_strategy_merged.ckpt", "safetensors"),
     pytest.param("S2_block_mp4dp2opt_to_mp4", "src_strategy.ckpt", "ckpt", marks=pytest.mark.slow),
 ])
-def test_written_without_redundancy_and_read_back_exactly(tmp_path, scenario, strategy, fmt):
+def test_written_without_redundancy_and_read_back_exactly(tmp_path, scenario, strategy, fmt, run_app):
     g = GOLDEN / scenario
     out = tmp_path / "dedup"
     res = run_app(tmp_path, f"source.checkpoints={g / 'src_checkpoints'}", f"source.strategy={g / strategy}",
@@ -89,7 +86,7 @@ def test_written_without_redundancy_and_read_back_exactly(tmp_path, scenario, st
         _one_device(full, g / "dst_strategy.ckpt", tmp_path / "one_full")
 
 
-def test_one_full_model_has_no_redundancy_to_remove(tmp_path):
+def test_one_full_model_has_no_redundancy_to_remove(tmp_path, run_app):
     g = GOLDEN / "S2_block_mp4dp2opt_to_mp4"
     res = run_app(tmp_path, f"source.checkpoints={g / 'src_checkpoints'}", f"source.strategy={g / 'src_strategy.ckpt'}",
                   "target=hf_export", "target.remove_redundancy=true", "lineage.enabled=false")

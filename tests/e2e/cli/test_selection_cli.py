@@ -12,9 +12,10 @@ import os
 import re
 import sqlite3
 import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
+
+import pytest
 
 from reshard_job.formats.ckpt import CheckpointReader
 from reshard_job.formats.strategy import read_strategy, write_strategy
@@ -23,11 +24,15 @@ S2 = Path(__file__).parents[2] / "golden" / "S2_block_mp4dp2opt_to_mp4"
 REPO = Path(__file__).parents[3]
 
 
-def run_app(cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", "RESHARD_JOB_FULL_ERROR")}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    return subprocess.run([sys.executable, "-m", "reshard_job", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=180)
+@pytest.fixture
+def run_app(app):
+    """``python -m reshard_job`` as its own process (forked by the e2e `app` launcher), this checkout first on its path."""
+    def run(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+        env = {k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", "RESHARD_JOB_FULL_ERROR")}
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        return app(cwd, *args, timeout=180, env=env)
+
+    return run
 
 
 def s2_args(dst_strategy: Path, *more: str) -> list[str]:
@@ -43,7 +48,7 @@ def renamed_strategy(path: Path) -> Path:
     return path
 
 
-def test_renamed_filtered_conversion_is_proven_and_recorded(tmp_path):
+def test_renamed_filtered_conversion_is_proven_and_recorded(tmp_path, run_app):
     out = tmp_path / "out"
     res = run_app(tmp_path, *s2_args(renamed_strategy(tmp_path / "dst.ckpt"), "target.include=weights",
                                      "target.exclude=[head.*,nothing.*]", "target.rename={layers.: blk.}",
@@ -67,7 +72,7 @@ def test_renamed_filtered_conversion_is_proven_and_recorded(tmp_path):
     assert json.loads(config_rename) == {"layers.": "blk."}
 
 
-def test_refusals_are_one_line_exit_2(tmp_path):
+def test_refusals_are_one_line_exit_2(tmp_path, run_app):
     dst = S2 / "dst_strategy.ckpt"
     cases = {
         "target.rename={adam_m.: adam_v.}": "parameters 'adam_v.embedding_table' and 'adam_m.embedding_table' "

@@ -26,11 +26,15 @@ def _env() -> dict:
                                                                "RESHARD_LINEAGE_URL")}
 
 
-def job(cwd: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    res = subprocess.run([sys.executable, "-m", "reshard_job", *args], cwd=cwd, env=_env(), capture_output=True,
-                         text=True, timeout=timeout)
-    assert res.returncode == 0, res.stderr
-    return res
+@pytest.fixture
+def job(app):
+    """``python -m reshard_job`` as its own process (forked by the e2e `app` launcher), expected to succeed."""
+    def run(cwd: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+        res = app(cwd, *args, timeout=timeout, env=_env())
+        assert res.returncode == 0, res.stderr
+        return res
+
+    return run
 
 
 def audit(cwd: Path, db: str, *args: str) -> subprocess.CompletedProcess:
@@ -50,7 +54,7 @@ def lineage_url(request, tmp_path) -> str:
     return request.getfixturevalue("postgres_url")
 
 
-def test_two_hop_conversion_traces_back_to_all_eight_sources(tmp_path, lineage_url, capsys):
+def test_two_hop_conversion_traces_back_to_all_eight_sources(tmp_path, lineage_url, capsys, job):
     # hop 1: 8 ranks (mp4 x dp2, optimizer parallel) -> 4 ranks (mp4), MindSpore strategies
     job(tmp_path, f"source.checkpoints={S2 / 'src_checkpoints'}", f"source.strategy={S2 / 'src_strategy.ckpt'}",
         "target=strategy", f"target.strategy={S2 / 'dst_strategy.ckpt'}", "output.dir=hop1",
@@ -90,7 +94,7 @@ def test_two_hop_conversion_traces_back_to_all_eight_sources(tmp_path, lineage_u
     assert (tmp_path / "lineage.svg").read_text().count('class="node run completed') == 2
 
 
-def test_verify_passes_on_intact_outputs_and_names_a_flipped_byte(tmp_path, lineage_url):
+def test_verify_passes_on_intact_outputs_and_names_a_flipped_byte(tmp_path, lineage_url, job):
     res = job(tmp_path, f"source.checkpoints={S2 / 'src_checkpoints'}", f"source.strategy={S2 / 'src_strategy.ckpt'}",
               "target=strategy", f"target.strategy={S2 / 'dst_strategy.ckpt'}", "output.dir=out",
               f"lineage.url='{lineage_url}'")
@@ -112,7 +116,7 @@ def test_verify_passes_on_intact_outputs_and_names_a_flipped_byte(tmp_path, line
     assert intact.returncode == 0
 
 
-def test_four_sweep_jobs_in_parallel_share_one_database(tmp_path, lineage_url):
+def test_four_sweep_jobs_in_parallel_share_one_database(tmp_path, lineage_url, job):
     res = job(tmp_path, "-m", "target.devices=1,2,4,8", "hydra/launcher=joblib", "hydra.launcher.n_jobs=4",
               "hydra.sweep.dir=sweep", f"lineage.url='{lineage_url}'", "job.workers=1")
     assert "Sweep summary (4 job(s), 0 failed)" in res.stdout
@@ -127,7 +131,7 @@ def test_four_sweep_jobs_in_parallel_share_one_database(tmp_path, lineage_url):
 
 
 @pytest.mark.slow
-def test_the_given_target_strategy_is_an_input_and_its_copy_beside_the_outputs_a_copy(tmp_path):
+def test_the_given_target_strategy_is_an_input_and_its_copy_beside_the_outputs_a_copy(tmp_path, job):
     url = f"sqlite:///{tmp_path / 'lineage.db'}"
     given = S2 / "dst_strategy.ckpt"
     args = (f"source.checkpoints={S2 / 'src_checkpoints'}", f"source.strategy={S2 / 'src_strategy.ckpt'}",
@@ -147,7 +151,7 @@ def test_the_given_target_strategy_is_an_input_and_its_copy_beside_the_outputs_a
 
 
 @pytest.mark.slow
-def test_a_run_stopped_after_its_manifest_verifies_complete_not_recorded_until_rerun(tmp_path):
+def test_a_run_stopped_after_its_manifest_verifies_complete_not_recorded_until_rerun(tmp_path, job):
     import sqlite3
 
     db = tmp_path / "lineage.db"
@@ -182,7 +186,7 @@ def test_a_run_stopped_after_its_manifest_verifies_complete_not_recorded_until_r
 
 
 @pytest.mark.slow
-def test_a_model_trained_from_a_conversion_traces_back_to_its_sources(tmp_path, lineage_url):
+def test_a_model_trained_from_a_conversion_traces_back_to_its_sources(tmp_path, lineage_url, job):
     job(tmp_path, f"source.checkpoints={S2 / 'src_checkpoints'}", f"source.strategy={S2 / 'src_strategy.ckpt'}",
         "target=strategy", f"target.strategy={S2 / 'dst_strategy.ckpt'}", "output.dir=out",
         f"lineage.url='{lineage_url}'")

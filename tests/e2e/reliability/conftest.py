@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from reliability_helpers import GOLDEN, BigSource, Launcher, make_big_source, snapshot
+from reliability_helpers import GOLDEN, BigSource, make_big_source, snapshot
 
 
 @pytest.fixture(scope="session")
@@ -17,11 +17,7 @@ def big_source(tmp_path_factory) -> BigSource:
     assert snapshot(source.root) == before, "the big source changed"
 
 
-@pytest.fixture(scope="session")
-def app():
-    """``app(cwd, *args)``: run ``python -m reshard_job`` as a fresh process (forked from a pre-imported one)."""
-    with Launcher() as launcher:
-        yield lambda cwd, *args, timeout=300: launcher.run(cwd, list(args), timeout)
+# ``app`` (the job as a fresh process, forked from a pre-imported one) comes from tests/e2e/conftest.py.
 
 
 # ================================================================================== guards

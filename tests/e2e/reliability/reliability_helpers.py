@@ -9,18 +9,18 @@ trees are snapshotted (content hash, size, mtime) before and after every run tha
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 import shutil
 import sqlite3
 import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from job_launcher import Launcher  # noqa: F401 (re-exported: the reliability and Ray tests import it from here)
 
 TESTS = Path(__file__).parents[2]
 GOLDEN = TESTS / "golden"
@@ -208,94 +208,6 @@ def make_big_source(root: Path, *, n_tensors: int = 8, rows: int = 1024, cols: i
             w.abort()
         raise
     return BigSource(root, root / "ckpts", root / "src_strategy.ckpt", root / "dst_strategy.ckpt")
-
-
-# ================================================================================== many runs
-
-# A pre-imported interpreter that forks one child per job run. Each child is a fresh process as far
-# as the job can tell (its own argv, cwd, stdout/stderr files and exit status; the package is merely
-# already imported), so dozens of failing runs cost a fork each instead of an interpreter start.
-_ZYGOTE = r"""
-import json, os, runpy, signal, sys, time
-import hydra, hydra._internal.utils, hydra.core.hydra_config, omegaconf  # the imports being shared, all but
-import reshard_job.job.runner, reshard_job.job.cli.sweep_summary, reshard_job.lineage  # reshard_job.__main__ itself
-import reshard_job.lineage.migrate, alembic.command, reshard_job.formats.safetensors
-for line in sys.stdin:
-    req = json.loads(line)
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.chdir(req["cwd"])
-            for fd, path in ((1, req["stdout"]), (2, req["stderr"])):
-                f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-                os.dup2(f, fd)
-                os.close(f)
-            sys.stdout = open(1, "w", closefd=False)
-            sys.stderr = open(2, "w", closefd=False)
-            sys.argv = ["reshard_job"] + req["args"]
-            code = 0
-            try:
-                runpy.run_module("reshard_job", run_name="__main__", alter_sys=True)
-            except SystemExit as e:
-                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-            except BaseException:
-                import traceback
-                traceback.print_exc()
-                code = 1
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(locals().get("code", 1))
-    deadline = time.monotonic() + req["timeout"]
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            status = -1
-            break
-        time.sleep(0.005)
-    rc = os.waitstatus_to_exitcode(status) if status != -1 else -9
-    print(json.dumps({"rc": rc}), flush=True)
-"""
-
-
-class Launcher:
-    """Runs ``python -m reshard_job`` many times through a pre-imported interpreter (see _ZYGOTE)."""
-
-    def __init__(self) -> None:
-        self._proc = subprocess.Popen([sys.executable, "-c", _ZYGOTE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                      env=app_env(), text=True)
-
-    def run(self, cwd: Path, args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
-        fd, out = tempfile.mkstemp(prefix="job-stdout-")
-        os.close(fd)
-        fd, err = tempfile.mkstemp(prefix="job-stderr-")
-        os.close(fd)
-        out, err = Path(out), Path(err)
-        req = {"cwd": str(cwd), "args": list(args), "stdout": str(out), "stderr": str(err), "timeout": timeout}
-        self._proc.stdin.write(json.dumps(req) + "\n")
-        self._proc.stdin.flush()
-        line = self._proc.stdout.readline()
-        if not line:
-            raise RuntimeError("the job launcher died")
-        rc = json.loads(line)["rc"]
-        res = subprocess.CompletedProcess(app_command(*args), rc, out.read_text(), err.read_text())
-        out.unlink()
-        err.unlink()
-        return res
-
-    def close(self) -> None:
-        self._proc.stdin.close()
-        self._proc.wait(timeout=60)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 # ================================================================================== in-process runs

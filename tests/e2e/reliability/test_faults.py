@@ -49,9 +49,10 @@ def _sparse(path: Path, size: int = 2 * GIB) -> None:
         f.truncate(size)
 
 
-def _completed_once(tmp_path: Path, s1, out: Path) -> None:
-    code, stderr, rss, seconds = run_bounded(tmp_path, *s1_args(*s1, out))
-    assert code == 0, stderr
+def _completed_once(app, tmp_path: Path, s1, out: Path) -> None:
+    """A first, ordinary run (forked by the launcher: only what it leaves behind matters)."""
+    res = app(tmp_path, *s1_args(*s1, out))
+    assert res.returncode == 0, res.stderr
 
 
 def _quick_success(code: int, stderr: str, rss: float, seconds: float) -> None:
@@ -66,13 +67,13 @@ def _quick_success(code: int, stderr: str, rss: float, seconds: float) -> None:
 
 @pytest.mark.parametrize("where", ["fresh", "complete"])
 @pytest.mark.parametrize("overwrite", [False, True])
-def test_a_2gib_sparse_manifest_in_output_dir_is_never_read_whole(tmp_path, s1, where, overwrite):
+def test_a_2gib_sparse_manifest_in_output_dir_is_never_read_whole(tmp_path, s1, app, where, overwrite):
     """``truncate -s 2G out/manifest.json``, in an empty directory or over a completed run's manifest:
     read past its first byte, it is a damaged manifest (another conversion's): refused in one line,
     or cleared with output.overwrite=true. Reading it whole took 2.1 GB and half a minute."""
     out = tmp_path / "out"
     if where == "complete":
-        _completed_once(tmp_path, s1, out)
+        _completed_once(app, tmp_path, s1, out)
     _sparse(out / "manifest.json")
     args = s1_args(*s1, out) + (["output.overwrite=true"] if overwrite else [])
     code, stderr, rss, seconds = run_bounded(tmp_path, *args)
@@ -88,10 +89,10 @@ def test_a_2gib_sparse_manifest_in_output_dir_is_never_read_whole(tmp_path, s1, 
 # ================================================================================== 2. the journal and its records
 
 
-def _partial(tmp_path: Path, s1) -> Path:
+def _partial(app, tmp_path: Path, s1) -> Path:
     """A completed run's directory without its manifest: every file journaled, as if killed just before it."""
     out = tmp_path / "out"
-    _completed_once(tmp_path, s1, out)
+    _completed_once(app, tmp_path, s1, out)
     (out / "manifest.json").unlink()
     return out
 
@@ -105,13 +106,13 @@ def _grow_journal(journal: Path, size: int, filler: bytes) -> None:
 
 @pytest.mark.parametrize("state", ["journal_repeated_250mb", "journal_junk_100mb", "tensors_record_2gib",
                                    "lock_file_2gib"])
-def test_huge_state_files_are_read_bounded(tmp_path, s1, state):
+def test_huge_state_files_are_read_bounded(tmp_path, s1, app, state):
     """What the job reads of its own state in output.dir is bounded by what it describes: a journal
     whose entries were appended 250 MB over (more than a job's entries can make) counts as damaged and
     every file is redone; 100 MB of junk lines around the entries are scanned past and the entries
     kept; a per-tensor record of 2 GiB (more than a file of its size can have) is damaged, its rank
     redone; a 2 GiB lock file is read for its first line only."""
-    out = _partial(tmp_path, s1)
+    out = _partial(app, tmp_path, s1)
     journal = out / ".reshard_job" / "journal.jsonl"
     entries = journal.read_bytes().split(b"\n", 1)[1]
     if state == "journal_repeated_250mb":
@@ -158,9 +159,9 @@ def _hold(args: list[str], marker: str = "locked") -> subprocess.Popen:
 
 
 @pytest.fixture
-def locked_lineage(tmp_path, s1):
+def locked_lineage(tmp_path, s1, app):
     """The lineage database (made by a first run) write-locked by another process for two minutes."""
-    _completed_once(tmp_path, s1, tmp_path / "first")
+    _completed_once(app, tmp_path, s1, tmp_path / "first")
     db = tmp_path / "runs" / "lineage.db"
     holder = _hold([HOLD_LINEAGE, str(db), "120"])
     yield db
