@@ -27,8 +27,9 @@ from reshard_job.core.layout import Layout, is_flattened, unflatten
 from reshard_job.core.topology import Topology
 from reshard_job.errors import MissingRankError, PlanError
 from reshard_job.plan.checks import CHECK_IDENTICAL, CHECK_TARGET, show_block
-from reshard_job.plan.model import (ACTION_COPY, ACTION_FULL, ACTION_RESHARD, UNMAPPED_OMIT, Copy, ParamPlans,
-                                    Plan, RankPlan, RankSummary, TensorFacts, ParamSource)
+from reshard_job.plan.model import (ACTION_COPY, ACTION_FULL, ACTION_RESHARD, COUNTED_ALWAYS, COUNTED_FIRST,
+                                    COUNTED_NEVER, UNMAPPED_OMIT, Copy, ParamPlans, Place, Plan, RankPlan,
+                                    RankSummary, TensorFacts, ParamSource)
 from reshard_job.plan.patterns import chunk_copy_pattern, copy_pattern, scale_pattern
 from reshard_job.plan.redundancy import Owners, stage_owners
 from reshard_job.plan.resolve import Resolver, SourceIndex
@@ -95,6 +96,8 @@ class Planner:
         self._block_holders: dict[tuple, dict] = {}
         self._target_keys: dict[tuple, tuple] = {}
         self._unlisted = 0  # needed source ranks left out of cut-short copy patterns
+        self._first_holders: dict[Layout, frozenset[int]] = {}  # layout -> local ranks counting their block
+        self._numbered: dict[int, dict[Layout, int]] = {}  # target stage -> its target layouts' numbers
         self.params = resolver.resolve()
         for ps in self.params:
             self._finish(ps)
@@ -165,7 +168,7 @@ class Planner:
                     missing.setdefault(src_rank, []).append(target_rank)
             for src_rank in body.unavailable:
                 missing.setdefault(src_rank, []).append(target_rank)
-        return RankPlan(target_rank, body.params, body.summary)
+        return RankPlan(target_rank, body.params, body.summary, self._counting(t_stage, r))
 
     def _rank_key(self, t_stage: int, r: int) -> tuple:
         """What a target rank's plan depends on besides its stage: its block in each distinct
@@ -218,6 +221,7 @@ class Planner:
         sources: set[int] = set()
         read = written = largest = 0
         owners = self._stage_owners(t_stage) if self.remove_redundancy else None
+        never: dict[int, tuple] = {}  # group -> its slice in a stage that does not count it
         for ps in self.params:
             if ps.dst_layouts is not None and t_stage not in ps.dst_layouts:
                 continue  # lives in another target pipeline stage
@@ -232,6 +236,9 @@ class Planner:
                 unavailable.update(res)
                 continue
             slice_, bytes_read = res
+            if t_stage != (min(ps.dst_layouts) if ps.dst_layouts else 0):  # counted in its first stage only
+                slice_ = never.get(ps.group) or never.setdefault(ps.group, slice_[:3] + (
+                    Place(slice_[3].origin, COUNTED_NEVER),))
             if ps.reshard:
                 tensors.append(ps.tensor)
                 slices.append(slice_)
@@ -255,7 +262,7 @@ class Planner:
         res = self._group_plan(ps, t_stage, r, rho)
         if ps.meta is None:
             return res
-        _, copies, nbytes = res
+        _, copies, nbytes, _ = res
         itemsize = ps.tensor.itemsize
         return res, (sum(box_size(c.source_box) for c in copies) * itemsize if itemsize else nbytes)
 
@@ -276,18 +283,53 @@ class Planner:
         if not ps.reshard:
             holder = self._holder(ps, rho)
             box = self._intern(full_box(ps.meta.shape))
-            return ps.global_shape, (Copy(holder, box, box),), ps.meta.nbytes
+            place = Place(self._intern((0,) * len(ps.global_shape)), COUNTED_FIRST)
+            return ps.global_shape, (Copy(holder, box, box),), ps.meta.nbytes, place
         t_layout = self._target_layout(ps, t_stage)
         t_layout.check_shape(ps.global_shape, ps.name)
         t_shape = self._intern(t_layout.local_shape(ps.global_shape))
         nbytes = prod(t_shape) * ps.tensor.itemsize
+        t_box = self._intern(t_layout.box(r % t_layout.devices, ps.global_shape))
+        place = Place(self._intern(tuple(lo for lo, _ in t_box)), self._counted(ps, t_stage, t_layout))
         if ps.layout is None:  # the whole tensor sits in one file: cut the target's box out of it
-            t_box = self._intern(t_layout.box(r % t_layout.devices, ps.global_shape))
-            return t_shape, (Copy(self._holder(ps, rho), t_box, self._intern(full_box(t_shape))),), nbytes
+            return t_shape, (Copy(self._holder(ps, rho), t_box, self._intern(full_box(t_shape))),), nbytes, place
         copies = self._laid_out_copies(ps, t_layout, r)
         if ps.partial:
             copies = self._from_holders(ps, copies)
-        return t_shape, copies, nbytes
+        return t_shape, copies, nbytes, place
+
+    # --------------------------------------------------------------------------- counting once
+    def _counted(self, ps: ParamSource, t_stage: int, t_layout: Layout) -> int:
+        """``Place.counted`` of the parameters of ps's group in target stage t_stage (plan.model)."""
+        if self._groups[ps.group].targets is None:
+            return COUNTED_FIRST  # whole on every rank of the stage
+        if self.remove_redundancy:
+            return COUNTED_ALWAYS  # one writer per block already (plan.redundancy)
+        return self._stage_layouts_numbered(t_stage)[t_layout]
+
+    def _stage_layouts_numbered(self, t_stage: int) -> dict[Layout, int]:
+        numbered = self._numbered.get(t_stage)
+        if numbered is None:
+            layouts = self._stage_keys.get(t_stage)
+            if layouts is None:
+                layouts = self._stage_keys[t_stage] = self._stage_layouts(t_stage)
+            numbered = self._numbered[t_stage] = {t: k for k, t in enumerate(layouts[0])}
+        return numbered
+
+    def _counting(self, t_stage: int, r: int) -> frozenset[int]:
+        """The ``Place.counted`` values target local rank r of stage t_stage counts: every block of
+        a layout is counted by the lowest local rank holding it."""
+        counting = {COUNTED_ALWAYS} | ({COUNTED_FIRST} if r == 0 else set())
+        for t, k in self._stage_layouts_numbered(t_stage).items():
+            first = self._first_holders.get(t)
+            if first is None:
+                seen: dict[tuple, int] = {}
+                for q in range(self.dst.stage_devices):
+                    seen.setdefault(t.block(q % t.devices), q)
+                first = self._first_holders[t] = frozenset(seen.values())
+            if r in first:
+                counting.add(k)
+        return frozenset(counting)
 
     def _laid_out_copies(self, ps: ParamSource, t_layout: Layout, r: int) -> tuple[Copy, ...]:
         F = self.src.stage_devices

@@ -277,7 +277,8 @@ def _entry_as_file(out: OutputDir, e: JournalEntry) -> dict:
 def _run_ranks(spec: JobSpec, prepared: Prepared, out: OutputDir, digests: SourceDigests, paths: dict[int, str],
                kept: dict, written: dict, choice: ExecutorChoice) -> None:
     todo = {r: p for r, p in paths.items() if r not in kept}
-    options = WriteOptions(spec.target.format, spec.run.max_memory, spec.target.crc, _metadata(spec))
+    options = WriteOptions(spec.target.format, spec.run.max_memory, spec.target.crc, _metadata(spec),
+                           fingerprints=_tap_wanted(spec))
     tasks = rank_tasks(prepared, todo, options, digests.identities, spec.storage)
     executor, how = choice.executor_for(len(tasks), sum(t.plan.bytes_written for t in tasks))
     total = sum(t.plan.bytes_written for t in tasks)
@@ -290,12 +291,19 @@ def _run_ranks(spec: JobSpec, prepared: Prepared, out: OutputDir, digests: Sourc
         key = result.part if result.part is not None else result.target_rank
         _journal(out, written, key, result.path, result.size, result.sha256, result.tensors,
                  choice.files.identity(result))
+        written[key]["fingerprints"] = result.fingerprints  # partial sums of the bytes written (proof)
         bar.rank_done(result.target_rank, result.size, note="" if result.part is None else out.relative(result.path))
 
     try:
         executor.run(tasks, on_bytes=bar.add_bytes, on_done=on_done)
     finally:
         bar.close()
+
+
+def _tap_wanted(spec: JobSpec) -> bool:
+    """Whether the rank tasks fingerprint what they write: the proof compares the outputs (every
+    target rank written by this job, onto shared storage; ``job.stages.proof``)."""
+    return bool(spec.run.fingerprints) and not spec.run.ranks and spec.output.placement != PLACEMENT_PER_NODE
 
 
 def _metadata(spec: JobSpec) -> dict | None:
@@ -336,7 +344,8 @@ def _finish(spec: JobSpec, prepared: Prepared, out: OutputDir, digests: SourceDi
     run_id = recorder.run_id
     target_files = [files.file_entry(_target_file(prepared, out, key, written[key])) for key in sorted(written)]
     proof = prove(spec, prepared, out.path, strategy_out["path"] if strategy_out else None,
-                  {f["rank"]: f["path"] for f in target_files}) \
+                  {key: w["path"] for key, w in written.items()},
+                  {key: w["fingerprints"] for key, w in written.items() if w.get("fingerprints") is not None}) \
         if spec.run.fingerprints else None  # job.fingerprints=false: neither computed nor recorded
     checks = prepared.checks + ["sources unchanged since hashed"]
     if proof is not None:

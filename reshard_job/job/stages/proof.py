@@ -19,6 +19,7 @@ import logging
 from dataclasses import dataclass, field
 
 from reshard_job.core.fingerprint import ALGORITHM
+from reshard_job.execute.writer_tap import TargetSums, fingerprint_written
 from reshard_job.errors import ProofError
 from reshard_job.job.config.spec import PLACEMENT_SHARED, JobSpec, SourceSpec, TargetSpec
 from reshard_job.job.run.progress import Progress
@@ -106,20 +107,25 @@ def converted_names(prepared) -> set[str]:
 
 
 def prove(spec: JobSpec, prepared, out_path: str, strategy_path: str | None,
-          written: dict[int, str] | None = None) -> ProofResult:
+          written: dict[int, str] | None = None, tapped: dict[int, object] | None = None) -> ProofResult:
     """Fingerprint the converted parameters on both sides and compare them; ProofError on a
-    difference. `written`: target rank -> the file the job wrote (local ones are read back as
-    exactly those files; else the output directory is read as a source)."""
+    difference. `written`: output file key (target rank, or an export's part) -> the file the job
+    wrote; `tapped`: key -> the partial fingerprints its rank task took from the bytes it wrote
+    (``RankResult.fingerprints``). The outputs' side is the sum of those partials, files without
+    them read back alone; where the plan cannot say which rank counts what, the output directory
+    is read back as a source (local files as exactly the files written)."""
     names = converted_names(prepared)
     source = _source_fingerprints(spec, prepared, names)
     unchecked = _why_unchecked(spec)
     if unchecked:
         log.info("fingerprints: sources only (%s)", unchecked)
         return ProofResult(source, None, unchecked)
-    local = written if written and prepared.export is None and not any("://" in p for p in written.values()) \
-        else None
-    target = checkpoint_fingerprints(SourceSpec(out_path, strategy_path), storage=spec.storage, files=local,
-                                     progress=spec.run.progress, desc="fingerprinting outputs").digests
+    target = _tapped_fingerprints(spec, prepared, names, written or {}, tapped or {})
+    if target is None:
+        local = written if written and prepared.export is None and not any("://" in p for p in written.values()) \
+            else None
+        target = checkpoint_fingerprints(SourceSpec(out_path, strategy_path), storage=spec.storage, files=local,
+                                         progress=spec.run.progress, desc="fingerprinting outputs").digests
     result = ProofResult(source, target)
     result.differ = sorted(n for n in names if source.get(n) != target.get(n))
     if result.differ:
@@ -129,6 +135,48 @@ def prove(spec: JobSpec, prepared, out_path: str, strategy_path: str | None,
                          f"sources ({ALGORITHM} fingerprints differ); nothing was committed: rerun, and report it "
                          f"if it persists")
     return result
+
+
+def _output_units(prepared) -> dict[int, object]:
+    """Output file key -> the rank plan its file was written from (files holding tensors only)."""
+    if prepared.export is not None:
+        return {i: prepared.export.sub_plan(shard) for i, shard in enumerate(prepared.export.shards)}
+    return {rp.target_rank: rp for rp in prepared.plan.ranks}
+
+
+def _tapped_fingerprints(spec: JobSpec, prepared, names: set[str], written: dict[int, str],
+                         tapped: dict[int, object]) -> dict[str, str] | None:
+    """The outputs' fingerprints from the rank tasks' partial sums, with the files written in an
+    earlier run (resumed, or kept) read back one by one; None when the plan does not say which
+    rank counts what (then the whole output is read back)."""
+    units = _output_units(prepared)
+    if any(rp.counting is None for rp in units.values()) or any(k not in written for k in units):
+        return None
+    sums = TargetSums()
+    for key, rank_plan in sorted(units.items()):
+        partials = tapped.get(key)
+        if partials is None:
+            partials = _read_back(rank_plan, written[key], spec.storage)
+            if partials is None:
+                return None
+        sums.add(partials)
+    facts = {t.name: (t.dtype, t.global_shape) for rp in prepared.plan.ranks
+             for t in getattr(rp.params, "tensors", None) or [p.tensor for p in rp.params] if t.name in names}
+    digests, uncovered = sums.digests(facts)
+    if uncovered:
+        shown = ", ".join(repr(n) for n in sorted(uncovered)[:5])
+        raise ProofError(f"parameter {shown}: the target files do not hold each of its bytes exactly once "
+                         f"(the plan's boxes do not tile it); nothing was committed: report it")
+    return digests
+
+
+def _read_back(rank_plan, path: str, storage):
+    """The partial fingerprints of one file written earlier, read back from it alone."""
+    files = SourceFiles({0: path}, verify_crc=False, storage=storage)
+    try:
+        return fingerprint_written(rank_plan, files.reader(0))
+    finally:
+        files.close()
 
 
 def _source_fingerprints(spec: JobSpec, prepared, names: set[str]) -> dict[str, str]:

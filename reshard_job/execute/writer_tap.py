@@ -1,0 +1,190 @@
+"""The outputs' fingerprints from the bytes written: each rank task's partial sums, and their sum.
+
+The fingerprint (``core.fingerprint``) is a sum over a tensor's bytes, each weighted by a key of its
+global position, so the parts of a tensor written by different target ranks add up to the whole
+tensor's fingerprint, whatever the layout. A rank task knows where each tensor it writes lies in
+the global tensor (``Place`` in the plan) and whether its copy is the one counted (one rank per
+distinct box: ``RankPlan.counts``). For those tensors the writer hands every byte it hashes for the
+per-tensor sha256 to a ``WriterTap`` feed as well, in the same place: the output's hashing thread
+where the file is written through ``O_DIRECT``, else the writing thread, so that what is
+fingerprinted is exactly what was written, and nothing is read back.
+
+What crosses process (and Ray) boundaries is ``PartialFingerprints``: per tensor its name, the two
+64-bit lane sums (16 bytes, without the header mask) and how many bytes were fed. The job adds
+them up per parameter (``TargetSums``) and checks that every parameter's bytes were fed exactly
+as many times as the global tensor has bytes, then applies the mask of its dtype and shape.
+"""
+
+from __future__ import annotations
+
+import threading
+from array import array
+from functools import lru_cache
+from typing import Iterator
+
+import reshard_job.core.dtypes as dtypes
+from reshard_job.core.fingerprint import Fingerprint
+from reshard_job.formats.tensorfile import KIND_TENSOR
+
+_MASK64 = (1 << 64) - 1
+
+
+@lru_cache(maxsize=4096)
+def _mask(dtype: str, shape: tuple[int, ...]) -> int:
+    """The header mask of a fingerprint: what an empty one's digest is (no byte fed, lanes zero)."""
+    return int.from_bytes(Fingerprint(dtype, shape).digest(partial=True), "little")
+
+
+def _lanes(fp: Fingerprint, dtype: str, shape: tuple[int, ...]) -> bytes:
+    """A partial fingerprint's two lane sums, without the header mask (so that parts add)."""
+    return (int.from_bytes(fp.digest(partial=True), "little") ^ _mask(dtype, shape)).to_bytes(16, "little")
+
+
+class PartialFingerprints:
+    """Per tensor a rank counted: name, 16 bytes of lane sums, bytes fed. Plain, compact, picklable."""
+
+    __slots__ = ("names", "lanes", "fed")
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.lanes = bytearray()
+        self.fed = array("Q")
+
+    def add(self, name: str, lanes: bytes, fed: int) -> None:
+        self.names.append(name)
+        self.lanes += lanes
+        self.fed.append(fed)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __iter__(self) -> Iterator[tuple[str, bytes, int]]:
+        for i, name in enumerate(self.names):
+            yield name, bytes(self.lanes[16 * i:16 * i + 16]), self.fed[i]
+
+    def __getstate__(self):
+        return self.names, bytes(self.lanes), self.fed.tobytes()
+
+    def __setstate__(self, state) -> None:
+        names, lanes, fed = state
+        self.names, self.lanes, self.fed = names, bytearray(lanes), array("Q")
+        self.fed.frombytes(fed)
+
+
+class _Feed:
+    """One counted tensor's bytes, in the C order of its target shape, into its partial fingerprint."""
+
+    __slots__ = ("tap", "name", "fp", "box", "offset", "total")
+
+    def __init__(self, tap: "WriterTap", name: str, fp: Fingerprint, box: tuple, total: int):
+        self.tap, self.name, self.fp, self.box, self.offset, self.total = tap, name, fp, box, 0, total
+
+    def update(self, data) -> None:
+        n = memoryview(data).nbytes
+        if n:
+            self.fp.add_box_run(self.box, self.offset, data)
+            self.offset += n
+        if self.offset >= self.total:
+            self.tap._done(self)
+
+
+class WriterTap:
+    """The partial fingerprints of one rank task. The task says which tensor comes (``expect``);
+    the writer asks for its feed when it starts that tensor (``feed``) and feeds it what it hashes."""
+
+    def __init__(self) -> None:
+        self._expected: dict[str, tuple] = {}
+        self._open = 0  # feeds handed out and not yet complete
+        self._lock = threading.Lock()  # feeds complete in the output's hashing thread
+        self.partials = PartialFingerprints()
+
+    def expect(self, name: str, dtype: str, kind: str, global_shape: tuple, target_shape: tuple, origin) -> None:
+        """The next tensor `name` is counted here, at `origin` of the global tensor (tensors only:
+        strings and map entries have no fingerprint)."""
+        if kind != KIND_TENSOR or not dtypes.BY_NAME[dtype].sliceable:
+            return
+        box = tuple((o, o + n) for o, n in zip(origin, target_shape))
+        self._expected[name] = (dtype, tuple(global_shape), box)
+
+    def feed(self, name: str) -> _Feed | None:
+        """The feed of an expected tensor the writer starts (None: not counted here)."""
+        spec = self._expected.pop(name, None)
+        if spec is None:
+            return None
+        dtype, shape, box = spec
+        fp = Fingerprint(dtype, shape)
+        total = dtypes.BY_NAME[dtype].itemsize
+        for lo, hi in box:
+            total *= hi - lo
+        feed = _Feed(self, name, fp, box, total)
+        with self._lock:
+            self._open += 1
+        if total == 0:
+            self._done(feed)
+        return feed
+
+    def _done(self, feed: _Feed) -> None:
+        dtype, shape = feed.fp.dtype, feed.fp.shape
+        lanes = _lanes(feed.fp, dtype, shape)
+        with self._lock:
+            self.partials.add(feed.name, lanes, feed.fp.fed)
+            self._open -= 1
+        feed.fp = None  # done: a late update is a bug, and fails
+
+    def result(self) -> PartialFingerprints | None:
+        """The partial fingerprints, once the file is committed (its hashing finished); None when some
+        expected tensor was not fed whole, so that the job reads that file back instead."""
+        if self._expected or self._open:
+            return None
+        return self.partials
+
+
+READ_BLOCK = 8 << 20
+
+
+def fingerprint_written(rank_plan, reader) -> PartialFingerprints | None:
+    """The partial fingerprints of the tensors `rank_plan` counts, read back from the file written
+    for it (`reader`): for a file a rank task did not tap (one kept from an earlier run)."""
+    tap = WriterTap()
+    for p in rank_plan.params:
+        if rank_plan.counts(p.place):
+            tap.expect(p.name, p.dtype, p.kind, p.global_shape, p.target_shape, p.place.origin)
+            feed = tap.feed(p.name)
+            if feed is not None:
+                for block in reader.iter_content(p.name, READ_BLOCK):
+                    feed.update(block)
+                if feed.fp is not None:  # the file holds fewer bytes than the plan says
+                    return None
+    return tap.result()
+
+
+class TargetSums:
+    """The partial fingerprints of every target rank, added up per parameter."""
+
+    def __init__(self) -> None:
+        self._sums: dict[str, list[int]] = {}  # name -> [lane 1, lane 2, bytes fed]
+
+    def add(self, partials: PartialFingerprints) -> None:
+        sums = self._sums
+        for name, lanes, fed in partials:
+            s = sums.get(name)
+            if s is None:
+                s = sums[name] = [0, 0, 0]
+            s[0] = (s[0] + int.from_bytes(lanes[:8], "little")) & _MASK64
+            s[1] = (s[1] + int.from_bytes(lanes[8:], "little")) & _MASK64
+            s[2] += fed
+
+    def digests(self, facts: dict[str, tuple[str, tuple]]) -> tuple[dict[str, str], list[str]]:
+        """(name -> hex fingerprint, names whose bytes were not counted exactly once). `facts`:
+        name -> (dtype, global shape) of the parameters to give."""
+        out: dict[str, str] = {}
+        uncovered: list[str] = []
+        for name, (dtype, shape) in facts.items():
+            s = self._sums.get(name)
+            if s is None:
+                continue  # not a tensor, or counted nowhere: no fingerprint (the comparison names it)
+            if s[2] != Fingerprint(dtype, shape).nbytes:
+                uncovered.append(name)
+                continue
+            out[name] = ((s[0] | s[1] << 64) ^ _mask(dtype, tuple(shape))).to_bytes(16, "little").hex()
+        return out, uncovered
