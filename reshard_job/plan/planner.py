@@ -30,6 +30,7 @@ from reshard_job.plan.checks import CHECK_IDENTICAL, CHECK_TARGET, show_block
 from reshard_job.plan.model import (ACTION_COPY, ACTION_FULL, ACTION_RESHARD, COUNTED_ALWAYS, COUNTED_FIRST,
                                     COUNTED_NEVER, UNMAPPED_OMIT, Copy, ParamPlans, Place, Plan, RankPlan,
                                     RankSummary, TensorFacts, ParamSource)
+from reshard_job.plan.counting import rank_counting
 from reshard_job.plan.patterns import chunk_copy_pattern, copy_pattern, scale_pattern
 from reshard_job.plan.redundancy import Owners, stage_owners
 from reshard_job.plan.resolve import Resolver, SourceIndex
@@ -168,7 +169,9 @@ class Planner:
                     missing.setdefault(src_rank, []).append(target_rank)
             for src_rank in body.unavailable:
                 missing.setdefault(src_rank, []).append(target_rank)
-        return RankPlan(target_rank, body.params, body.summary, self._counting(t_stage, r))
+        counting = rank_counting(self._stage_layouts_numbered(t_stage).items(), r, self.dst.stage_devices,
+                                 self._first_holders)
+        return RankPlan(target_rank, body.params, body.summary, counting)
 
     def _rank_key(self, t_stage: int, r: int) -> tuple:
         """What a target rank's plan depends on besides its stage: its block in each distinct
@@ -300,36 +303,18 @@ class Planner:
 
     # --------------------------------------------------------------------------- counting once
     def _counted(self, ps: ParamSource, t_stage: int, t_layout: Layout) -> int:
-        """``Place.counted`` of the parameters of ps's group in target stage t_stage (plan.model)."""
+        """``Place.counted`` of the parameters of ps's group in target stage t_stage (plan.counting)."""
         if self._groups[ps.group].targets is None:
             return COUNTED_FIRST  # whole on every rank of the stage
-        if self.remove_redundancy:
-            return COUNTED_ALWAYS  # one writer per block already (plan.redundancy)
-        return self._stage_layouts_numbered(t_stage)[t_layout]
+        # redundancy removed: one writer per block already (plan.redundancy)
+        return COUNTED_ALWAYS if self.remove_redundancy else self._stage_layouts_numbered(t_stage)[t_layout]
 
     def _stage_layouts_numbered(self, t_stage: int) -> dict[Layout, int]:
         numbered = self._numbered.get(t_stage)
         if numbered is None:
-            layouts = self._stage_keys.get(t_stage)
-            if layouts is None:
-                layouts = self._stage_keys[t_stage] = self._stage_layouts(t_stage)
+            layouts = self._stage_keys.get(t_stage) or self._stage_keys.setdefault(t_stage, self._stage_layouts(t_stage))
             numbered = self._numbered[t_stage] = {t: k for k, t in enumerate(layouts[0])}
         return numbered
-
-    def _counting(self, t_stage: int, r: int) -> frozenset[int]:
-        """The ``Place.counted`` values target local rank r of stage t_stage counts: every block of
-        a layout is counted by the lowest local rank holding it."""
-        counting = {COUNTED_ALWAYS} | ({COUNTED_FIRST} if r == 0 else set())
-        for t, k in self._stage_layouts_numbered(t_stage).items():
-            first = self._first_holders.get(t)
-            if first is None:
-                seen: dict[tuple, int] = {}
-                for q in range(self.dst.stage_devices):
-                    seen.setdefault(t.block(q % t.devices), q)
-                first = self._first_holders[t] = frozenset(seen.values())
-            if r in first:
-                counting.add(k)
-        return frozenset(counting)
 
     def _laid_out_copies(self, ps: ParamSource, t_layout: Layout, r: int) -> tuple[Copy, ...]:
         F = self.src.stage_devices
