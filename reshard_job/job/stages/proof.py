@@ -153,13 +153,17 @@ def _tapped_fingerprints(spec: JobSpec, prepared, names: set[str], written: dict
     if any(rp.counting is None for rp in units.values()) or any(k not in written for k in units):
         return None
     sums = TargetSums()
+    read_back = 0
     for key, rank_plan in sorted(units.items()):
         partials = tapped.get(key)
         if partials is None:
+            read_back += 1
             partials = _read_back(rank_plan, written[key], spec.storage)
             if partials is None:
                 return None
         sums.add(partials)
+    log.debug("fingerprints: %d output file(s) from the bytes written, %d read back", len(units) - read_back,
+              read_back)
     facts = {t.name: (t.dtype, t.global_shape) for rp in prepared.plan.ranks
              for t in getattr(rp.params, "tensors", None) or [p.tensor for p in rp.params] if t.name in names}
     digests, uncovered = sums.digests(facts)
