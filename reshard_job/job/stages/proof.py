@@ -1,16 +1,37 @@
 """The proof stage: every converted parameter has the same fingerprint in the sources as in the
 outputs, checked before the manifest commits the conversion.
 
-Both sides are read back independently of the conversion's own plan (``proof.collect``): the
-sources as a one-device plan over them, the outputs as a one-device plan over the files just
-written, with the target strategy written beside them. A conversion that misplaced, dropped or
-altered any byte of a parameter therefore fails here (``ProofError``, naming it) instead of
-committing. The fingerprints go into ``manifest.json`` (``fingerprints``: algorithm, source,
-target) and the lineage database.
+The sources are read back independently of the conversion's own plan (``proof.collect``): as a
+one-device plan over them. The outputs' side comes from the bytes written (``execute.writer_tap``):
+each rank task fingerprints the tensors it counts (one rank per distinct box of the global tensor,
+``plan.counting``) in the thread that hashes them for the per-tensor sha256, and returns partial
+sums, which are added up per parameter here, after checking that every byte of each parameter was
+counted exactly once. A conversion that misplaced, dropped or altered any byte of a parameter on
+its way into a file therefore fails here (``ProofError``, naming it) instead of committing. The
+fingerprints go into ``manifest.json`` (``fingerprints``: algorithm, source, target) and the
+lineage database.
 
-The outputs cannot be read back when the job wrote only some target ranks (``job.ranks``) or when
-they stay on the target nodes (``output.placement=per_node``): then only the source side is
-recorded, and the manifest says why under ``fingerprints.target_unchecked``.
+Which outputs are read back instead:
+
+* files the job did not write in this run (kept by a resumed run, whose journal vouches for their
+  identity but holds no fingerprints): each is read back alone, its counted tensors only, with the
+  same places;
+* every output, when the plan does not say which rank counts what (a plan from elsewhere than the
+  planner) or a rank task could not tap a tensor: the output directory is read back as a source,
+  through a one-device plan over the files just written and the target strategy beside them.
+
+Exports (``target.format=safetensors_index``: each shard is a rank task over a slice of the one full
+rank) and outputs on object storage (the same writers over a multipart upload) are tapped like rank
+files; a kept export shard or object is read back alone as above.
+
+The outputs are not checked when the job wrote only some target ranks (``job.ranks``) or when they
+stay on the target nodes (``output.placement=per_node``): then only the source side is recorded,
+and the manifest says why under ``fingerprints.target_unchecked``.
+
+What the tap trusts: the bytes it sees are those handed to the file's writer and hashed into its
+sha256; a file damaged after that is caught by its sha256 (``audit verify``), not here. Where each
+tensor lies in the global tensor is the plan's (``Place``), computed from the target strategy as
+the read-back's plan is.
 """
 
 from __future__ import annotations
