@@ -20,13 +20,18 @@ from __future__ import annotations
 import threading
 from array import array
 from functools import lru_cache
+from math import prod
 from typing import Iterator
 
+import numpy as np
+
 import reshard_job.core.dtypes as dtypes
-from reshard_job.core.fingerprint import Fingerprint
+from reshard_job.core.fingerprint import LANES, _READS, Fingerprint, _column_dot, _dim_keys, _words
 from reshard_job.formats.tensorfile import KIND_TENSOR
 
 _MASK64 = (1 << 64) - 1
+SMALL = 64 << 10  # tensors up to this size are fingerprinted in batches of one (dtype, shape, box)
+BATCH_BYTES = 8 << 20  # bytes of small tensors held before their batches are computed
 
 
 @lru_cache(maxsize=4096)
@@ -88,6 +93,67 @@ class _Feed:
             self.tap._done(self)
 
 
+class _SmallFeed:
+    """A small counted tensor's bytes, kept until its batch is computed (``_BoxBatches``)."""
+
+    __slots__ = ("tap", "name", "key", "total", "data", "fp")
+
+    def __init__(self, tap: "WriterTap", name: str, key: tuple, total: int):
+        self.tap, self.name, self.key, self.total, self.data = tap, name, key, total, bytearray()
+        self.fp = key  # not None until done (as a _Feed's)
+
+    def update(self, data) -> None:
+        self.data += memoryview(data).cast("B")  # a copy: the writer reuses its buffers
+        if len(self.data) >= self.total:
+            self.tap._small_done(self)
+
+
+class _BoxBatches:
+    """Partial fingerprints of many small tensors at once: tensors of one dtype, global shape and
+    box share every key, so k of them are one (k * rows, words) matmul per lane and one contraction
+    per leading dim, as ``core.fingerprint_batch`` does for whole tensors."""
+
+    def __init__(self, out: PartialFingerprints):
+        self.out = out
+        self._groups: dict[tuple, tuple[list[str], list[bytes]]] = {}
+        self.held = 0
+
+    def add(self, key: tuple, name: str, data: bytes) -> None:
+        names, blobs = self._groups.setdefault(key, ([], []))
+        names.append(name)
+        blobs.append(data)
+        self.held += len(data)
+        if self.held >= BATCH_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        for key, (names, blobs) in self._groups.items():
+            self._compute(key, names, blobs)
+        self._groups.clear()
+        self.held = 0
+
+    def _compute(self, key: tuple, names: list[str], blobs: list[bytes]) -> None:
+        dtype, shape, box = key
+        grid_box = Fingerprint(dtype, shape)._grid_box(box)
+        lead = tuple(hi - lo for lo, hi in grid_box[:-1])
+        width = grid_box[-1][1] - grid_box[-1][0]
+        k = len(names)
+        if width == 0 or 0 in lead:
+            lanes = [[0] * k] * LANES
+        else:
+            raw = np.frombuffer(b"".join(blobs), dtype=np.uint8).reshape(k * prod(lead), width)
+            words = _words(raw, grid_box[-1][0])
+            lanes = []
+            for lane in range(LANES):
+                y = _column_dot(words.view(_READS[lane]), grid_box[-1][0] // 8, lane).reshape((k,) + lead)
+                for d in reversed(range(len(lead))):
+                    y = y @ _dim_keys(lane, d, *grid_box[d])
+                lanes.append(y.tolist())
+        fed = width * prod(lead)
+        for name, h1, h2 in zip(names, *lanes):
+            self.out.add(name, (h1 | h2 << 64).to_bytes(16, "little"), fed)
+
+
 class WriterTap:
     """The partial fingerprints of one rank task. The task says which tensor comes (``expect``);
     the writer asks for its feed when it starts that tensor (``feed``) and feeds it what it hashes."""
@@ -97,6 +163,7 @@ class WriterTap:
         self._open = 0  # feeds handed out and not yet complete
         self._lock = threading.Lock()  # feeds complete in the output's hashing thread
         self.partials = PartialFingerprints()
+        self._batches = _BoxBatches(self.partials)
 
     def expect(self, name: str, dtype: str, kind: str, global_shape: tuple, target_shape: tuple, origin) -> None:
         """The next tensor `name` is counted here, at `origin` of the global tensor (tensors only:
@@ -106,22 +173,31 @@ class WriterTap:
         box = tuple((o, o + n) for o, n in zip(origin, target_shape))
         self._expected[name] = (dtype, tuple(global_shape), box)
 
-    def feed(self, name: str) -> _Feed | None:
+    def feed(self, name: str) -> _Feed | _SmallFeed | None:
         """The feed of an expected tensor the writer starts (None: not counted here)."""
         spec = self._expected.pop(name, None)
         if spec is None:
             return None
         dtype, shape, box = spec
-        fp = Fingerprint(dtype, shape)
         total = dtypes.BY_NAME[dtype].itemsize
         for lo, hi in box:
             total *= hi - lo
-        feed = _Feed(self, name, fp, box, total)
         with self._lock:
             self._open += 1
+        if 0 < total <= SMALL:
+            return _SmallFeed(self, name, spec, total)
+        feed = _Feed(self, name, Fingerprint(dtype, shape), box, total)
         if total == 0:
             self._done(feed)
         return feed
+
+    def _small_done(self, feed: _SmallFeed) -> None:
+        if len(feed.data) != feed.total:
+            raise ValueError(f"parameter {feed.name!r}: {len(feed.data)} bytes fed, {feed.total} expected")
+        with self._lock:
+            self._batches.add(feed.key, feed.name, bytes(feed.data))
+            self._open -= 1
+        feed.fp = feed.data = None
 
     def _done(self, feed: _Feed) -> None:
         dtype, shape = feed.fp.dtype, feed.fp.shape
@@ -136,6 +212,7 @@ class WriterTap:
         expected tensor was not fed whole, so that the job reads that file back instead."""
         if self._expected or self._open:
             return None
+        self._batches.flush()
         return self.partials
 
 

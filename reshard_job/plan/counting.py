@@ -12,10 +12,34 @@ tensor that lives in several target stages in the first of them only.
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable
 
 from reshard_job.core.layout import Layout
 from reshard_job.plan.model import COUNTED_ALWAYS, COUNTED_FIRST
+
+
+class StageCounting:
+    """The counting rules of a target's stages: numbers of each stage's distinct target layouts
+    (given by `stage_layouts`), and the ``RankPlan.counting`` of each local rank."""
+
+    def __init__(self, stage_devices: int, stage_layouts: Callable[[int], tuple[Layout, ...]]):
+        self.stage_devices = stage_devices
+        self._stage_layouts = stage_layouts
+        self._numbered: dict[int, dict[Layout, int]] = {}
+        self._first: dict[Layout, frozenset[int]] = {}
+
+    def number(self, t_stage: int, layout: Layout) -> int:
+        """The ``Place.counted`` value of tensors laid out as `layout` in stage t_stage."""
+        return self._numbers(t_stage)[layout]
+
+    def counting(self, t_stage: int, r: int) -> frozenset[int]:
+        return rank_counting(self._numbers(t_stage).items(), r, self.stage_devices, self._first)
+
+    def _numbers(self, t_stage: int) -> dict[Layout, int]:
+        numbered = self._numbered.get(t_stage)
+        if numbered is None:
+            numbered = self._numbered[t_stage] = {t: k for k, t in enumerate(self._stage_layouts(t_stage))}
+        return numbered
 
 
 def first_holders(layout: Layout, stage_devices: int) -> frozenset[int]:
