@@ -301,9 +301,9 @@ def _run_ranks(spec: JobSpec, prepared: Prepared, out: OutputDir, digests: Sourc
 
 
 def _tap_wanted(spec: JobSpec) -> bool:
-    """Whether the rank tasks fingerprint what they write: the proof compares the outputs (every
-    target rank written by this job, onto shared storage; ``job.stages.proof``)."""
-    return bool(spec.run.fingerprints) and not spec.run.ranks and spec.output.placement != PLACEMENT_PER_NODE
+    """Whether the rank tasks fingerprint what they write: the proof compares the outputs when the
+    job writes every target rank (``job.stages.proof``)."""
+    return bool(spec.run.fingerprints) and not spec.run.ranks
 
 
 def _metadata(spec: JobSpec) -> dict | None:

@@ -24,9 +24,10 @@ Exports (``target.format=safetensors_index``: each shard is a rank task over a s
 rank) and outputs on object storage (the same writers over a multipart upload) are tapped like rank
 files; a kept export shard or object is read back alone as above.
 
-The outputs are not checked when the job wrote only some target ranks (``job.ranks``) or when they
-stay on the target nodes (``output.placement=per_node``): then only the source side is recorded,
-and the manifest says why under ``fingerprints.target_unchecked``.
+The outputs are not checked when the job wrote only some target ranks (``job.ranks``), or when they
+stay on the target nodes (``output.placement=per_node``) and some were not written in this run
+(a resumed run: they cannot be read back from here): then only the source side is recorded, and
+the manifest says why under ``fingerprints.target_unchecked``.
 
 What the tap trusts: the bytes it sees are those handed to the file's writer and hashed into its
 sha256; a file damaged after that is caught by its sha256 (``audit verify``), not here. Where each
@@ -138,7 +139,7 @@ def prove(spec: JobSpec, prepared, out_path: str, strategy_path: str | None,
     names = converted_names(prepared)
     source = _source_fingerprints(spec, prepared, names)
     unchecked = _why_unchecked(spec)
-    if unchecked:
+    if unchecked and not (not spec.run.ranks and _all_tapped(prepared, tapped or {})):
         log.info("fingerprints: sources only (%s)", unchecked)
         return ProofResult(source, None, unchecked)
     target = _tapped_fingerprints(spec, prepared, names, written or {}, tapped or {})
@@ -165,6 +166,12 @@ def _output_units(prepared) -> dict[int, object]:
     return {rp.target_rank: rp for rp in prepared.plan.ranks}
 
 
+def _all_tapped(prepared, tapped: dict[int, object]) -> bool:
+    """Whether every output file's rank task returned its partial fingerprints (nothing to read)."""
+    units = _output_units(prepared)
+    return all(rp.counting is not None and key in tapped for key, rp in units.items())
+
+
 def _tapped_fingerprints(spec: JobSpec, prepared, names: set[str], written: dict[int, str],
                          tapped: dict[int, object]) -> dict[str, str] | None:
     """The outputs' fingerprints from the rank tasks' partial sums, with the files written in an
@@ -185,9 +192,9 @@ def _tapped_fingerprints(spec: JobSpec, prepared, names: set[str], written: dict
         sums.add(partials)
     log.debug("fingerprints: %d output file(s) from the bytes written, %d read back", len(units) - read_back,
               read_back)
-    facts = {t.name: (t.dtype, t.global_shape) for rp in prepared.plan.ranks
-             for t in getattr(rp.params, "tensors", None) or [p.tensor for p in rp.params] if t.name in names}
-    digests, uncovered = sums.digests(facts)
+    digests, uncovered = sums.digests(t for rp in prepared.plan.ranks
+                                      for t in getattr(rp.params, "tensors", None) or [p.tensor for p in rp.params]
+                                      if t.name in names)
     if uncovered:
         shown = ", ".join(repr(n) for n in sorted(uncovered)[:5])
         raise ProofError(f"parameter {shown}: the target files do not hold each of its bytes exactly once "

@@ -6,12 +6,18 @@ and one box counted twice gives a digest unlike the tensor's."""
 from __future__ import annotations
 
 import pickle
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from reshard_job.core.fingerprint import fingerprint_array
 from reshard_job.execute.writer_tap import SMALL, TargetSums, WriterTap
+
+
+def _facts(**shapes):
+    """The parameters to give, as the plan's tensors describe them: name -> (dtype, global shape)."""
+    return [SimpleNamespace(name=n, dtype=d, global_shape=tuple(s)) for n, (d, s) in shapes.items()]
 
 
 def _boxes(shape, cuts):
@@ -52,7 +58,7 @@ def test_the_partials_of_a_tiling_add_up_to_the_whole_tensors_fingerprint(dtype,
         tap = WriterTap()
         _feed(tap, "w", dtype, array, box, piece)
         sums.add(pickle.loads(pickle.dumps(tap.result())))
-    digests, uncovered = sums.digests({"w": (dtype, shape)})
+    digests, uncovered = sums.digests(_facts(w=(dtype, shape)))
     assert not uncovered and digests == {"w": fingerprint_array(dtype, array)}
 
 
@@ -65,7 +71,7 @@ def test_small_and_large_tensors_of_one_rank_are_each_right():
         _feed(tap, name, "Float16", a, ((0, a.shape[0]), (0, a.shape[1])), 1 << 20)
     sums = TargetSums()
     sums.add(tap.result())
-    digests, _ = sums.digests({n: ("Float16", a.shape) for n, a in tensors.items()})
+    digests, _ = sums.digests(_facts(**{n: ("Float16", a.shape) for n, a in tensors.items()}))
     assert digests == {n: fingerprint_array("Float16", a) for n, a in tensors.items()}
 
 
@@ -78,9 +84,9 @@ def test_a_box_counted_twice_or_not_at_all_does_not_give_the_tensors_fingerprint
     once.add(partials)
     twice.add(partials)
     twice.add(partials)  # the bytes of the whole tensor in count, the wrong ones
-    digests, uncovered = once.digests({"w": ("Float16", (4, 8)), "elsewhere": ("Float16", (4, 8))})
+    digests, uncovered = once.digests(_facts(w=("Float16", (4, 8)), elsewhere=("Float16", (4, 8))))
     assert digests == {} and uncovered == ["w"]  # half its bytes: named, no digest
-    digests, uncovered = twice.digests({"w": ("Float16", (4, 8))})
+    digests, uncovered = twice.digests(_facts(w=("Float16", (4, 8))))
     assert not uncovered and digests["w"] != fingerprint_array("Float16", a)  # the comparison names it
 
 

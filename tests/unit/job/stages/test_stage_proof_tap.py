@@ -101,8 +101,7 @@ def test_the_rank_tasks_partial_sums_equal_the_outputs_read_back(tmp_path):
         sums.add(r.fingerprints)
     read_back = checkpoint_fingerprints(SourceSpec(str(tmp_path), str(S1 / "src_strategy.ckpt")),
                                         files={r.target_rank: r.path for r in results}).digests
-    facts = {p.name: (p.dtype, p.global_shape) for p in prepared.plan.ranks[0].params}
-    tapped, uncovered = sums.digests(facts)
+    tapped, uncovered = sums.digests(p.tensor for p in prepared.plan.ranks[0].params)
     assert not uncovered and tapped == {n: read_back[n] for n in tapped} and set(tapped) == set(read_back)
 
 
