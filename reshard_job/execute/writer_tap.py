@@ -243,8 +243,11 @@ class TargetSums:
     def __init__(self) -> None:
         self._row: dict[str, int] = {}
         self._sums = np.zeros((0, 3), np.uint64)  # lane 1, lane 2, bytes fed
+        self.units: set = set()  # the output files whose partials were added
 
-    def add(self, partials: PartialFingerprints) -> None:
+    def add(self, partials: PartialFingerprints, unit=None) -> None:
+        """Add one output file's partial fingerprints (`unit`: its key, remembered in ``units``)."""
+        self.units.add(unit)
         row = self._row
         rows = np.fromiter((row.setdefault(name, len(row)) for name in partials.names), np.int64, len(partials))
         if len(row) > len(self._sums):
@@ -258,7 +261,8 @@ class TargetSums:
 
     def digests(self, tensors: Iterable) -> tuple[dict[str, str], list[str]]:
         """(name -> hex fingerprint, names whose bytes were not counted exactly once). `tensors`: the
-        parameters to give (anything with ``name``, ``dtype`` and ``global_shape``; repeats skipped)."""
+        parameters to give (anything with ``name``, ``dtype`` and ``global_shape``; repeats skipped).
+        Once: the sums are let go, so that the manifest is built without them."""
         out: dict[str, str] = {}
         uncovered: dict[str, None] = {}
         for t in tensors:
@@ -271,4 +275,5 @@ class TargetSums:
                 uncovered[name] = None
                 continue
             out[name] = ((h1 | h2 << 64) ^ _mask(t.dtype, tuple(t.global_shape))).to_bytes(16, "little").hex()
+        self._row, self._sums = {}, np.zeros((0, 3), np.uint64)
         return out, list(uncovered)

@@ -30,6 +30,7 @@ from reshard_job.formats.safetensors.header import DEDUPLICATED_METADATA
 from reshard_job.lineage.file_records import FileRecord
 from reshard_job.plan.model import Plan
 from reshard_job.storage import SourceChangedError
+from reshard_job.execute.writer_tap import TargetSums
 from reshard_job.execute.tasks import FORMAT_CKPT, FORMAT_SAFETENSORS, FORMAT_SAFETENSORS_INDEX, RankResult, RankTask, WriteOptions
 from reshard_job.text import human_size
 from reshard_job.job.stages.executor_choice import ExecutorChoice, choose_executor, cluster_layout
@@ -163,11 +164,11 @@ def _convert_into(spec: JobSpec, prepared: Prepared, out: OutputDir, digests: So
         log.info("resuming: keeping %d target file(s) that verify: %s %s", len(kept),
                  "files" if prepared.export is not None else "ranks", sorted(kept))
     written = {r: _entry_as_file(out, e) for r, e in kept.items()}
-    _run_ranks(spec, prepared, out, digests, paths, kept, written, choice)
+    tapped = _run_ranks(spec, prepared, out, digests, paths, kept, written, choice)
     if prepared.export is not None and any(k not in kept for k in paths if k >= len(prepared.export.shards)):
         _journal_index(prepared, out, paths, written)
     _check_sources_unchanged(prepared, digests)
-    return _finish(spec, prepared, out, digests, fingerprint, strategy_out, written, recorder, choice.files)
+    return _finish(spec, prepared, out, digests, fingerprint, strategy_out, written, recorder, choice.files, tapped)
 
 
 # ---------------------------------------------------------------------------------- pieces
@@ -287,17 +288,21 @@ def _run_ranks(spec: JobSpec, prepared: Prepared, out: OutputDir, digests: Sourc
     log.info("%s %d %s %s: %s to write", what, len(tasks),
              "target rank(s)" if prepared.export is None else "shard(s) of target rank 0", how, human_size(total))
 
+    tapped = TargetSums()
+
     def on_done(result: RankResult) -> None:
         key = result.part if result.part is not None else result.target_rank
         _journal(out, written, key, result.path, result.size, result.sha256, result.tensors,
                  choice.files.identity(result))
-        written[key]["fingerprints"] = result.fingerprints  # partial sums of the bytes written (proof)
+        if result.fingerprints is not None:  # partial sums of the bytes written, added up at once (proof)
+            tapped.add(result.fingerprints, key)
         bar.rank_done(result.target_rank, result.size, note="" if result.part is None else out.relative(result.path))
 
     try:
         executor.run(tasks, on_bytes=bar.add_bytes, on_done=on_done)
     finally:
         bar.close()
+    return tapped
 
 
 def _tap_wanted(spec: JobSpec) -> bool:
@@ -340,12 +345,11 @@ def _check_sources_unchanged(prepared: Prepared, digests: SourceDigests) -> None
 
 
 def _finish(spec: JobSpec, prepared: Prepared, out: OutputDir, digests: SourceDigests, fingerprint: str,
-            strategy_out: dict | None, written: dict, recorder, files) -> Outputs:
+            strategy_out: dict | None, written: dict, recorder, files, tapped: TargetSums | None = None) -> Outputs:
     run_id = recorder.run_id
     target_files = [files.file_entry(_target_file(prepared, out, key, written[key])) for key in sorted(written)]
     proof = prove(spec, prepared, out.path, strategy_out["path"] if strategy_out else None,
-                  {key: w["path"] for key, w in written.items()},
-                  {key: w["fingerprints"] for key, w in written.items() if w.get("fingerprints") is not None}) \
+                  {key: w["path"] for key, w in written.items()}, tapped) \
         if spec.run.fingerprints else None  # job.fingerprints=false: neither computed nor recorded
     checks = prepared.checks + ["sources unchanged since hashed"]
     if proof is not None:

@@ -129,20 +129,22 @@ def converted_names(prepared) -> set[str]:
 
 
 def prove(spec: JobSpec, prepared, out_path: str, strategy_path: str | None,
-          written: dict[int, str] | None = None, tapped: dict[int, object] | None = None) -> ProofResult:
+          written: dict[int, str] | None = None, tapped: TargetSums | None = None) -> ProofResult:
     """Fingerprint the converted parameters on both sides and compare them; ProofError on a
     difference. `written`: output file key (target rank, or an export's part) -> the file the job
-    wrote; `tapped`: key -> the partial fingerprints its rank task took from the bytes it wrote
-    (``RankResult.fingerprints``). The outputs' side is the sum of those partials, files without
-    them read back alone; where the plan cannot say which rank counts what, the output directory
-    is read back as a source (local files as exactly the files written)."""
+    wrote; `tapped`: the partial fingerprints the rank tasks took from the bytes they wrote
+    (``RankResult.fingerprints``), added up, with the keys of their files (``units``). The outputs'
+    side is that sum, files without partials read back alone and added; where the plan cannot say
+    which rank counts what, the output directory is read back as a source (local files as exactly
+    the files written)."""
     names = converted_names(prepared)
     source = _source_fingerprints(spec, prepared, names)
     unchecked = _why_unchecked(spec)
-    if unchecked and not (not spec.run.ranks and _all_tapped(prepared, tapped or {})):
+    tapped = tapped if tapped is not None else TargetSums()
+    if unchecked and not (not spec.run.ranks and _all_tapped(prepared, tapped)):
         log.info("fingerprints: sources only (%s)", unchecked)
         return ProofResult(source, None, unchecked)
-    target = _tapped_fingerprints(spec, prepared, names, written or {}, tapped or {})
+    target = _tapped_fingerprints(spec, prepared, names, written or {}, tapped)
     if target is None:
         local = written if written and prepared.export is None and not any("://" in p for p in written.values()) \
             else None
@@ -166,30 +168,28 @@ def _output_units(prepared) -> dict[int, object]:
     return {rp.target_rank: rp for rp in prepared.plan.ranks}
 
 
-def _all_tapped(prepared, tapped: dict[int, object]) -> bool:
+def _all_tapped(prepared, tapped: TargetSums) -> bool:
     """Whether every output file's rank task returned its partial fingerprints (nothing to read)."""
     units = _output_units(prepared)
-    return all(rp.counting is not None and key in tapped for key, rp in units.items())
+    return all(rp.counting is not None and key in tapped.units for key, rp in units.items())
 
 
 def _tapped_fingerprints(spec: JobSpec, prepared, names: set[str], written: dict[int, str],
-                         tapped: dict[int, object]) -> dict[str, str] | None:
+                         sums: TargetSums) -> dict[str, str] | None:
     """The outputs' fingerprints from the rank tasks' partial sums, with the files written in an
     earlier run (resumed, or kept) read back one by one; None when the plan does not say which
     rank counts what (then the whole output is read back)."""
     units = _output_units(prepared)
     if any(rp.counting is None for rp in units.values()) or any(k not in written for k in units):
         return None
-    sums = TargetSums()
     read_back = 0
     for key, rank_plan in sorted(units.items()):
-        partials = tapped.get(key)
-        if partials is None:
+        if key not in sums.units:
             read_back += 1
             partials = _read_back(rank_plan, written[key], spec.storage)
             if partials is None:
                 return None
-        sums.add(partials)
+            sums.add(partials, key)
     log.debug("fingerprints: %d output file(s) from the bytes written, %d read back", len(units) - read_back,
               read_back)
     digests, uncovered = sums.digests(t for rp in prepared.plan.ranks

@@ -113,8 +113,10 @@ def test_an_export_is_fingerprinted_from_the_bytes_written_too(tmp_path):
         results = [run_rank_task(t, sources=prepared.readers)
                    for t in rank_tasks(prepared, paths, WriteOptions(fingerprints=True))]
         assert len(results) > 1 and all(r.fingerprints is not None for r in results)
-        proof = prove(spec, prepared, str(tmp_path / "x"), None, {r.part: r.path for r in results},
-                      {r.part: r.fingerprints for r in results})
+        sums = TargetSums()
+        for r in results:
+            sums.add(r.fingerprints, r.part)
+        proof = prove(spec, prepared, str(tmp_path / "x"), None, {r.part: r.path for r in results}, sums)
     assert proof.target and proof.target == {n: proof.source[n] for n in proof.target}
 
 
@@ -148,12 +150,16 @@ def test_files_kept_from_an_earlier_run_are_read_back_and_checked(tmp_path):
         paths = {1: written[1]}
         fresh = [run_rank_task(t, sources=prepared.readers)
                  for t in rank_tasks(prepared, paths, WriteOptions(fingerprints=True))]
-        tapped = {1: fresh[0].fingerprints}  # ranks 0, 2 and 3 as a resumed run keeps them: untapped
-        assert prove(spec, prepared, spec.output.dir, None, written, tapped).differ == []
+        def tapped():  # rank 1 only: ranks 0, 2 and 3 as a resumed run keeps them, untapped
+            sums = TargetSums()
+            sums.add(fresh[0].fingerprints, 1)
+            return sums
+
+        assert prove(spec, prepared, spec.output.dir, None, written, tapped()).differ == []
         wrong = tmp_path / "rank_2_copy_of_rank_3.ckpt"
         shutil.copy(written[3], wrong)  # the right shapes, another rank's bytes
         with pytest.raises(ProofError):
-            prove(spec, prepared, spec.output.dir, None, {**written, 2: str(wrong)}, tapped)
+            prove(spec, prepared, spec.output.dir, None, {**written, 2: str(wrong)}, tapped())
 
 
 def test_a_resumed_conversion_reads_back_the_files_it_kept_and_records_equal_fingerprints(tmp_path, caplog):
