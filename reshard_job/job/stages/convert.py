@@ -276,7 +276,9 @@ def _entry_as_file(out: OutputDir, e: JournalEntry) -> dict:
 
 
 def _run_ranks(spec: JobSpec, prepared: Prepared, out: OutputDir, digests: SourceDigests, paths: dict[int, str],
-               kept: dict, written: dict, choice: ExecutorChoice) -> None:
+               kept: dict, written: dict, choice: ExecutorChoice) -> TargetSums:
+    """Write the files not kept, journaling each as it lands; the partial fingerprints their rank
+    tasks took from the bytes written, added up (``execute.writer_tap``)."""
     todo = {r: p for r, p in paths.items() if r not in kept}
     options = WriteOptions(spec.target.format, spec.run.max_memory, spec.target.crc, _metadata(spec),
                            fingerprints=_tap_wanted(spec))
