@@ -28,6 +28,7 @@ from reshard_job.plan.model import ACTION_COPY, ParamPlan, ParamPlans, RankPlan
 from reshard_job.execute.read_ahead import announce
 from reshard_job.sources.open_files import SourceFiles
 from reshard_job.execute.tasks import FORMAT_CKPT, RankResult, RankTask
+from reshard_job.execute.writer_tap import WriterTap
 
 DEFAULT_MAX_MEMORY = 32 * 1024 * 1024
 COPY_BLOCK = 4 * 1024 * 1024
@@ -46,12 +47,16 @@ def execute_rank(
     progress: Progress | None = None,
     metadata: dict | None = None,
     publish_later: bool = False,
+    tap: WriterTap | None = None,
 ):
     """Write one target rank's file from its plan; atomic (published only when complete).
 
     Returns the ``WrittenFile``; with `publish_later`, (WrittenFile, handle) where the file is
-    complete but not yet durable nor visible until ``handle.publish()`` (handle None: published)."""
+    complete but not yet durable nor visible until ``handle.publish()`` (handle None: published).
+    `tap`: fed the bytes of the tensors this rank counts (``execute.writer_tap``)."""
     writer = open_writer(out_path, fmt, crc=crc, metadata=metadata, storage=getattr(sources, "storage", None))
+    if tap is not None:
+        writer.fingerprint_tap = tap
     try:
         write_params(writer, rank_plan, sources, max_memory=max_memory, progress=progress)
         if publish_later and hasattr(writer, "seal"):
@@ -69,13 +74,18 @@ def write_params(writer, rank_plan: RankPlan, sources: SourceFiles, *, max_memor
     calls: ``arrange``, ``add_bytes``, ``add_str``, ``add_map``, ``begin``), reading the sources as
     the plan says, in bounded memory."""
     params = rank_plan.params
+    tap = getattr(writer, "fingerprint_tap", None)
+    counted = rank_plan.counts if tap is not None else None
     if getattr(writer, "writes_in_given_order", False) and isinstance(params, ParamPlans):
-        _write_in_order(writer, params, sources, max_memory, progress)
+        _write_in_order(writer, params, sources, max_memory, progress, counted)
         return
     by_name = {p.name: p for p in params}  # ParamPlan views are made on access: once each
     order = writer.arrange([TensorDecl(p.name, p.dtype, p.target_shape, p.kind) for p in by_name.values()])
     for name in order:
-        _write_param(writer, by_name[name], sources, max_memory, progress)
+        p = by_name[name]
+        if counted is not None and counted(p.place):
+            tap.expect(p.name, p.dtype, p.kind, p.global_shape, p.target_shape, p.place.origin)
+        _write_param(writer, p, sources, max_memory, progress)
 
 
 def run_rank_task(task: RankTask, *, sources: SourceFiles | None = None,
@@ -96,9 +106,10 @@ def run_rank_task(task: RankTask, *, sources: SourceFiles | None = None,
         opts = task.options
         # object stores fetch the announced ranges in batches instead of one request per read
         announce(task.plan, {r: readers.reader(r) for r in task.sources}, opts.max_memory)
+        tap = WriterTap() if opts.fingerprints and task.plan.counting is not None else None
         written = execute_rank(task.plan, readers, task.out_path, fmt=opts.format, max_memory=opts.max_memory,
                                crc=opts.crc, progress=progress, metadata=opts.metadata,
-                               publish_later=publish_later)
+                               publish_later=publish_later, tap=tap)
         if publish_later:
             written, handle = written
         readers.check_unchanged()
@@ -114,12 +125,13 @@ def run_rank_task(task: RankTask, *, sources: SourceFiles | None = None,
     tensors = written.tensors  # the finished writer's own dict: no copy (a million digests, many small tensors)
     result = RankResult(task.target_rank, written.path, written.size, written.sha256,
                         tensors if isinstance(tensors, (dict, TensorDigests)) else dict(tensors),
-                        task.plan.bytes_read, time.monotonic() - started, socket.gethostname(), task.part)
+                        task.plan.bytes_read, time.monotonic() - started, socket.gethostname(), task.part,
+                        tap.result() if tap is not None else None)
     return (result, handle) if publish_later else result
 
 
 def _write_in_order(writer, params: ParamPlans, sources: SourceFiles, max_memory: int,
-                    progress: Progress | None) -> None:
+                    progress: Progress | None, counted: Callable | None = None) -> None:
     """Every parameter, in plan order, into a writer that stores them in the order given.
 
     A model of many small parameters pays per parameter, not per byte: a small tensor copied whole
@@ -130,7 +142,10 @@ def _write_in_order(writer, params: ParamPlans, sources: SourceFiles, max_memory
     whole: dict[int, tuple | None] = {}  # id of a plan slice -> its source extents when a whole small copy
     readers: dict[int, object] = {}
     pending = 0  # bytes done but not yet reported (reporting per tensor would cost as much as the copy)
+    tap = writer.fingerprint_tap if counted is not None else None
     for tensor, piece in zip(params.tensors, params.slices):
+        if tap is not None and counted(piece[3] if len(piece) > 3 else None):
+            tap.expect(tensor.name, tensor.dtype, tensor.kind, tensor.global_shape, piece[0], piece[3].origin)
         extents = whole.get(id(piece), _UNKNOWN)
         if extents is _UNKNOWN:
             extents = whole[id(piece)] = _whole_small_copy(piece)  # slices live as long as `params`
@@ -159,7 +174,7 @@ _REPORT_EVERY = 4 << 20
 def _whole_small_copy(piece: tuple) -> tuple | None:
     """For a plan slice (target shape, copies, nbytes) that copies one whole source tensor into the
     whole target tensor, small enough to write as one record: the source tensor's extents."""
-    target_shape, copies, nbytes = piece
+    target_shape, copies, nbytes = piece[:3]
     if not 0 < nbytes <= SMALL_TENSOR or len(copies) != 1:
         return None
     c = copies[0]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from reshard_job.execute.writer_tap import PartialFingerprints
 from reshard_job.plan.model import RankPlan
 from reshard_job.storage import StorageOptions
 
@@ -31,6 +32,8 @@ class WriteOptions:
     # safetensors __metadata__ to write instead of MindSpore's {"format": "ms"} (e.g. {"format": "pt"},
     # which transformers requires); None: the format's own
     metadata: dict[str, str] | None = field(default=None, hash=False)
+    # fingerprint the tensors the rank counts from the bytes written (``execute.writer_tap``)
+    fingerprints: bool = False
 
 
 @dataclass(frozen=True)
@@ -60,3 +63,6 @@ class RankResult:
     seconds: float = 0.0
     host: str = ""  # the machine that wrote the file
     part: int | None = None  # as in the task
+    # the partial fingerprints of the tensors this rank counts (``execute.writer_tap``); None: not
+    # asked for, or not known (the job then reads the file back)
+    fingerprints: PartialFingerprints | None = None

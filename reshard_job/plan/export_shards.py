@@ -89,6 +89,7 @@ class ExportLayout:
     shards: tuple[ExportShard, ...]
     left_out: tuple[tuple[str, str], ...]  # (name, reason)
     max_shard_size: int
+    counting: frozenset[int] | None = None  # the full rank's (``RankPlan.counting``)
 
     @property
     def total_size(self) -> int:
@@ -112,7 +113,7 @@ class ExportLayout:
         return json.dumps(self.index_document(), indent=4).encode("utf-8")
 
     def sub_plan(self, shard: ExportShard) -> RankPlan:
-        return RankPlan(self.target_rank, list(shard.params))
+        return RankPlan(self.target_rank, list(shard.params), counting=self.counting)
 
 
 def plan_export(rank_plan: RankPlan, *, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
@@ -157,4 +158,4 @@ def plan_export(rank_plan: RankPlan, *, max_shard_size: int | str = DEFAULT_MAX_
     if current:
         groups.append(current)
     shards = tuple(ExportShard(shard_file_name(i + 1, len(groups)), tuple(g)) for i, g in enumerate(groups))
-    return ExportLayout(rank_plan.target_rank, shards, tuple(left_out), bound)
+    return ExportLayout(rank_plan.target_rank, shards, tuple(left_out), bound, rank_plan.counting)

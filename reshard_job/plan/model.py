@@ -33,6 +33,21 @@ BUFFER_PREFIXES = ("accu_grads.",)
 
 PLAN_VERSION = 3
 
+# Who counts a target tensor's bytes once in the outputs' fingerprints (``Place.counted``, matched
+# against ``RankPlan.counting``): every rank writing it, none, the stage's local rank 0, or (a
+# value k >= 0) the first local rank holding each block of the stage's k-th distinct target layout.
+COUNTED_ALWAYS = -1
+COUNTED_NEVER = -2
+COUNTED_FIRST = -3
+
+
+class Place(NamedTuple):
+    """Where a target rank's tensor lies in the global tensor, and which of the ranks holding that
+    box counts it (so that the boxes counted over all target ranks cover every element once)."""
+
+    origin: tuple[int, ...]  # global coordinates of the target tensor's first element
+    counted: int  # COUNTED_* or a target layout's number in its stage
+
 
 class Copy(NamedTuple):
     source_rank: int
@@ -74,20 +89,23 @@ class ParamPlan:
     live in a shared ``TensorFacts`` and are read through properties.
     """
 
-    __slots__ = ("tensor", "target_shape", "copies", "nbytes")
+    __slots__ = ("tensor", "target_shape", "copies", "nbytes", "place")
 
     def __init__(self, name: str, dtype: str, kind: str, action: str, global_shape: Sequence[int],
-                 target_shape: Sequence[int], copies: Iterable[Copy], itemsize: int = 0, nbytes: int = 0):
+                 target_shape: Sequence[int], copies: Iterable[Copy], itemsize: int = 0, nbytes: int = 0,
+                 place: Place | None = None):
         self.tensor = TensorFacts(name, dtype, kind, action, tuple(global_shape), itemsize)
         self.target_shape = tuple(target_shape)
         self.copies = tuple(copies)
         self.nbytes = nbytes  # bytes of the target tensor
+        self.place = place  # None: not known (a plan read from JSON)
 
     @classmethod
     def _shared(cls, tensor: TensorFacts, target_shape: tuple[int, ...], copies: tuple[Copy, ...],
-                nbytes: int) -> "ParamPlan":
+                nbytes: int, place: Place | None = None) -> "ParamPlan":
         plan = cls.__new__(cls)
-        plan.tensor, plan.target_shape, plan.copies, plan.nbytes = tensor, target_shape, copies, nbytes
+        plan.tensor, plan.target_shape, plan.copies, plan.nbytes, plan.place = \
+            tensor, target_shape, copies, nbytes, place
         return plan
 
     name = property(lambda self: self.tensor.name)
@@ -131,8 +149,8 @@ class ParamPlan:
 
 class ParamPlans(Sequence[ParamPlan]):
     """A target rank's parameters, stored as two tuples of shared references (the parameters'
-    ``TensorFacts`` and their (target shape, copies, nbytes) slices): 16 bytes per parameter instead
-    of an object each. ``ParamPlan`` views are made on access."""
+    ``TensorFacts`` and their (target shape, copies, nbytes[, place]) slices): 16 bytes per parameter
+    instead of an object each. ``ParamPlan`` views are made on access."""
 
     __slots__ = ("tensors", "slices")
 
@@ -184,6 +202,12 @@ class RankPlan:
     params: Sequence[ParamPlan] = ()
     # totals of `params`, computed once (and shared by target ranks that share `params`)
     _summary: RankSummary | None = field(default=None, repr=False, compare=False)
+    # the ``Place.counted`` values this rank counts (None: not known, its tensors' places neither)
+    counting: frozenset[int] | None = field(default=None, repr=False, compare=False)
+
+    def counts(self, place: Place | None) -> bool:
+        """Whether this rank's copy of a tensor at `place` is the one the fingerprints count."""
+        return place is not None and self.counting is not None and place.counted in self.counting
 
     def _totals(self) -> RankSummary:
         if self._summary is None:
@@ -338,7 +362,7 @@ def _rank_tables(rank_plans: Sequence[RankPlan], lazy: bool) -> tuple[list[Tenso
         params = rp.params
         entries = (zip(params.tensors, params.slices) if isinstance(params, ParamPlans)
                    else ((p.tensor, (p.target_shape, p.copies, p.nbytes)) for p in params))
-        for tensor, (shape, copies, nbytes) in entries:
+        for tensor, (shape, copies, nbytes, *_) in entries:
             t = tensor_ids.get(id(tensor))
             if t is None:
                 t = tensor_ids[id(tensor)] = len(order)

@@ -145,6 +145,26 @@ def write_hashed(writer: AtomicWriter, data, hasher) -> None:
     writer.write(data)
 
 
+class TeeHasher:
+    """A hasher that feeds a second consumer too (anything with ``update``: a tensor's fingerprint
+    beside its sha256), so that both see the same bytes in the same thread and order."""
+
+    __slots__ = ("hasher", "also")
+
+    def __init__(self, hasher, also):
+        self.hasher, self.also = hasher, also
+
+    def update(self, data) -> None:
+        self.hasher.update(data)
+        self.also.update(data)
+
+    def digest(self) -> bytes:
+        return self.hasher.digest()
+
+    def hexdigest(self) -> str:
+        return self.hasher.hexdigest()
+
+
 @runtime_checkable
 class OutputLock(Protocol):
     """Held while a job writes an output directory; released by ``release`` or by the holder's death."""

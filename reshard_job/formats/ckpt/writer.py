@@ -17,7 +17,7 @@ import numpy as np
 
 from reshard_job.errors import LayoutError
 import reshard_job.core.dtypes as dtypes
-from reshard_job.storage.base import write_hashed
+from reshard_job.storage.base import TeeHasher, write_hashed
 from reshard_job.formats.base import TensorDecl, WrittenFile
 from reshard_job.formats.tensor_digests import TensorDigests
 from reshard_job.formats.ckpt.records import CRC_MAGIC, SLICE_BYTES, default_chunks, map_record, record_header
@@ -39,7 +39,9 @@ class RecordSink:
         self._records = list(records)
         self._next = 0
         self._left = 0
-        self._hash = hashlib.sha256()
+        feed = writer.fingerprint_tap.feed(name) if writer.fingerprint_tap is not None else None
+        # the fingerprint tap sees what the tensor's digest sees, where it sees it
+        self._hash = hashlib.sha256() if feed is None else TeeHasher(hashlib.sha256(), feed)
         self.total = sum(n for _, _, n in self._records)
         self.written = 0
         self._reserved: memoryview | None = None
@@ -181,6 +183,8 @@ class CheckpointWriter:
 
     # --- tensors --------------------------------------------------------------------------------
     writes_in_given_order = True  # ``arrange`` is the identity: callers may skip it
+    # ``execute.writer_tap.WriterTap`` (or None): tensors it expects are fed to it as they are hashed
+    fingerprint_tap = None
 
     def arrange(self, tensors: Sequence[TensorDecl]) -> list[str]:
         """Records go in the order given."""
@@ -239,6 +243,9 @@ class CheckpointWriter:
                     self._emit(mv, record=True)
                 digest = hashlib.sha256(mv).digest()
                 self.tensors.add(name, digest)
+                feed = self.fingerprint_tap.feed(name) if self.fingerprint_tap is not None else None
+                if feed is not None:
+                    feed.update(mv)
                 return digest.hex()
         sink = self.begin(name, dtype, dims, chunk_sizes, defer_hash=False)  # its digest is returned
         sink.write(mv)

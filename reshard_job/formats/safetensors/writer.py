@@ -30,6 +30,9 @@ class TensorSink:
         self.total = decl.nbytes
         self.written = 0
         self._hash = hashlib.sha256()
+        # the fingerprint tap (``SafetensorsWriter.fingerprint_tap``) sees what the digest sees
+        tap = writer.fingerprint_tap
+        self._feed = tap.feed(decl.name) if tap is not None else None
         self._crc = 0
         # a 0-d integer enters crc_num by its value (formats.crc32): keep its few bytes
         self._scalar = bytearray() if hashed_as_count(decl.code, decl.shape) else None
@@ -42,6 +45,8 @@ class TensorSink:
         if self.written + len(mv) > self.total:
             raise ValueError(f"parameter {self.name!r}: more bytes than its shape and dtype hold ({self.total})")
         self._hash.update(mv)
+        if self._feed is not None:
+            self._feed.update(mv)
         if self._w._track_crc:
             self._crc = zlib.crc32(mv, self._crc)
             if self._scalar is not None:
@@ -71,6 +76,9 @@ class SafetensorsWriter:
 
     Used as a context manager it commits on success and removes the temporary file on error.
     """
+
+    # ``execute.writer_tap.WriterTap`` (or None): tensors it expects are fed to it as they are hashed
+    fingerprint_tap = None
 
     def __init__(
         self,

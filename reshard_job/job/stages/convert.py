@@ -30,6 +30,7 @@ from reshard_job.formats.safetensors.header import DEDUPLICATED_METADATA
 from reshard_job.lineage.file_records import FileRecord
 from reshard_job.plan.model import Plan
 from reshard_job.storage import SourceChangedError
+from reshard_job.execute.writer_tap import TargetSums
 from reshard_job.execute.tasks import FORMAT_CKPT, FORMAT_SAFETENSORS, FORMAT_SAFETENSORS_INDEX, RankResult, RankTask, WriteOptions
 from reshard_job.text import human_size
 from reshard_job.job.stages.executor_choice import ExecutorChoice, choose_executor, cluster_layout
@@ -163,11 +164,11 @@ def _convert_into(spec: JobSpec, prepared: Prepared, out: OutputDir, digests: So
         log.info("resuming: keeping %d target file(s) that verify: %s %s", len(kept),
                  "files" if prepared.export is not None else "ranks", sorted(kept))
     written = {r: _entry_as_file(out, e) for r, e in kept.items()}
-    _run_ranks(spec, prepared, out, digests, paths, kept, written, choice)
+    tapped = _run_ranks(spec, prepared, out, digests, paths, kept, written, choice)
     if prepared.export is not None and any(k not in kept for k in paths if k >= len(prepared.export.shards)):
         _journal_index(prepared, out, paths, written)
     _check_sources_unchanged(prepared, digests)
-    return _finish(spec, prepared, out, digests, fingerprint, strategy_out, written, recorder, choice.files)
+    return _finish(spec, prepared, out, digests, fingerprint, strategy_out, written, recorder, choice.files, tapped)
 
 
 # ---------------------------------------------------------------------------------- pieces
@@ -275,9 +276,12 @@ def _entry_as_file(out: OutputDir, e: JournalEntry) -> dict:
 
 
 def _run_ranks(spec: JobSpec, prepared: Prepared, out: OutputDir, digests: SourceDigests, paths: dict[int, str],
-               kept: dict, written: dict, choice: ExecutorChoice) -> None:
+               kept: dict, written: dict, choice: ExecutorChoice) -> TargetSums:
+    """Write the files not kept, journaling each as it lands; the partial fingerprints their rank
+    tasks took from the bytes written, added up (``execute.writer_tap``)."""
     todo = {r: p for r, p in paths.items() if r not in kept}
-    options = WriteOptions(spec.target.format, spec.run.max_memory, spec.target.crc, _metadata(spec))
+    options = WriteOptions(spec.target.format, spec.run.max_memory, spec.target.crc, _metadata(spec),
+                           fingerprints=_tap_wanted(spec))
     tasks = rank_tasks(prepared, todo, options, digests.identities, spec.storage)
     executor, how = choice.executor_for(len(tasks), sum(t.plan.bytes_written for t in tasks))
     total = sum(t.plan.bytes_written for t in tasks)
@@ -286,16 +290,27 @@ def _run_ranks(spec: JobSpec, prepared: Prepared, out: OutputDir, digests: Sourc
     log.info("%s %d %s %s: %s to write", what, len(tasks),
              "target rank(s)" if prepared.export is None else "shard(s) of target rank 0", how, human_size(total))
 
+    tapped = TargetSums()
+
     def on_done(result: RankResult) -> None:
         key = result.part if result.part is not None else result.target_rank
         _journal(out, written, key, result.path, result.size, result.sha256, result.tensors,
                  choice.files.identity(result))
+        if result.fingerprints is not None:  # partial sums of the bytes written, added up at once (proof)
+            tapped.add(result.fingerprints, key)
         bar.rank_done(result.target_rank, result.size, note="" if result.part is None else out.relative(result.path))
 
     try:
         executor.run(tasks, on_bytes=bar.add_bytes, on_done=on_done)
     finally:
         bar.close()
+    return tapped
+
+
+def _tap_wanted(spec: JobSpec) -> bool:
+    """Whether the rank tasks fingerprint what they write: the proof compares the outputs when the
+    job writes every target rank (``job.stages.proof``)."""
+    return bool(spec.run.fingerprints) and not spec.run.ranks
 
 
 def _metadata(spec: JobSpec) -> dict | None:
@@ -332,11 +347,11 @@ def _check_sources_unchanged(prepared: Prepared, digests: SourceDigests) -> None
 
 
 def _finish(spec: JobSpec, prepared: Prepared, out: OutputDir, digests: SourceDigests, fingerprint: str,
-            strategy_out: dict | None, written: dict, recorder, files) -> Outputs:
+            strategy_out: dict | None, written: dict, recorder, files, tapped: TargetSums | None = None) -> Outputs:
     run_id = recorder.run_id
     target_files = [files.file_entry(_target_file(prepared, out, key, written[key])) for key in sorted(written)]
     proof = prove(spec, prepared, out.path, strategy_out["path"] if strategy_out else None,
-                  {f["rank"]: f["path"] for f in target_files}) \
+                  {key: w["path"] for key, w in written.items()}, tapped) \
         if spec.run.fingerprints else None  # job.fingerprints=false: neither computed nor recorded
     checks = prepared.checks + ["sources unchanged since hashed"]
     if proof is not None:

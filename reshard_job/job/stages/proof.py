@@ -1,16 +1,38 @@
 """The proof stage: every converted parameter has the same fingerprint in the sources as in the
 outputs, checked before the manifest commits the conversion.
 
-Both sides are read back independently of the conversion's own plan (``proof.collect``): the
-sources as a one-device plan over them, the outputs as a one-device plan over the files just
-written, with the target strategy written beside them. A conversion that misplaced, dropped or
-altered any byte of a parameter therefore fails here (``ProofError``, naming it) instead of
-committing. The fingerprints go into ``manifest.json`` (``fingerprints``: algorithm, source,
-target) and the lineage database.
+The sources are read back independently of the conversion's own plan (``proof.collect``): as a
+one-device plan over them. The outputs' side comes from the bytes written (``execute.writer_tap``):
+each rank task fingerprints the tensors it counts (one rank per distinct box of the global tensor,
+``plan.counting``) in the thread that hashes them for the per-tensor sha256, and returns partial
+sums, which are added up per parameter here, after checking that every byte of each parameter was
+counted exactly once. A conversion that misplaced, dropped or altered any byte of a parameter on
+its way into a file therefore fails here (``ProofError``, naming it) instead of committing. The
+fingerprints go into ``manifest.json`` (``fingerprints``: algorithm, source, target) and the
+lineage database.
 
-The outputs cannot be read back when the job wrote only some target ranks (``job.ranks``) or when
-they stay on the target nodes (``output.placement=per_node``): then only the source side is
-recorded, and the manifest says why under ``fingerprints.target_unchecked``.
+Which outputs are read back instead:
+
+* files the job did not write in this run (kept by a resumed run, whose journal vouches for their
+  identity but holds no fingerprints): each is read back alone, its counted tensors only, with the
+  same places;
+* every output, when the plan does not say which rank counts what (a plan from elsewhere than the
+  planner) or a rank task could not tap a tensor: the output directory is read back as a source,
+  through a one-device plan over the files just written and the target strategy beside them.
+
+Exports (``target.format=safetensors_index``: each shard is a rank task over a slice of the one full
+rank) and outputs on object storage (the same writers over a multipart upload) are tapped like rank
+files; a kept export shard or object is read back alone as above.
+
+The outputs are not checked when the job wrote only some target ranks (``job.ranks``), or when they
+stay on the target nodes (``output.placement=per_node``) and some were not written in this run
+(a resumed run: they cannot be read back from here): then only the source side is recorded, and
+the manifest says why under ``fingerprints.target_unchecked``.
+
+What the tap trusts: the bytes it sees are those handed to the file's writer and hashed into its
+sha256; a file damaged after that is caught by its sha256 (``audit verify``), not here. Where each
+tensor lies in the global tensor is the plan's (``Place``), computed from the target strategy as
+the read-back's plan is.
 """
 
 from __future__ import annotations
@@ -19,6 +41,7 @@ import logging
 from dataclasses import dataclass, field
 
 from reshard_job.core.fingerprint import ALGORITHM
+from reshard_job.execute.writer_tap import TargetSums, fingerprint_written
 from reshard_job.errors import ProofError
 from reshard_job.job.config.spec import PLACEMENT_SHARED, JobSpec, SourceSpec, TargetSpec
 from reshard_job.job.run.progress import Progress
@@ -106,20 +129,27 @@ def converted_names(prepared) -> set[str]:
 
 
 def prove(spec: JobSpec, prepared, out_path: str, strategy_path: str | None,
-          written: dict[int, str] | None = None) -> ProofResult:
+          written: dict[int, str] | None = None, tapped: TargetSums | None = None) -> ProofResult:
     """Fingerprint the converted parameters on both sides and compare them; ProofError on a
-    difference. `written`: target rank -> the file the job wrote (local ones are read back as
-    exactly those files; else the output directory is read as a source)."""
+    difference. `written`: output file key (target rank, or an export's part) -> the file the job
+    wrote; `tapped`: the partial fingerprints the rank tasks took from the bytes they wrote
+    (``RankResult.fingerprints``), added up, with the keys of their files (``units``). The outputs'
+    side is that sum, files without partials read back alone and added; where the plan cannot say
+    which rank counts what, the output directory is read back as a source (local files as exactly
+    the files written)."""
     names = converted_names(prepared)
     source = _source_fingerprints(spec, prepared, names)
     unchecked = _why_unchecked(spec)
-    if unchecked:
+    tapped = tapped if tapped is not None else TargetSums()
+    if unchecked and not (not spec.run.ranks and _all_tapped(prepared, tapped)):
         log.info("fingerprints: sources only (%s)", unchecked)
         return ProofResult(source, None, unchecked)
-    local = written if written and prepared.export is None and not any("://" in p for p in written.values()) \
-        else None
-    target = checkpoint_fingerprints(SourceSpec(out_path, strategy_path), storage=spec.storage, files=local,
-                                     progress=spec.run.progress, desc="fingerprinting outputs").digests
+    target = _tapped_fingerprints(spec, prepared, names, written or {}, tapped)
+    if target is None:
+        local = written if written and prepared.export is None and not any("://" in p for p in written.values()) \
+            else None
+        target = checkpoint_fingerprints(SourceSpec(out_path, strategy_path), storage=spec.storage, files=local,
+                                         progress=spec.run.progress, desc="fingerprinting outputs").digests
     result = ProofResult(source, target)
     result.differ = sorted(n for n in names if source.get(n) != target.get(n))
     if result.differ:
@@ -129,6 +159,56 @@ def prove(spec: JobSpec, prepared, out_path: str, strategy_path: str | None,
                          f"sources ({ALGORITHM} fingerprints differ); nothing was committed: rerun, and report it "
                          f"if it persists")
     return result
+
+
+def _output_units(prepared) -> dict[int, object]:
+    """Output file key -> the rank plan its file was written from (files holding tensors only)."""
+    if prepared.export is not None:
+        return {i: prepared.export.sub_plan(shard) for i, shard in enumerate(prepared.export.shards)}
+    return {rp.target_rank: rp for rp in prepared.plan.ranks}
+
+
+def _all_tapped(prepared, tapped: TargetSums) -> bool:
+    """Whether every output file's rank task returned its partial fingerprints (nothing to read)."""
+    units = _output_units(prepared)
+    return all(rp.counting is not None and key in tapped.units for key, rp in units.items())
+
+
+def _tapped_fingerprints(spec: JobSpec, prepared, names: set[str], written: dict[int, str],
+                         sums: TargetSums) -> dict[str, str] | None:
+    """The outputs' fingerprints from the rank tasks' partial sums, with the files written in an
+    earlier run (resumed, or kept) read back one by one; None when the plan does not say which
+    rank counts what (then the whole output is read back)."""
+    units = _output_units(prepared)
+    if any(rp.counting is None for rp in units.values()) or any(k not in written for k in units):
+        return None
+    read_back = 0
+    for key, rank_plan in sorted(units.items()):
+        if key not in sums.units:
+            read_back += 1
+            partials = _read_back(rank_plan, written[key], spec.storage)
+            if partials is None:
+                return None
+            sums.add(partials, key)
+    log.debug("fingerprints: %d output file(s) from the bytes written, %d read back", len(units) - read_back,
+              read_back)
+    digests, uncovered = sums.digests(t for rp in prepared.plan.ranks
+                                      for t in getattr(rp.params, "tensors", None) or [p.tensor for p in rp.params]
+                                      if t.name in names)
+    if uncovered:
+        shown = ", ".join(repr(n) for n in sorted(uncovered)[:5])
+        raise ProofError(f"parameter {shown}: the target files do not hold each of its bytes exactly once "
+                         f"(the plan's boxes do not tile it); nothing was committed: report it")
+    return digests
+
+
+def _read_back(rank_plan, path: str, storage):
+    """The partial fingerprints of one file written earlier, read back from it alone."""
+    files = SourceFiles({0: path}, verify_crc=False, storage=storage)
+    try:
+        return fingerprint_written(rank_plan, files.reader(0))
+    finally:
+        files.close()
 
 
 def _source_fingerprints(spec: JobSpec, prepared, names: set[str]) -> dict[str, str]:

@@ -1,0 +1,279 @@
+"""The outputs' fingerprints from the bytes written: each rank task's partial sums, and their sum.
+
+The fingerprint (``core.fingerprint``) is a sum over a tensor's bytes, each weighted by a key of its
+global position, so the parts of a tensor written by different target ranks add up to the whole
+tensor's fingerprint, whatever the layout. A rank task knows where each tensor it writes lies in
+the global tensor (``Place`` in the plan) and whether its copy is the one counted (one rank per
+distinct box: ``RankPlan.counts``). For those tensors the writer hands every byte it hashes for the
+per-tensor sha256 to a ``WriterTap`` feed as well, in the same place: the output's hashing thread
+where the file is written through ``O_DIRECT``, else the writing thread, so that what is
+fingerprinted is exactly what was written, and nothing is read back.
+
+What crosses process (and Ray) boundaries is ``PartialFingerprints``: per tensor its name, the two
+64-bit lane sums (16 bytes, without the header mask) and how many bytes were fed. The job adds
+them up per parameter (``TargetSums``) and checks that every parameter's bytes were fed exactly
+as many times as the global tensor has bytes, then applies the mask of its dtype and shape.
+"""
+
+from __future__ import annotations
+
+import threading
+from array import array
+from functools import lru_cache
+from math import prod
+from typing import Iterable, Iterator
+
+import numpy as np
+
+import reshard_job.core.dtypes as dtypes
+from reshard_job.core.fingerprint import LANES, _READS, Fingerprint, _column_dot, _dim_keys, _words
+from reshard_job.formats.tensorfile import KIND_TENSOR
+
+_MASK64 = (1 << 64) - 1
+SMALL = 64 << 10  # tensors up to this size are fingerprinted in batches of one (dtype, shape, box)
+BATCH_BYTES = 8 << 20  # bytes of small tensors held before their batches are computed
+
+
+@lru_cache(maxsize=4096)
+def _mask(dtype: str, shape: tuple[int, ...]) -> int:
+    """The header mask of a fingerprint: what an empty one's digest is (no byte fed, lanes zero)."""
+    return int.from_bytes(Fingerprint(dtype, shape).digest(partial=True), "little")
+
+
+def _lanes(fp: Fingerprint, dtype: str, shape: tuple[int, ...]) -> bytes:
+    """A partial fingerprint's two lane sums, without the header mask (so that parts add)."""
+    return (int.from_bytes(fp.digest(partial=True), "little") ^ _mask(dtype, shape)).to_bytes(16, "little")
+
+
+class PartialFingerprints:
+    """Per tensor a rank counted: name, 16 bytes of lane sums, bytes fed. Plain, compact, picklable."""
+
+    __slots__ = ("names", "lanes", "fed")
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.lanes = bytearray()
+        self.fed = array("Q")
+
+    def add(self, name: str, lanes: bytes, fed: int) -> None:
+        self.names.append(name)
+        self.lanes += lanes
+        self.fed.append(fed)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __iter__(self) -> Iterator[tuple[str, bytes, int]]:
+        for i, name in enumerate(self.names):
+            yield name, bytes(self.lanes[16 * i:16 * i + 16]), self.fed[i]
+
+    def __getstate__(self):
+        return self.names, bytes(self.lanes), self.fed.tobytes()
+
+    def __setstate__(self, state) -> None:
+        names, lanes, fed = state
+        self.names, self.lanes, self.fed = names, bytearray(lanes), array("Q")
+        self.fed.frombytes(fed)
+
+
+class _Feed:
+    """One counted tensor's bytes, in the C order of its target shape, into its partial fingerprint."""
+
+    __slots__ = ("tap", "name", "fp", "box", "offset", "total")
+
+    def __init__(self, tap: "WriterTap", name: str, fp: Fingerprint, box: tuple, total: int):
+        self.tap, self.name, self.fp, self.box, self.offset, self.total = tap, name, fp, box, 0, total
+
+    def update(self, data) -> None:
+        n = memoryview(data).nbytes
+        if n:
+            self.fp.add_box_run(self.box, self.offset, data)
+            self.offset += n
+        if self.offset >= self.total:
+            self.tap._done(self)
+
+
+class _SmallFeed:
+    """A small counted tensor's bytes, kept until its batch is computed (``_BoxBatches``)."""
+
+    __slots__ = ("tap", "name", "key", "total", "data", "fp")
+
+    def __init__(self, tap: "WriterTap", name: str, key: tuple, total: int):
+        self.tap, self.name, self.key, self.total, self.data = tap, name, key, total, bytearray()
+        self.fp = key  # not None until done (as a _Feed's)
+
+    def update(self, data) -> None:
+        self.data += memoryview(data).cast("B")  # a copy: the writer reuses its buffers
+        if len(self.data) >= self.total:
+            self.tap._small_done(self)
+
+
+class _BoxBatches:
+    """Partial fingerprints of many small tensors at once: tensors of one dtype, global shape and
+    box share every key, so k of them are one (k * rows, words) matmul per lane and one contraction
+    per leading dim, as ``core.fingerprint_batch`` does for whole tensors."""
+
+    def __init__(self, out: PartialFingerprints):
+        self.out = out
+        self._groups: dict[tuple, tuple[list[str], list[bytes]]] = {}
+        self.held = 0
+
+    def add(self, key: tuple, name: str, data: bytes) -> None:
+        names, blobs = self._groups.setdefault(key, ([], []))
+        names.append(name)
+        blobs.append(data)
+        self.held += len(data)
+        if self.held >= BATCH_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        for key, (names, blobs) in self._groups.items():
+            self._compute(key, names, blobs)
+        self._groups.clear()
+        self.held = 0
+
+    def _compute(self, key: tuple, names: list[str], blobs: list[bytes]) -> None:
+        dtype, shape, box = key
+        grid_box = Fingerprint(dtype, shape)._grid_box(box)
+        lead = tuple(hi - lo for lo, hi in grid_box[:-1])
+        width = grid_box[-1][1] - grid_box[-1][0]
+        k = len(names)
+        if width == 0 or 0 in lead:
+            lanes = [[0] * k] * LANES
+        else:
+            raw = np.frombuffer(b"".join(blobs), dtype=np.uint8).reshape(k * prod(lead), width)
+            words = _words(raw, grid_box[-1][0])
+            lanes = []
+            for lane in range(LANES):
+                y = _column_dot(words.view(_READS[lane]), grid_box[-1][0] // 8, lane).reshape((k,) + lead)
+                for d in reversed(range(len(lead))):
+                    y = y @ _dim_keys(lane, d, *grid_box[d])
+                lanes.append(y.tolist())
+        fed = width * prod(lead)
+        for name, h1, h2 in zip(names, *lanes):
+            self.out.add(name, (h1 | h2 << 64).to_bytes(16, "little"), fed)
+
+
+class WriterTap:
+    """The partial fingerprints of one rank task. The task says which tensor comes (``expect``);
+    the writer asks for its feed when it starts that tensor (``feed``) and feeds it what it hashes."""
+
+    def __init__(self) -> None:
+        self._expected: dict[str, tuple] = {}
+        self._open = 0  # feeds handed out and not yet complete
+        self._lock = threading.Lock()  # feeds complete in the output's hashing thread
+        self.partials = PartialFingerprints()
+        self._batches = _BoxBatches(self.partials)
+
+    def expect(self, name: str, dtype: str, kind: str, global_shape: tuple, target_shape: tuple, origin) -> None:
+        """The next tensor `name` is counted here, at `origin` of the global tensor (tensors only:
+        strings and map entries have no fingerprint)."""
+        if kind != KIND_TENSOR or not dtypes.BY_NAME[dtype].sliceable:
+            return
+        box = tuple((o, o + n) for o, n in zip(origin, target_shape))
+        self._expected[name] = (dtype, tuple(global_shape), box)
+
+    def feed(self, name: str) -> _Feed | _SmallFeed | None:
+        """The feed of an expected tensor the writer starts (None: not counted here)."""
+        spec = self._expected.pop(name, None)
+        if spec is None:
+            return None
+        dtype, shape, box = spec
+        total = dtypes.BY_NAME[dtype].itemsize
+        for lo, hi in box:
+            total *= hi - lo
+        with self._lock:
+            self._open += 1
+        if 0 < total <= SMALL:
+            return _SmallFeed(self, name, spec, total)
+        feed = _Feed(self, name, Fingerprint(dtype, shape), box, total)
+        if total == 0:
+            self._done(feed)
+        return feed
+
+    def _small_done(self, feed: _SmallFeed) -> None:
+        if len(feed.data) != feed.total:
+            raise ValueError(f"parameter {feed.name!r}: {len(feed.data)} bytes fed, {feed.total} expected")
+        with self._lock:
+            self._batches.add(feed.key, feed.name, bytes(feed.data))
+            self._open -= 1
+        feed.fp = feed.data = None
+
+    def _done(self, feed: _Feed) -> None:
+        dtype, shape = feed.fp.dtype, feed.fp.shape
+        lanes = _lanes(feed.fp, dtype, shape)
+        with self._lock:
+            self.partials.add(feed.name, lanes, feed.fp.fed)
+            self._open -= 1
+        feed.fp = None  # done: a late update is a bug, and fails
+
+    def result(self) -> PartialFingerprints | None:
+        """The partial fingerprints, once the file is committed (its hashing finished); None when some
+        expected tensor was not fed whole, so that the job reads that file back instead."""
+        if self._expected or self._open:
+            return None
+        self._batches.flush()
+        return self.partials
+
+
+READ_BLOCK = 8 << 20
+
+
+def fingerprint_written(rank_plan, reader) -> PartialFingerprints | None:
+    """The partial fingerprints of the tensors `rank_plan` counts, read back from the file written
+    for it (`reader`): for a file a rank task did not tap (one kept from an earlier run)."""
+    tap = WriterTap()
+    for p in rank_plan.params:
+        if rank_plan.counts(p.place):
+            tap.expect(p.name, p.dtype, p.kind, p.global_shape, p.target_shape, p.place.origin)
+            feed = tap.feed(p.name)
+            if feed is not None:
+                for block in reader.iter_content(p.name, READ_BLOCK):
+                    feed.update(block)
+                if feed.fp is not None:  # the file holds fewer bytes than the plan says
+                    return None
+    return tap.result()
+
+
+class TargetSums:
+    """The partial fingerprints of every target rank, added up per parameter: a row per name (lane
+    sums and bytes fed as uint64 columns, which add mod 2^64 as the lanes do), not an object each
+    (a model of 600,000 parameters)."""
+
+    def __init__(self) -> None:
+        self._row: dict[str, int] = {}
+        self._sums = np.zeros((0, 3), np.uint64)  # lane 1, lane 2, bytes fed
+        self.units: set = set()  # the output files whose partials were added
+
+    def add(self, partials: PartialFingerprints, unit=None) -> None:
+        """Add one output file's partial fingerprints (`unit`: its key, remembered in ``units``)."""
+        self.units.add(unit)
+        row = self._row
+        rows = np.fromiter((row.setdefault(name, len(row)) for name in partials.names), np.int64, len(partials))
+        if len(row) > len(self._sums):
+            grown = np.zeros((max(len(row), 2 * len(self._sums)), 3), np.uint64)
+            grown[:len(self._sums)] = self._sums
+            self._sums = grown
+        values = np.empty((len(partials), 3), np.uint64)
+        values[:, :2] = np.frombuffer(bytes(partials.lanes), "<u8").reshape(-1, 2)
+        values[:, 2] = np.frombuffer(partials.fed, np.uint64)
+        np.add.at(self._sums, rows, values)
+
+    def digests(self, tensors: Iterable) -> tuple[dict[str, str], list[str]]:
+        """(name -> hex fingerprint, names whose bytes were not counted exactly once). `tensors`: the
+        parameters to give (anything with ``name``, ``dtype`` and ``global_shape``; repeats skipped).
+        Once: the sums are let go, so that the manifest is built without them."""
+        out: dict[str, str] = {}
+        uncovered: dict[str, None] = {}
+        for t in tensors:
+            name = t.name
+            i = self._row.get(name)
+            if i is None or name in out or name in uncovered:
+                continue  # not a tensor, or counted nowhere: no fingerprint (the comparison names it)
+            h1, h2, fed = (int(v) for v in self._sums[i])
+            if fed != Fingerprint(t.dtype, t.global_shape).nbytes:
+                uncovered[name] = None
+                continue
+            out[name] = ((h1 | h2 << 64) ^ _mask(t.dtype, tuple(t.global_shape))).to_bytes(16, "little").hex()
+        self._row, self._sums = {}, np.zeros((0, 3), np.uint64)
+        return out, list(uncovered)
