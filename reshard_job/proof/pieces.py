@@ -156,22 +156,28 @@ class _Feeder:
         for c in copies:
             src = c.source_box
             row_bytes = prod(box_shape(src)[1:]) * storage.itemsize
-            reader = checked = None
+            read = None
             for block in split_rows(src, row_bytes, self.read_block):
                 n = prod(box_shape(block)) * storage.itemsize
                 if not self.share.take(n):
                     continue
-                if checked is None:
-                    reader = self.reader(c.source_rank)
-                    checked = _check_source(reader, t.name, t.dtype, src)
-                if fp is None:
-                    fp = Fingerprint(t.dtype, shape)
-                out = self._window.array(box_shape(block), storage)
-                data = reader.read_box(t.name, block, out=out)
-                fp.add_box(_moved(block, src, c.target_box), data)
+                if read is None:  # the entry is looked up once per copy, and only where it is read
+                    read = self._box_reader(c.source_rank, t, src)
+                    fp = fp or Fingerprint(t.dtype, shape)
+                fp.add_box(_moved(block, src, c.target_box), read(block, self._window.array(box_shape(block), storage)))
                 self._done(n)
         if fp is not None:
             self._keep(t.name, fp)
+
+    def _box_reader(self, rank: int, t, box: Box) -> Callable:
+        """``read(block, out)``: a block of parameter `t`'s stored tensor on source rank `rank`,
+        checked against the plan first (`box` is all the plan reads of it)."""
+        reader = self.reader(rank)
+        entry = _check_source(reader, t.name, t.dtype, box)
+        by_entry = getattr(reader, "read_entry_box", None)
+        if by_entry is not None:
+            return lambda block, out: by_entry(entry, block, out)
+        return lambda block, out: reader.read_box(t.name, block, out=out)
 
     def _keep(self, name: str, fp: Fingerprint) -> None:
         if fp.complete or self.share.parts == 1:

@@ -4,6 +4,8 @@ tensors are batched, and however many parts the plan is cut into (partial finger
 
 from __future__ import annotations
 
+import os
+import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -12,10 +14,12 @@ import pytest
 
 from reshard_job import api
 from reshard_job.core.fingerprint import Fingerprint
+from reshard_job.errors import FormatError
 from reshard_job.execute.rank_task import write_params
 from reshard_job.formats.ckpt import CheckpointWriter
 from reshard_job.formats.tensorfile import KIND_TENSOR
 from reshard_job.job.config.spec import SourceSpec, TargetSpec
+from reshard_job.job.run.local import run_forked
 from reshard_job.job.stages.prepare import prepare
 from reshard_job.proof.pieces import PartFingerprints, fingerprint_part, merge_parts, plan_bytes
 
@@ -152,3 +156,30 @@ def test_merging_refuses_parts_that_do_not_cover_a_parameter():
         assert first.partial
         with pytest.raises(ValueError, match="fed"):
             merge_parts([first, PartFingerprints()])
+
+
+def test_parts_read_in_forked_workers_merge_to_the_fingerprints_read_here():
+    spec = _golden_sources("S3_pipeline2x4opt_to_4")[0]
+    with _one_device(spec) as (plan, readers):
+        expected = merge_parts([fingerprint_part(plan, readers)])
+        heard = []
+
+        def part(k, report):
+            return fingerprint_part(plan, readers, part=k, parts=3, progress=report, read_block=256, batched=0)
+
+        results = run_forked(part, 3, 2, heard.append)
+        assert any(r.partial for r in results)  # parameters cut between parts came back partial
+        assert merge_parts(results) == expected
+        assert sum(heard) == plan_bytes(plan)
+
+
+def test_a_failure_in_a_worker_is_raised_here_as_itself(tmp_path):
+    copy = tmp_path / "src"
+    shutil.copytree(GOLDEN / "S2_block_mp4dp2opt_to_mp4" / "src_checkpoints", copy)
+    spec = SourceSpec(str(copy), str(GOLDEN / "S2_block_mp4dp2opt_to_mp4" / "src_strategy.ckpt"))
+    with _one_device(spec) as (plan, readers):
+        for f in copy.glob("rank_*/*.ckpt"):  # cut short after indexing: the reads run past the end
+            f.chmod(0o644)
+            os.truncate(f, f.stat().st_size // 2)
+        with pytest.raises(FormatError, match="end of file"):
+            run_forked(lambda k, report: fingerprint_part(plan, readers, part=k, parts=2), 2, 2, lambda n: None)
