@@ -20,6 +20,8 @@ in separate processes over the same plan and files.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from dataclasses import dataclass, field
 from math import prod
 from typing import Callable, Container, Iterable
@@ -118,6 +120,7 @@ class _Feeder:
         self._batch = WholeTensorBatch(self.result.digests)
         self._window = Scratch()
         self._readers: dict[int, object] = {}
+        self._near: dict[int, Callable | None] = {}  # rank -> its read-ahead reads, where it has them
         self._pending = 0
 
     def reader(self, rank: int):
@@ -188,13 +191,10 @@ class _Feeder:
     def _small(self, t, shape: tuple, copies: tuple, nbytes: int, storage: np.dtype):
         """A small tensor's bytes in C order: a whole stored record from the read-ahead window, or
         its few pieces put in one small buffer."""
-        if len(copies) == 1 and nbytes:
-            c = copies[0]
-            reader = self.reader(c.source_rank)
-            span = reader.whole_span(t.name) if hasattr(reader, "whole_span") else None
-            if span is not None and span[0] == t.dtype and span[3] == nbytes \
-                    and c.source_box == _full(span[1]) and c.target_box == _full(shape):
-                return reader.read_near(span[2], nbytes)
+        if len(copies) == 1 and nbytes and copies[0].target_box == _full(shape):
+            data = self._whole_record(t, copies[0], nbytes)
+            if data is not None:
+                return data
         buf = np.empty(shape, storage)
         for c in copies:
             reader = self.reader(c.source_rank)
@@ -205,6 +205,24 @@ class _Feeder:
             else:
                 view[...] = reader.read_box(t.name, c.source_box)
         return buf
+
+    def _whole_record(self, t, c, nbytes: int):
+        """The bytes of a stored tensor that lies whole in one place of its file, from the file's
+        read-ahead window (None where it does not: read it as boxes)."""
+        reader = self.reader(c.source_rank)
+        if hasattr(reader, "whole_span"):  # a .ckpt: straight from its index columns, no entry built
+            span = reader.whole_span(t.name)
+            ok = span is not None and span[0] == t.dtype and span[3] == nbytes and c.source_box == _full(span[1])
+            return reader.read_near(span[2], nbytes) if ok else None
+        near = self._near.get(c.source_rank, _UNSET)
+        if near is _UNSET:
+            near = self._near[c.source_rank] = _near_reads(reader)
+        if near is None:
+            return None
+        entry = _check_source(reader, t.name, t.dtype, c.source_box)
+        if c.source_box != _full(entry.shape) or len(entry.pieces) != 1 or entry.pieces[0][1] != nbytes:
+            return None
+        return near(entry.pieces[0][0], nbytes)
 
     def _raw(self, t, shape: tuple, c, nbytes: int) -> None:
         """A tensor fed as the raw bytes of one stored entry, in order (its dtype is opaque, or
@@ -219,6 +237,27 @@ class _Feeder:
             offset += len(block)
             self._done(len(block))
         self.result.digests[t.name] = fp.hexdigest()
+
+
+_UNSET = object()
+
+
+def _near_reads(reader) -> Callable[[int, int], memoryview] | None:
+    """``read_near(offset, nbytes)`` of a reader whose entries' offsets are its files' (a
+    safetensors file), or of several files read as one rank, whose entries' offsets run on from
+    one file into the next (each file keeps its own read-ahead window); None for other readers."""
+    if hasattr(reader, "read_near"):
+        return reader.read_near
+    files = getattr(reader, "readers", None)
+    if not files or not all(hasattr(f, "read_near") for f in files):
+        return None
+    bases = list(itertools.accumulate((f.size for f in files[:-1]), initial=0))
+
+    def read_near(offset: int, nbytes: int) -> memoryview:
+        i = bisect.bisect_right(bases, offset) - 1
+        return files[i].read_near(offset - bases[i], nbytes)
+
+    return read_near
 
 
 def _full(shape) -> Box:
