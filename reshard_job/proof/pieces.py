@@ -38,7 +38,6 @@ from reshard_job.plan.model import ParamPlans, RankPlan
 
 READ_BLOCK = 8 << 20  # bytes read at a time: the read window (row blocks of a stored tensor)
 BATCHED_TENSOR = 64 << 10  # whole tensors up to this size are fingerprinted in batches of one shape
-NEAR_PIECE = 256 << 10  # pieces up to this size are read through the file's read-ahead window
 COPY_BLOCK = 4 << 20  # bytes of a tensor fed at a time as raw bytes (not cut into boxes)
 REPORT_EVERY = 4 << 20  # bytes done before progress hears of them
 
