@@ -23,6 +23,7 @@ from reshard_job.core.fingerprint import ALGORITHM
 from reshard_job.errors import ProofError
 from reshard_job.job.config.spec import PLACEMENT_SHARED, JobSpec, SourceSpec, TargetSpec
 from reshard_job.job.run.local import default_workers, run_forked
+from reshard_job.job.run.memory import heap_top_kept
 from reshard_job.job.run.progress import Progress
 from reshard_job.plan.model import UNMAPPED_FULL
 from reshard_job.sources.open_files import SourceFiles
@@ -88,7 +89,8 @@ def _fingerprint(rank_plan, readers, wanted, progress: bool | None, desc: str, w
         return fingerprint_part(rank_plan, readers, wanted=wanted, part=k, parts=parts, progress=report)
 
     try:
-        return Fingerprints(merge_parts(run_forked(part, parts, parts, bar.add_bytes)))
+        with heap_top_kept():  # the kernel's step buffers stay mapped (forked workers inherit it)
+            return Fingerprints(merge_parts(run_forked(part, parts, parts, bar.add_bytes)))
     finally:
         bar.close()
 
