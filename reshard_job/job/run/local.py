@@ -314,3 +314,49 @@ def _stop(pool: ProcessPoolExecutor, pending) -> None:
             p.join(timeout=5)
         except (OSError, AssertionError, AttributeError):
             pass
+
+
+# ------------------------------------------------------------------------------- other work
+_shared_work = None  # the work of ``run_forked``, inherited by fork
+
+
+def run_forked(work: Callable[[int, OnBytes], object], count: int, workers: int, on_bytes: OnBytes) -> list:
+    """``work(i, report)`` for each i in range(count), in at most `workers` forked worker
+    processes (set up as the rank tasks' are), results in order of i. `work` and what it reaches
+    (open source readers, a plan) are inherited by fork, not pickled; `report(n)` counts bytes
+    done, which reach `on_bytes` in this thread. Where processes cannot be forked, or one worker
+    would do, the work runs here. The first failure stops the rest and is raised here."""
+    global _shared_work
+    if min(workers, count) <= 1 or "fork" not in mp.get_all_start_methods():
+        return [work(i, on_bytes) for i in range(count)]
+    ctx = mp.get_context("fork")
+    counter = ctx.Value("q", 0)
+    _shared_work = work
+    gc.freeze()  # the workers share this process's objects copy-on-write (see _run_pool)
+    pool = ProcessPoolExecutor(max_workers=min(workers, count), mp_context=ctx, initializer=_init_worker,
+                               initargs=(counter, os.getpid()))
+    pending: set = set()
+    try:
+        with _signals_blocked():  # the workers are forked here: see _init_worker
+            futures = [pool.submit(_run_shared_work, i) for i in range(count)]
+        pending = set(futures)
+        seen = 0
+        while pending:
+            done, pending = wait(pending, timeout=POLL_S, return_when=FIRST_COMPLETED)
+            seen = _forward(counter, seen, on_bytes)
+            for fut in done:
+                fut.result()  # re-raises a worker's error at once
+        _forward(counter, seen, on_bytes)
+        results = [fut.result() for fut in futures]
+        pool.shutdown(wait=True)
+        return results
+    except BaseException:
+        _stop(pool, pending)
+        raise
+    finally:
+        _shared_work = None
+        gc.unfreeze()
+
+
+def _run_shared_work(i: int):
+    return _shared_work(i, _report)

@@ -38,16 +38,20 @@ the read-back's plan is.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 
 from reshard_job.core.fingerprint import ALGORITHM
 from reshard_job.execute.writer_tap import TargetSums, fingerprint_written
 from reshard_job.errors import ProofError
 from reshard_job.job.config.spec import PLACEMENT_SHARED, JobSpec, SourceSpec, TargetSpec
+from reshard_job.job.run.local import default_workers, run_forked
+from reshard_job.job.run.memory import heap_top_kept
 from reshard_job.job.run.progress import Progress
 from reshard_job.plan.model import UNMAPPED_FULL
 from reshard_job.sources.open_files import SourceFiles
-from reshard_job.proof.collect import Fingerprints, fingerprint_plan, quiet, single_device_plan
+from reshard_job.proof.collect import Fingerprints, quiet, single_device_plan
+from reshard_job.proof.pieces import PartFingerprints, fingerprint_part, merge_parts, plan_bytes
 from reshard_job.storage import StorageOptions
 
 log = logging.getLogger("reshard_job")
@@ -71,11 +75,14 @@ class ProofResult:
 
 def checkpoint_fingerprints(source: SourceSpec, *, storage: StorageOptions | None = None, wanted=None,
                             progress: bool | None = False, desc: str = "fingerprinting",
-                            check_replicas: bool = False, files: dict[int, str] | None = None) -> Fingerprints:
+                            check_replicas: bool = False, files: dict[int, str] | None = None,
+                            workers: int | None = 1) -> Fingerprints:
     """The fingerprints of the checkpoint `source` names (any kind the job reads), read through a
     one-device plan; `wanted`: only these parameters. The plan reads one copy of each replicated
     block: `check_replicas` also compares the other copies with it (``source.verify_replicas``),
-    so that one checkpoint whose replicas disagree is refused rather than fingerprinted."""
+    so that one checkpoint whose replicas disagree is refused rather than fingerprinted.
+    `files`: exactly these files (rank -> local path) with `source.strategy`, not what else lies
+    beside them; `workers`: processes that share the reading (None: one per CPU)."""
     from reshard_job.job.stages.prepare import check_identical, prepare
     from reshard_job.errors import MissingRankError
 
@@ -89,14 +96,24 @@ def checkpoint_fingerprints(source: SourceSpec, *, storage: StorageOptions | Non
             if wanted is not None:  # what is not fingerprinted is not compared either
                 prepared.plan.identical = {n: g for n, g in prepared.plan.identical.items() if n in wanted}
             check_identical(prepared)
-        return _fingerprint(prepared.plan.rank(0), prepared.readers, wanted, progress, desc)
+        return _fingerprint(prepared.plan.rank(0), prepared.readers, wanted, progress, desc, workers)
 
 
-def _fingerprint(rank_plan, readers, wanted, progress: bool | None, desc: str) -> Fingerprints:
-    """``fingerprint_plan`` with a progress bar over the bytes it reads."""
-    bar = Progress(_bytes_of(rank_plan, wanted), 1, enabled=progress, desc=desc)
+def _fingerprint(rank_plan, readers, wanted, progress: bool | None, desc: str, workers: int | None = 1) -> Fingerprints:
+    """The fingerprints of a one-device plan's tensors, with a progress bar over the bytes read.
+    The plan's bytes are shared out among worker processes (at most `workers`, None: one per CPU,
+    and none for less than ``WORKER_BYTES`` each), each reading its part of the pieces; parameters
+    cut between parts are merged here."""
+    total = plan_bytes(rank_plan, wanted)
+    parts = default_workers(workers or os.cpu_count() or 1, total)
+    bar = Progress(total, 1, enabled=progress, desc=desc)
+
+    def part(k: int, report) -> PartFingerprints:
+        return fingerprint_part(rank_plan, readers, wanted=wanted, part=k, parts=parts, progress=report)
+
     try:
-        return fingerprint_plan(rank_plan, readers, wanted=wanted, progress=bar.add_bytes)
+        with heap_top_kept():  # the kernel's step buffers stay mapped (forked workers inherit it)
+            return Fingerprints(merge_parts(run_forked(part, parts, parts, bar.add_bytes)))
     finally:
         bar.close()
 
@@ -110,13 +127,6 @@ def _prepare_files(source: SourceSpec, files: dict[int, str], storage):
     reader = reader_for_files({r: (p,) for r, p in files.items()}, source.strategy)
     given = SourceSpec(None, source.strategy)
     return prepare_from(reader, reader.discover(given), given, TargetSpec(devices=1), storage=storage)
-
-
-def _bytes_of(rank_plan, wanted) -> int:
-    params = rank_plan.params
-    pairs = zip(params.tensors, (sl[2] for sl in params.slices)) if hasattr(params, "slices") else \
-        ((p, p.nbytes) for p in params)
-    return sum(n for t, n in pairs if wanted is None or t.name in wanted)
 
 
 def converted_names(prepared) -> set[str]:
@@ -149,7 +159,8 @@ def prove(spec: JobSpec, prepared, out_path: str, strategy_path: str | None,
         local = written if written and prepared.export is None and not any("://" in p for p in written.values()) \
             else None
         target = checkpoint_fingerprints(SourceSpec(out_path, strategy_path), storage=spec.storage, files=local,
-                                         progress=spec.run.progress, desc="fingerprinting outputs").digests
+                                         progress=spec.run.progress, desc="fingerprinting outputs",
+                                         workers=spec.run.workers).digests
     result = ProofResult(source, target)
     result.differ = sorted(n for n in names if source.get(n) != target.get(n))
     if result.differ:
@@ -218,10 +229,11 @@ def _source_fingerprints(spec: JobSpec, prepared, names: set[str]) -> dict[str, 
     itself, its metadata and headers, is not loaded a second time: for 600,000 parameters that was
     hundreds of MiB)."""
     rank_plan = single_device_plan(prepared.strategy, prepared.index, unmapped=UNMAPPED_FULL)
+    workers, desc = spec.run.workers, "fingerprinting sources"
     if prepared.every_file is None:
-        return _fingerprint(rank_plan, prepared.readers, names, spec.run.progress, "fingerprinting sources").digests
+        return _fingerprint(rank_plan, prepared.readers, names, spec.run.progress, desc, workers).digests
     with _WiderSources(prepared.readers, prepared.every_file, spec.storage) as sources:
-        return _fingerprint(rank_plan, sources, names, spec.run.progress, "fingerprinting sources").digests
+        return _fingerprint(rank_plan, sources, names, spec.run.progress, desc, workers).digests
 
 
 class _WiderSources:
