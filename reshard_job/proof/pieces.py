@@ -54,7 +54,8 @@ class PartFingerprints:
 def plan_entries(rank_plan: RankPlan, wanted: Container[str] | None = None):
     """(tensor facts, (target shape, copies, nbytes)) of each tensor of `rank_plan` to fingerprint."""
     params = rank_plan.params
-    pairs = zip(params.tensors, params.slices) if isinstance(params, ParamPlans) else \
+    # a slice may carry a fourth element, the tensor's place in the outputs (``plan.model.Place``)
+    pairs = zip(params.tensors, (sl[:3] for sl in params.slices)) if isinstance(params, ParamPlans) else \
         ((p.tensor, (p.target_shape, p.copies, p.nbytes)) for p in params)
     return ((t, piece) for t, piece in pairs
             if t.kind == KIND_TENSOR and (wanted is None or t.name in wanted))
