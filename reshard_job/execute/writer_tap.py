@@ -86,9 +86,10 @@ class _Feed:
 
     def update(self, data) -> None:
         n = memoryview(data).nbytes
-        if n:
-            self.fp.add_box_run(self.box, self.offset, data)
-            self.offset += n
+        if not n:  # nothing to add; a zero-size tensor was done when its feed was made
+            return
+        self.fp.add_box_run(self.box, self.offset, data)
+        self.offset += n
         if self.offset >= self.total:
             self.tap._done(self)
 
