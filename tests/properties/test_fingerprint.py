@@ -23,11 +23,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import reshard_job.core.dtypes as dtypes
-import reshard_job.core.fingerprint as fp
 from reshard_job.core.fingerprint import ALGORITHM, Fingerprint, fingerprint_array
 from reshard_job.core.layout import Layout
 
 from .reference import layout_and_shape
+from fingerprint_segments import small_segments  # tests/ is on sys.path through its conftest
 
 DTYPES = sorted(name for name, d in dtypes.BY_NAME.items() if d.sliceable)
 # No MindSpore dtype is opaque any more (Int4 was, until its stored shape was known to count bytes);
@@ -89,20 +89,6 @@ def box_data(array, box, kind):
     part = array[tuple(slice(a, b) for a, b in box)]
     return {"array": part, "bytes": np.ascontiguousarray(part).tobytes(),
             "memoryview": memoryview(np.ascontiguousarray(part).tobytes())}[kind]
-
-
-@contextmanager
-def small_segments(segment=4, chunk=24):
-    """Shrink the column segment and the step so that tiny tensors cross their boundaries (the
-    segment size is part of the definition: digests differ, the properties must not)."""
-    saved = fp.SEGMENT, fp.CHUNK
-    fp.SEGMENT, fp.CHUNK = segment, chunk
-    fp._table.cache_clear(), fp._segment_key.cache_clear()
-    try:
-        yield
-    finally:
-        fp.SEGMENT, fp.CHUNK = saved
-        fp._table.cache_clear(), fp._segment_key.cache_clear()
 
 
 @lru_cache(maxsize=None)

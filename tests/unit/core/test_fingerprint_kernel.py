@@ -13,7 +13,6 @@ import os
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from math import prod
 from pathlib import Path
 
@@ -27,6 +26,7 @@ import reshard_job.core.fingerprint as fp
 from reshard_job.core import fingerprint_kernel as kernel
 from reshard_job.core.fingerprint import Fingerprint, fingerprint_array
 from reshard_job.core.fingerprint_batch import WholeTensorBatch
+from fingerprint_segments import small_segments  # tests/ is on sys.path through its conftest
 
 NOT_BUILT = "the compiled fingerprint kernel is not built (no C compiler at install time): numpy half only"
 needs_compiled = pytest.mark.skipif(not kernel.available(), reason=NOT_BUILT)
@@ -49,18 +49,13 @@ def on_both(compute):
         return want, compute()
 
 
-@contextmanager
-def small_segments(segment=4, chunk=24):
-    """Column segments of `segment` words and steps of `chunk` bytes, so that small tensors cross
-    both (the segment size is part of the definition: digests differ, the kernels must agree)."""
-    saved = fp.SEGMENT, fp.CHUNK
-    fp.SEGMENT, fp.CHUNK = segment, chunk
-    fp._table.cache_clear(), fp._segment_key.cache_clear()
-    try:
-        yield
-    finally:
-        fp.SEGMENT, fp.CHUNK = saved
-        fp._table.cache_clear(), fp._segment_key.cache_clear()
+def assert_kernels_agree(compute) -> None:
+    """Both kernels give the same `compute()`, at the real segment size and at a shrunk one."""
+    want, got = on_both(compute)
+    assert got == want
+    with small_segments():
+        want, got = on_both(compute)
+        assert got == want
 
 
 def reference_row_sums(rows: np.ndarray, start: int) -> list[list[int]]:
@@ -233,11 +228,7 @@ def test_boxes_in_any_order_digest_alike(data):
             got.add_box(box, array[tuple(slice(a, b) for a, b in box)])
         return got.hexdigest()
 
-    want, got = on_both(fed)
-    assert got == want
-    with small_segments():
-        want, got = on_both(fed)
-        assert got == want
+    assert_kernels_agree(fed)
 
 
 @needs_compiled
@@ -258,11 +249,7 @@ def test_runs_cut_anywhere_digest_alike(data):
                 ranged.add_box_run(box, a, np.frombuffer(raw[a:b], np.uint8))
         return got.hexdigest(), ranged.hexdigest(partial=True)
 
-    want, got = on_both(fed)
-    assert got == want
-    with small_segments():
-        want, got = on_both(fed)
-        assert got == want
+    assert_kernels_agree(fed)
 
 
 @needs_compiled
