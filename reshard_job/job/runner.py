@@ -31,6 +31,7 @@ from reshard_job.job.stages.executor_choice import cluster_layout
 from reshard_job.sources.demo import demo_folder
 from reshard_job.sources.index_cache import IndexCache
 from reshard_job.job.stages.integrity import hash_sources
+from reshard_job.job.stages.proof import source_taps
 from reshard_job.job.run.memory import fix_mmap_threshold
 from reshard_job.job.output.directory import OutputDir
 from reshard_job.job.stages.prepare import HashWhileIndexing, Prepared, check_identical, prepare
@@ -104,7 +105,7 @@ def _convert(spec: JobSpec, prepared: Prepared, recorder) -> JobResult:
     out.lock()
     try:
         digests = hash_sources(prepared, use_cache=spec.run.hash_cache, progress=spec.run.progress,
-                               storage=spec.storage)
+                               storage=spec.storage, taps=source_taps(spec, prepared))
         outputs: Outputs = convert(spec, prepared, out, digests, recorder)
     except BaseException:
         out.remove_temp_files()  # what killed workers left; the journaled files stay for a resume

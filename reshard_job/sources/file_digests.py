@@ -24,7 +24,7 @@ import json
 import os
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping, Sequence
 
 from reshard_job.formats.ckpt.records import CRC_TRAILER_LEN
@@ -52,11 +52,14 @@ class HashRequest:
     # the identity the caller saw (when it indexed the file): a file that differs now changed
     # since, and is refused rather than hashed
     identity: tuple = ()
+    # fed every chunk read (``byte_taps.ByteTap``): work that rides on this read; not part of the digest
+    tap: object = field(default=None, compare=False, hash=False)
 
 
 def digest_file(path: str, *, segments: Segments | None = None, progress: Callable[[int], None] | None = None,
-                storage_options: StorageOptions | None = None, expected_identity: tuple = ()) -> FileDigest:
-    """sha256 of the whole file and the CRC32 of each of `segments`, in one sequential read.
+                storage_options: StorageOptions | None = None, expected_identity: tuple = (), tap=None) -> FileDigest:
+    """sha256 of the whole file and the CRC32 of each of `segments`, in one sequential read, which
+    also feeds `tap` (``byte_taps.ByteTap``) where given.
 
     The file's identity is taken before and after: a file that changes while it is read is a
     SourceChangedError, never a digest of a mix of old and new bytes; so is one whose identity
@@ -81,6 +84,8 @@ def digest_file(path: str, *, segments: Segments | None = None, progress: Callab
             h.update(chunk)
             if segments:
                 crcs.update(pos, chunk)
+            if tap is not None:
+                tap.update(pos, chunk)
             pos += n
             if progress:
                 progress(n)
@@ -151,7 +156,7 @@ def digest_files(requests: Iterable[HashRequest], *, threads: int = 2, progress:
 
     def one(i: int) -> FileDigest:
         return digest_file(reqs[i].path, segments=reqs[i].segments, progress=progress,
-                           storage_options=storage_options, expected_identity=reqs[i].identity)
+                           storage_options=storage_options, expected_identity=reqs[i].identity, tap=reqs[i].tap)
 
     if threads <= 1 or len(todo) <= 1:
         for i in todo:

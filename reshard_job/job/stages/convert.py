@@ -351,7 +351,7 @@ def _finish(spec: JobSpec, prepared: Prepared, out: OutputDir, digests: SourceDi
     run_id = recorder.run_id
     target_files = [files.file_entry(_target_file(prepared, out, key, written[key])) for key in sorted(written)]
     proof = prove(spec, prepared, out.path, strategy_out["path"] if strategy_out else None,
-                  {key: w["path"] for key, w in written.items()}, tapped) \
+                  {key: w["path"] for key, w in written.items()}, tapped, digests.fingerprints) \
         if spec.run.fingerprints else None  # job.fingerprints=false: neither computed nor recorded
     checks = prepared.checks + ["sources unchanged since hashed"]
     if proof is not None:

@@ -12,7 +12,8 @@ its files' identities.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
 
 from reshard_job.errors import FormatError
 from reshard_job.formats.ckpt import CRC_TRAILER_LEN, CheckpointReader
@@ -31,16 +32,22 @@ class SourceDigests:
     files: list[dict]  # [{"rank", "path", "size", "sha256"}] of every source checkpoint file read
     strategies: list[FileDigest]  # the source strategy file(s)
     identities: dict[int, tuple]  # rank -> identity while hashed (a tuple of them for a multi-file rank)
+    fingerprints: object = None  # ``proof.source_taps.SourceTaps`` fed by this read, where asked for
 
 
 def hash_sources(prepared: Prepared, *, use_cache: bool = True, progress: bool | None = None,
-                 storage: StorageOptions | None = None) -> SourceDigests:
+                 storage: StorageOptions | None = None, taps=None) -> SourceDigests:
+    """`taps` (``proof.source_taps.SourceTaps``): fed the bytes of the files they tap as they are
+    hashed; those of files not hashed (digests cached) from their state kept in the cache, else
+    from reads of their records."""
     needed = sorted(prepared.plan.source_ranks)
     # files are hashed under their own names (a selection renames what the plan sees, not the files)
     parts = [(r, reader) for r in needed for reader in _file_readers(prepared.readers.raw_reader(r))]
     identical = _under_stored_names(identical_to_check(prepared), prepared)
     compare = _to_compare(identical)
     requests, held = zip(*[_request(reader, compare.get(r, ())) for r, reader in parts]) if parts else ((), ())
+    if taps is not None:
+        requests = tuple(replace(q, tap=taps.tap(r, i)) for (r, i), q in zip(_file_keys(parts), requests))
     cache = HashCache(default_cache_path(), storage) if use_cache else None
     known = prepared.readers.digests  # remote sources hashed while they were indexed
     todo = sum(reader.size for (_, reader), q in zip(parts, requests)
@@ -60,7 +67,35 @@ def hash_sources(prepared: Prepared, *, use_cache: bool = True, progress: bool |
     if cache is not None:
         cache.save()
     files = [{"rank": r, "path": d.path, "size": d.size, "sha256": d.sha256} for (r, _), d in zip(parts, digests)]
-    return SourceDigests(files, strategies, _identities(prepared, parts, digests))
+    if taps is not None:
+        _feed_taps(taps, cache, progress, storage)
+    return SourceDigests(files, strategies, _identities(prepared, parts, digests), taps)
+
+
+def _file_keys(parts) -> list[tuple[int, int]]:
+    """(rank, index of the file in its rank) of each of `parts`, which lists a rank's files together."""
+    keys, last, i = [], None, 0
+    for r, _ in parts:
+        i = i + 1 if r == last else 0
+        keys.append((r, i))
+        last = r
+    return keys
+
+
+def _feed_taps(taps, cache: HashCache | None, progress: bool | None, storage) -> None:
+    """The taps the hash pass did not feed: from the states the cache kept, else from their records."""
+    from reshard_job.sources.byte_taps import TapCache
+
+    tap_cache = TapCache(os.path.join(cache.folder, "taps")) if cache is not None else None
+    todo = taps.unfed(tap_cache)
+    bar = Progress(sum(n for tap in todo for _, n in tap.ranges()), len(todo), enabled=progress if todo else False,
+                   desc="fingerprinting sources")
+    try:
+        taps.feed(todo, storage=storage, progress=bar.add_bytes)
+    finally:
+        bar.close()
+    if tap_cache is not None:
+        taps.keep(tap_cache)
 
 
 def _file_readers(reader) -> tuple:

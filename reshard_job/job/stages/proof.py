@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import os
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 from reshard_job.core.fingerprint import ALGORITHM
@@ -51,6 +52,7 @@ from reshard_job.job.run.progress import Progress
 from reshard_job.plan.model import UNMAPPED_FULL
 from reshard_job.sources.open_files import SourceFiles
 from reshard_job.proof.collect import Fingerprints, quiet, single_device_plan
+from reshard_job.proof.source_taps import SourceTaps, plan_source_taps
 from reshard_job.proof.pieces import PartFingerprints, fingerprint_part, merge_parts, plan_bytes
 from reshard_job.storage import StorageOptions
 
@@ -139,16 +141,17 @@ def converted_names(prepared) -> set[str]:
 
 
 def prove(spec: JobSpec, prepared, out_path: str, strategy_path: str | None,
-          written: dict[int, str] | None = None, tapped: TargetSums | None = None) -> ProofResult:
+          written: dict[int, str] | None = None, tapped: TargetSums | None = None,
+          source_taps: SourceTaps | None = None) -> ProofResult:
     """Fingerprint the converted parameters on both sides and compare them; ProofError on a
     difference. `written`: output file key (target rank, or an export's part) -> the file the job
     wrote; `tapped`: the partial fingerprints the rank tasks took from the bytes they wrote
     (``RankResult.fingerprints``), added up, with the keys of their files (``units``). The outputs'
     side is that sum, files without partials read back alone and added; where the plan cannot say
     which rank counts what, the output directory is read back as a source (local files as exactly
-    the files written)."""
+    the files written). `source_taps`: the sources' side as the hash pass took it (``source_taps``)."""
     names = converted_names(prepared)
-    source = _source_fingerprints(spec, prepared, names)
+    source = _source_fingerprints(spec, prepared, names, source_taps)
     unchecked = _why_unchecked(spec)
     tapped = tapped if tapped is not None else TargetSums()
     if unchecked and not (not spec.run.ranks and _all_tapped(prepared, tapped)):
@@ -222,18 +225,42 @@ def _read_back(rank_plan, path: str, storage):
         files.close()
 
 
-def _source_fingerprints(spec: JobSpec, prepared, names: set[str]) -> dict[str, str]:
-    """The converted parameters' fingerprints in the sources, through the files the job has open
-    and indexed already. A MindFormers save's rank keeps open only the files the conversion reads;
-    the one-device plan may read a replica from another file, which is opened beside them (the save
+def source_taps(spec: JobSpec, prepared) -> SourceTaps | None:
+    """The taps that take the converted parameters' fingerprints from the bytes the hash pass reads
+    (``proof.source_taps``); None with ``job.fingerprints=false``."""
+    if not spec.run.fingerprints:
+        return None
+    rank_plan = single_device_plan(prepared.strategy, prepared.index, unmapped=UNMAPPED_FULL)
+    with _proof_sources(prepared, spec.storage) as sources:
+        return plan_source_taps(rank_plan, sources, converted_names(prepared))
+
+
+def _source_fingerprints(spec: JobSpec, prepared, names: set[str], taps: SourceTaps | None = None) -> dict[str, str]:
+    """The converted parameters' fingerprints in the sources: what `taps` took in the hash pass,
+    and the rest (all without taps) read by pieces through the files the job has open and indexed
+    already. A MindFormers save's rank keeps open only the files the conversion reads; the
+    one-device plan may read a replica from another file, which is opened beside them (the save
     itself, its metadata and headers, is not loaded a second time: for 600,000 parameters that was
     hundreds of MiB)."""
+    digests: dict[str, str] = {}
+    if taps is not None:
+        digests, names = taps.digests()
+        log.debug("fingerprints: %d source parameter(s) from the hash pass, %d read by pieces", len(digests), len(names))
+        if not names:
+            return digests
     rank_plan = single_device_plan(prepared.strategy, prepared.index, unmapped=UNMAPPED_FULL)
-    workers, desc = spec.run.workers, "fingerprinting sources"
+    with _proof_sources(prepared, spec.storage) as sources:
+        found = _fingerprint(rank_plan, sources, names, spec.run.progress, "fingerprinting sources",
+                             spec.run.workers).digests
+    found.update(digests)
+    return found
+
+
+def _proof_sources(prepared, storage):
+    """The readers the one-device plan of the sources reads through (see ``_WiderSources``)."""
     if prepared.every_file is None:
-        return _fingerprint(rank_plan, prepared.readers, names, spec.run.progress, desc, workers).digests
-    with _WiderSources(prepared.readers, prepared.every_file, spec.storage) as sources:
-        return _fingerprint(rank_plan, sources, names, spec.run.progress, desc, workers).digests
+        return nullcontext(prepared.readers)
+    return _WiderSources(prepared.readers, prepared.every_file, storage)
 
 
 class _WiderSources:
@@ -251,6 +278,13 @@ class _WiderSources:
 
     def reader(self, rank: int):
         return self.others.reader(rank) if rank in self.others.paths else self.readers.reader(rank)
+
+    def raw_reader(self, rank: int):
+        return self.others.raw_reader(rank) if rank in self.others.paths else self.readers.raw_reader(rank)
+
+    @property
+    def names(self):
+        return self.readers.names
 
     def __enter__(self):
         return self

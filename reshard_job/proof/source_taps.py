@@ -1,0 +1,310 @@
+"""The sources' fingerprints from the bytes the hash pass reads: one tap per source file.
+
+Every source file the plan needs is read front to back once, for its sha256 and its CRCs
+(``job.stages.integrity``). The parameters' fingerprints ride on that read: a one-device plan of
+the sources (``proof.collect.single_device_plan``) names, for every parameter, the stored
+records that make up its global tensor once (one replica of each block) and where each lands;
+each record counted is fed to a partial fingerprint (``execute.writer_tap``: the same partial
+sums the outputs' side adds up) as its bytes pass by. A file the hash pass does not read (its
+digest was cached) is read for its counted records only, and what each file gave is kept in the
+digest cache under its identity and this tap's key (``sources.byte_taps``): a rerun over
+unchanged sources reads nothing for its fingerprints.
+
+Taps take records that are read whole, as stored, in the file's own bytes: a tensor of a
+sliceable dtype whose counted copy is its whole stored record (one piece, or several in file
+order). Anything else (an opaque dtype, a part of a stored tensor, stored dims that differ from
+the global ones) is left to ``proof.pieces`` (``residual``), as is every parameter of a file
+whose tap could not be fed whole: what a tap gives is either complete or not used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from array import array
+from concurrent.futures import ThreadPoolExecutor
+from math import prod
+from typing import Callable, NamedTuple
+
+import reshard_job.core.dtypes as dtypes
+from reshard_job.core.boxes import box_shape, full_box
+from reshard_job.core.fingerprint import ALGORITHM
+from reshard_job.execute.writer_tap import PartialFingerprints, TargetSums, WriterTap
+from reshard_job.formats.multifile import MultiFileReader
+from reshard_job.formats.tensorfile import KIND_TENSOR
+from reshard_job.plan.model import ParamPlans
+from reshard_job.sources.byte_taps import TapCache, feed_ranges
+
+log = logging.getLogger("reshard_job")
+_MAGIC = b"reshard_job source tap 1\n"
+
+
+class Tapped(NamedTuple):
+    """A parameter counted in a file: its facts and its box in the global tensor (None: all of it)."""
+
+    name: str
+    dtype: str
+    global_shape: tuple
+    box: tuple | None
+
+
+class FileTap:
+    """The partial fingerprints of one source file's counted records (``sources.byte_taps.ByteTap``).
+
+    Records are (offset, length, tensor) in increasing offset, a tensor (``Tapped``) of several
+    pieces having a record each."""
+
+    def __init__(self, path: str, identity: tuple):
+        self.path, self.identity = path, tuple(identity)
+        self.tensors: list[tuple] = []
+        self._offsets, self._lengths, self._of = array("q"), array("q"), array("q")
+        self._tap: WriterTap | None = None
+        self._feeds: dict[int, object] = {}  # tensor index -> its feed, while its pieces come
+        self._next = 0  # the first record not fed whole yet
+        self._fed = 0  # bytes of that record fed
+        self._broken = False
+        self._result: PartialFingerprints | None = None
+        self._key: str | None = None
+        self.restored = False  # its state came from the cache
+
+    def add(self, tensor: Tapped, pieces) -> None:
+        index = len(self.tensors)
+        self.tensors.append(tensor)
+        for offset, length in pieces:
+            if length:  # an empty piece has no bytes to wait for (a zero-size tensor is done at the end)
+                self._offsets.append(offset)
+                self._lengths.append(length)
+                self._of.append(index)
+
+    def seal(self) -> None:
+        """Put the records in file order (called once all are added)."""
+        order = sorted(range(len(self._offsets)), key=self._offsets.__getitem__)
+        self._offsets = array("q", (self._offsets[i] for i in order))
+        self._lengths = array("q", (self._lengths[i] for i in order))
+        self._of = array("q", (self._of[i] for i in order))
+        self._state = bytearray(len(self.tensors))  # per tensor: 0 not begun, 1 begun, 2 fed whole
+
+    @property
+    def key(self) -> str:
+        if self._key is None:
+            h = hashlib.sha256(ALGORITHM.encode())
+            for offset, length, i in zip(self._offsets, self._lengths, self._of):
+                h.update(repr((offset, length, self.tensors[i])).encode("utf-8", "surrogateescape"))
+            self._key = h.hexdigest()[:32]
+        return self._key
+
+    @property
+    def untouched(self) -> bool:
+        """Whether nothing has fed it yet (nor taken a kept state)."""
+        return self._result is None and not self._broken and self._next == 0 and self._fed == 0
+
+    def ranges(self) -> list[tuple[int, int]]:
+        return list(zip(self._offsets, self._lengths))
+
+    def ready(self) -> bool:
+        return self._result is not None
+
+    def update(self, pos: int, chunk) -> None:
+        if self._broken or self._result is not None:
+            return
+        end = pos + len(chunk)
+        try:
+            while self._next < len(self._offsets):
+                offset, length = self._offsets[self._next], self._lengths[self._next]
+                start = offset + self._fed
+                if start >= end:
+                    return
+                if start < pos:  # bytes of a record went by unfed (records overlap): not used
+                    self._broken = True
+                    return
+                stop = min(offset + length, end)
+                index = self._of[self._next]
+                feed = self._feed(index)
+                feed.update(chunk[start - pos:stop - pos])
+                if feed.fp is None:  # the tensor's last byte: its feed is done (its sums are in the tap)
+                    self._state[index] = 2
+                    del self._feeds[index]
+                self._fed += stop - start
+                if self._fed < length:
+                    return
+                self._next, self._fed = self._next + 1, 0
+            self._finish()
+        except (ValueError, KeyError) as e:  # a record the file does not hold as planned: left to the pieces
+            log.debug("%s: fingerprints not taken in the hash pass (%s)", self.path, e)
+            self._broken = True
+
+    def _feed(self, index: int):
+        feed = self._feeds.get(index)
+        if feed is None:
+            if self._state[index]:  # fed whole already: the tensor's records met twice
+                raise ValueError(f"parameter {self.tensors[index][0]!r} fed twice")
+            feed = self._feeds[index] = self._begin(index)
+        return feed
+
+    def _begin(self, index: int):
+        if self._tap is None:
+            self._tap = WriterTap()
+        name, dtype, shape, box = self.tensors[index]
+        box = full_box(shape) if box is None else box
+        self._tap.expect(name, dtype, KIND_TENSOR, shape, box_shape(box), tuple(lo for lo, _ in box))
+        self._state[index] = 1
+        return self._tap.feed(name)
+
+    def _finish(self) -> None:
+        """Every record was fed: the zero-size tensors (no record) are added, and the sums taken."""
+        for index in (i for i, state in enumerate(self._state) if not state):
+            self._begin(index).update(b"")  # done at once if it has no bytes; else left open: no result
+        self._result = (self._tap or WriterTap()).result()
+        self._broken = self._result is None
+        self._tap, self._feeds = None, {}
+
+    def result(self) -> PartialFingerprints | None:
+        return self._result
+
+    def state(self) -> bytes | None:
+        p = self._result
+        if p is None:
+            return None
+        header = json.dumps({"algorithm": ALGORITHM, "count": len(p)}).encode() + b"\n"
+        return _MAGIC + header + bytes(p.lanes) + p.fed.tobytes() + json.dumps(p.names).encode()
+
+    def restore(self, blob: bytes) -> bool:
+        try:
+            if not blob.startswith(_MAGIC):
+                return False
+            line, _, rest = blob[len(_MAGIC):].partition(b"\n")
+            header = json.loads(line)
+            count = header["count"]
+            if header["algorithm"] != ALGORITHM or not isinstance(count, int) or len(rest) < 24 * count:
+                return False
+            names = json.loads(rest[24 * count:])
+            if not isinstance(names, list) or len(names) != count or set(names) != {t[0] for t in self.tensors}:
+                return False
+            p = PartialFingerprints()
+            p.__setstate__((names, rest[:16 * count], rest[16 * count:24 * count]))
+        except (ValueError, KeyError, TypeError):
+            return False
+        self._result, self.restored = p, True
+        return True
+
+
+class SourceTaps:
+    """The taps of every source file of one job, and the fingerprints they give."""
+
+    def __init__(self):
+        self.files: dict[tuple[int, int], FileTap] = {}  # (source rank, file of the rank) -> its tap
+        self.residual: set[str] = set()  # parameters left to ``proof.pieces``
+        self.read_back = 0  # taps fed from reads of their records (not by the hash pass, nor the cache)
+
+    def tap(self, rank: int, file: int) -> FileTap | None:
+        return self.files.get((rank, file))
+
+    def unfed(self, cache: TapCache | None = None) -> list[FileTap]:
+        """The taps the hash pass did not feed (their files' digests were cached) and `cache` has
+        kept no state for (for the file as it is now): those ``feed`` reads for."""
+        return [tap for tap in self.files.values()
+                if tap.untouched and not (cache is not None and cache.restore(tap, tap.path, tap.identity))]
+
+    def feed(self, taps: list[FileTap], *, storage=None, progress: Callable[[int], None] | None = None,
+             threads: int = 2) -> None:
+        """Feed `taps` from reads of their records only (positioned reads, `threads` files at once)."""
+        self.read_back += len(taps)
+
+        def one(tap: FileTap) -> None:
+            feed_ranges(tap, tap.path, tap.identity, storage_options=storage, progress=progress)
+            tap.update(0, memoryview(b""))  # a tap without records is done once asked
+
+        if threads <= 1 or len(taps) <= 1:
+            for tap in taps:
+                one(tap)
+            return
+        with ThreadPoolExecutor(max_workers=threads) as pool:
+            for f in [pool.submit(one, tap) for tap in taps]:
+                f.result()
+
+    def keep(self, cache: TapCache, computed: list[FileTap] | None = None) -> None:
+        """Keep in `cache` the states computed in this run (of `computed`, default all taps)."""
+        for tap in self.files.values() if computed is None else computed:
+            if tap.ready() and not tap.restored:
+                cache.keep(tap, tap.path, tap.identity)
+        cache.trim()
+
+    def digests(self) -> tuple[dict[str, str], set[str]]:
+        """(parameter -> hex fingerprint from the taps, the parameters they could not give)."""
+        residual = set(self.residual)
+        sums = TargetSums()
+        for tap in self.files.values():
+            if tap.result() is None:
+                residual.update(t[0] for t in tap.tensors)
+            else:
+                sums.add(tap.result())
+        digests, uncovered = sums.digests(t for tap in self.files.values() for t in tap.tensors
+                                          if t.name not in residual)
+        if uncovered:
+            log.debug("fingerprints: %d parameter(s) not fed whole by the taps, read by pieces", len(uncovered))
+        residual.update(uncovered)
+        return digests, residual
+
+
+def plan_source_taps(rank_plan, sources, names) -> SourceTaps:
+    """The taps of a one-device `rank_plan`'s counted records, for the parameters in `names`.
+    `sources`: what the plan was made over (``raw_reader(rank)``; ``names``: a selection's new
+    name -> stored name)."""
+    taps = SourceTaps()
+    rename = getattr(sources, "names", None) or {}
+    params = rank_plan.params
+    pairs = zip(params.tensors, (sl[:3] for sl in params.slices)) if isinstance(params, ParamPlans) else \
+        ((p.tensor, (p.target_shape, p.copies, p.nbytes)) for p in params)
+    for t, (_, copies, _) in pairs:
+        if t.kind != KIND_TENSOR or t.name not in names:
+            continue
+        records = _records(t, copies, sources, rename.get(t.name, t.name))
+        if records is None:
+            taps.residual.add(t.name)
+            continue
+        shape = tuple(t.global_shape)
+        for key, path, identity, box, pieces in records:
+            tap = taps.files.get(key)
+            if tap is None:
+                tap = taps.files[key] = FileTap(path, identity)
+            tap.add(Tapped(t.name, t.dtype, shape, None if box == full_box(shape) else box), pieces)
+    for tap in taps.files.values():
+        tap.seal()
+    return taps
+
+
+def _records(t, copies, sources, stored: str) -> list | None:
+    """Per copy of `t`: (file key, path, identity, global box, pieces); None where a copy is not a
+    whole stored record of the same dtype and shape."""
+    dt = dtypes.BY_NAME.get(t.dtype)
+    if dt is None or not dt.sliceable:
+        return None
+    out = []
+    for c in copies:
+        if box_shape(c.source_box) != box_shape(c.target_box):
+            return None
+        found = _stored_record(sources.raw_reader(c.source_rank), stored)
+        if found is None:
+            return None
+        file, f, dtype, shape, pieces = found
+        if dtype != t.dtype or c.source_box != full_box(shape) or sum(n for _, n in pieces) != prod(shape) * dt.itemsize:
+            return None
+        if any(a + n > b for (a, n), (b, _) in zip(pieces, pieces[1:])):
+            return None
+        out.append(((c.source_rank, file), f.path, tuple(getattr(f, "identity", ()) or ()), c.target_box, pieces))
+    return out
+
+
+def _stored_record(raw, stored: str):
+    """(file index in the rank, its reader, dtype, shape, pieces) of tensor `stored`; None if absent."""
+    files = raw.readers if isinstance(raw, MultiFileReader) else (raw,)
+    for i, f in enumerate(files):
+        if stored not in f:
+            continue
+        span = f.whole_span(stored) if hasattr(f, "whole_span") else None
+        if span is not None:
+            return i, f, span[0], tuple(span[1]), ((span[2], span[3]),)
+        e = f.entries[stored]
+        return i, f, e.dtype, tuple(e.shape), tuple(tuple(p) for p in e.pieces)
+    return None

@@ -1,0 +1,144 @@
+"""The sources' fingerprints from the bytes the hash pass reads (``proof.source_taps``).
+
+On every golden source (MindSpore rank folders, pipeline stages, optimizer shards, MindFormers
+saves) the taps give exactly the fingerprints the independent read by pieces gives, with nothing
+left over and nothing read a second time; a rerun takes them from the cache, a cache without them
+(or with a damaged state) reads the records only; chunks cut anywhere give the same sums; records
+that overlap are left to the read by pieces rather than trusted.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from reshard_job.core.fingerprint import fingerprint_array
+from reshard_job.formats.ckpt import CheckpointWriter
+from reshard_job.job.config.spec import SourceSpec, TargetSpec
+from reshard_job.job.stages.integrity import hash_sources
+from reshard_job.job.stages.prepare import prepare
+from reshard_job.job.stages.proof import checkpoint_fingerprints, converted_names, source_taps
+from reshard_job.proof.source_taps import FileTap, SourceTaps, Tapped
+from reshard_job.sources.file_digests import CACHE_DIR_ENV
+
+GOLDEN = Path(__file__).parents[2] / "golden"
+SCENARIOS = sorted(p.name for p in GOLDEN.iterdir() if (p / "manifest.json").is_file())
+JOB = SimpleNamespace(run=SimpleNamespace(fingerprints=True), storage=None)
+
+
+def _source(name: str) -> tuple[SourceSpec, TargetSpec]:
+    d = GOLDEN / name
+    if (d / "src_mindformers").exists():
+        return SourceSpec(str(d / "src_mindformers")), TargetSpec(devices=1)
+    strategy = next((str(p) for p in (d / "src_strategy.ckpt", d / "src_strategy_dir") if p.exists()), None)
+    dst = d / "dst_strategy.ckpt"
+    target = TargetSpec(strategy=str(dst)) if dst.exists() else TargetSpec(devices=1)
+    return SourceSpec(str(d / "src_checkpoints"), strategy), target
+
+
+def _tapped(source: SourceSpec, target: TargetSpec, *, use_cache: bool = False):
+    """(taps after the hash pass, their digests, what they left, the converted names)."""
+    with prepare(source, target) as prepared:
+        taps = source_taps(JOB, prepared)
+        hash_sources(prepared, use_cache=use_cache, progress=False, taps=taps)
+        digests, residual = taps.digests()
+        return taps, digests, residual, converted_names(prepared)
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_the_hash_pass_gives_every_converted_parameter_the_fingerprint_read_by_pieces(name):
+    source, target = _source(name)
+    taps, digests, residual, names = _tapped(source, target)
+    assert residual == set() and taps.read_back == 0  # all from the hash pass, nothing read again
+    expected = checkpoint_fingerprints(source, wanted=names).digests
+    assert digests == expected and len(digests) == len({n for n in names if n in expected}) > 0
+
+
+def test_a_rerun_takes_them_from_the_cache_and_a_cache_without_them_reads_the_records_only(tmp_path, monkeypatch):
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "cache"))
+    source, target = _source("S3_pipeline2x4opt_to_4")
+    first, digests, _, _ = _tapped(source, target, use_cache=True)
+    kept = sorted((tmp_path / "cache").rglob("*.tap"))
+    assert first.read_back == 0 and len(kept) == len(first.files) > 1
+
+    again, same, residual, _ = _tapped(source, target, use_cache=True)  # digests cached: no hash pass
+    assert same == digests and not residual and again.read_back == 0
+    assert all(tap.restored for tap in again.files.values())
+
+    kept[0].write_bytes(kept[0].read_bytes()[:40])  # a damaged state is computed again
+    for path in kept[1:]:
+        path.unlink()
+    fed, same, residual, _ = _tapped(source, target, use_cache=True)
+    assert same == digests and not residual and fed.read_back == len(kept)
+    assert len(list((tmp_path / "cache").rglob("*.tap"))) == len(kept)  # and kept again
+
+
+def test_chunks_cut_anywhere_give_the_same_sums(tmp_path):
+    rng = np.random.default_rng(3)
+    path = tmp_path / "whole.ckpt"
+    with CheckpointWriter(path, chunk_bytes=256) as w:  # most tensors in several records
+        w.add("big", rng.standard_normal((40, 30)).astype(np.float32))
+        w.add("odd", rng.integers(0, 1 << 15, (33, 17), dtype=np.int16))
+        w.add("empty", np.zeros((0, 4), np.float32))
+        w.add("bias", rng.standard_normal(9).astype(np.float16))
+    source = SourceSpec(str(path))
+    _, whole, residual, names = _tapped(source, TargetSpec(devices=1))
+    assert not residual and set(whole) == {"big", "odd", "empty", "bias"}
+    data = path.read_bytes()
+    for seed in range(3):
+        with prepare(source, TargetSpec(devices=1)) as prepared:
+            taps = source_taps(JOB, prepared)
+        pick = random.Random(seed)
+        for tap in taps.files.values():
+            pos = 0
+            while pos < len(data):
+                n = pick.randint(1, 700)
+                tap.update(pos, memoryview(data)[pos:pos + n])
+                pos += n
+        assert taps.digests() == (whole, set())
+
+
+def _overlapping() -> SourceTaps:
+    tap = FileTap("f", ())
+    tap.add(Tapped("a", "Float32", (4,), None), ((0, 16),))
+    tap.add(Tapped("b", "Float32", (4,), None), ((8, 16),))  # starts inside "a"
+    tap.seal()
+    taps = SourceTaps()
+    taps.files[(0, 0)] = tap
+    return taps
+
+
+def test_records_whose_bytes_went_by_unfed_are_left_to_the_read_by_pieces():
+    data = memoryview(np.arange(6, dtype=np.float32).tobytes())
+    taps = _overlapping()
+    taps.files[(0, 0)].update(0, data)  # one chunk holds both: each record is fed its own bytes
+    expected = {n: fingerprint_array("Float32", np.frombuffer(data[o:o + 16], np.float32)) for n, o in (("a", 0), ("b", 8))}
+    assert taps.digests() == (expected, set())
+    taps = _overlapping()
+    taps.files[(0, 0)].update(0, data[:12])
+    taps.files[(0, 0)].update(12, data[12:])  # "b"'s first bytes went by while "a" was fed
+    assert taps.files[(0, 0)].result() is None
+    assert taps.digests() == ({}, {"a", "b"})
+
+
+def test_a_job_proves_its_conversion_with_the_fingerprints_its_hash_pass_took(tmp_path, monkeypatch):
+    import json
+
+    from reshard_job.job.config.spec import JobContext, JobSpec, LineageSpec, OutputSpec, RunSpec
+    from reshard_job.job.runner import run_job
+
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "cache"))
+    s = GOLDEN / "S2_block_mp4dp2opt_to_mp4"
+    source = SourceSpec(str(s / "src_checkpoints"), str(s / "src_strategy.ckpt"))
+    spec = JobSpec(source, TargetSpec(strategy=str(s / "dst_strategy.ckpt")), OutputSpec(str(tmp_path / "out")),
+                   LineageSpec(False, f"sqlite:///{tmp_path / 'l.db'}"), RunSpec(workers=1, progress=False),
+                   JobContext(str(tmp_path), str(tmp_path / "run")), config={})
+    run_job(spec, emit=lambda line: None)
+    assert len(list((tmp_path / "cache").rglob("*.tap"))) == 8  # one per source file, taken by the job
+    section = json.loads((tmp_path / "out" / "manifest.json").read_text())["fingerprints"]
+    expected = checkpoint_fingerprints(source, wanted=set(section["source"])).digests
+    assert section["source"] == expected == section["target"] and expected
