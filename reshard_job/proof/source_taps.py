@@ -196,6 +196,8 @@ class SourceTaps:
         self.files: dict[tuple[int, int], FileTap] = {}  # (source rank, file of the rank) -> its tap
         self.residual: set[str] = set()  # parameters left to ``proof.pieces``
         self.read_back = 0  # taps fed from reads of their records (not by the hash pass, nor the cache)
+        self.restored = 0  # taps whose state came from the cache
+        self._settled: tuple[dict[str, str], set[str]] | None = None
 
     def tap(self, rank: int, file: int) -> FileTap | None:
         return self.files.get((rank, file))
@@ -230,8 +232,17 @@ class SourceTaps:
                 cache.keep(tap, tap.path, tap.identity)
         cache.trim()
 
+    def settle(self) -> None:
+        """Add the sums up once every tap was fed, and let the taps go: their records are tens of
+        MiB for a model of many parameters, held through the conversion otherwise."""
+        self.restored = sum(tap.restored for tap in self.files.values())
+        self._settled = self.digests()
+        self.files = {}
+
     def digests(self) -> tuple[dict[str, str], set[str]]:
         """(parameter -> hex fingerprint from the taps, the parameters they could not give)."""
+        if self._settled is not None:
+            return self._settled
         residual = set(self.residual)
         sums = TargetSums()
         for tap in self.files.values():

@@ -96,6 +96,7 @@ def _feed_taps(taps, cache: HashCache | None, progress: bool | None, storage) ->
         bar.close()
     if tap_cache is not None:
         taps.keep(tap_cache)
+    taps.settle()
 
 
 def _file_readers(reader) -> tuple:
