@@ -100,6 +100,19 @@ class TensorDigests(Mapping[str, str]):
         for i in sorted(range(len(names)), key=names.__getitem__):
             yield names[i], hexed[i * width:(i + 1) * width]
 
+    def columns(self, by_name: bool, size: int) -> Iterator[tuple[list[str], list[str]]] | None:
+        """The (names, hex digests) in chunks of `size`, in file order or by name; None before
+        ``complete``. Hex made for all digests in one call and cut apart in C (``bytes.hex`` with a
+        separator): per-item Python is what a million digests, written three times, pay for."""
+        if self._later:
+            return None
+        names = self._names
+        hexed = self._raw.hex("|", DIGEST_SIZE).split("|") if names else []
+        if by_name:
+            order = sorted(range(len(names)), key=names.__getitem__)
+            names, hexed = list(map(names.__getitem__, order)), list(map(hexed.__getitem__, order))
+        return ((names[i:i + size], hexed[i:i + size]) for i in range(0, len(names), size))
+
     def values(self):
         return [self._hex(i) for i in range(len(self._names))]
 
