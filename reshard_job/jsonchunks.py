@@ -30,8 +30,9 @@ from collections import deque
 from collections.abc import Mapping
 from itertools import islice
 from json.decoder import scanstring
-from json.encoder import encode_basestring, encode_basestring_ascii
 from typing import Callable, Iterator
+
+from reshard_job.text import json_object_pieces
 
 CHUNK_ITEMS = 8192  # items of a large mapping encoded per ``json.dumps`` call
 
@@ -105,18 +106,12 @@ def _pieces(obj, depth: int, split_depth: int, opts: dict) -> Iterator[str]:
 
 
 def _mapping_pieces(obj: Mapping, depth: int, opts: dict) -> Iterator[str]:
-    """A mapping of string keys to plain values (a file's tensor digests, made on the fly) in
-    chunks of ``CHUNK_ITEMS``: never the whole of it as a dict or as one string."""
-    columns = getattr(obj, "columns", None)
-    columns = columns(opts["sort_keys"], CHUNK_ITEMS) if columns is not None else None
-    if columns is not None:  # a file's tensor digests: names and hex digests in lists
-        yield from _column_pieces(columns, depth, opts)
+    """A mapping of string keys to plain values in chunks of ``CHUNK_ITEMS``, never the whole of it
+    as a dict or as one string (a file's tensor digests: as names and hex digests in lists)."""
+    if (columns := getattr(obj, "columns", lambda *_: None)(opts["sort_keys"], CHUNK_ITEMS)) is not None:
+        yield from json_object_pieces(columns, depth, opts["indent"], opts["separators"], opts["ensure_ascii"])
         return
-    if opts["sort_keys"]:
-        by_name = getattr(obj, "sorted_items", None)
-        items = by_name() if by_name is not None else ((k, obj[k]) for k in sorted(obj))
-    else:
-        items = iter(obj.items())
+    items = ((k, obj[k]) for k in sorted(obj)) if opts["sort_keys"] else iter(obj.items())
     yield from _chunked(dict, items, "{}", depth, opts)
 
 
@@ -144,47 +139,6 @@ def _chunked(container, items: Iterator, brackets: str, depth: int, opts: dict) 
             # indented, every body begins with its own newline and indent: a comma joins them
             yield ("," if indent is not None else opts["separators"][0]) + body
     yield brackets if first else close
-
-
-def _column_pieces(columns, depth: int, opts: dict) -> Iterator[str]:
-    """A mapping of strings to strings given as chunks of (keys, values) lists (keys unique, in
-    the order to write), as ``json.dumps`` writes the dict, a chunk a piece. ``json.dumps`` with an
-    indent encodes in Python, a call or more per item: a million digests written three times
-    (the manifest's digest and file, the journal) cost seconds that way."""
-    ascii_only = opts["ensure_ascii"]
-    quote = encode_basestring_ascii if ascii_only else encode_basestring
-    item_sep, key_sep = opts["separators"]
-    indent = opts["indent"]
-    if indent is None:
-        head, close = "{", "}"
-    else:
-        head = "{\n" + " " * (indent * (depth + 1))
-        item_sep += head[1:]
-        close = "\n" + " " * (indent * depth) + "}"
-    first = True
-    for keys, values in columns:
-        if not keys:
-            continue
-        if len(keys) != len(values):
-            raise ValueError("columns of a mapping: as many values as keys")
-        n = len(keys)
-        parts = ['"' + item_sep + '"'] * (4 * n - 1)  # key, key_sep, value, item_sep, ...: one join
-        parts[0::4] = _escaped(keys, quote, ascii_only)
-        parts[1::4] = ['"' + key_sep + '"'] * n
-        parts[2::4] = _escaped(values, quote, ascii_only)
-        yield (head if first else item_sep) + '"' + "".join(parts) + '"'
-        first = False
-    yield "{}" if first else close
-
-
-def _escaped(texts: list[str], quote, ascii_only: bool) -> list[str]:
-    """Each text as it stands between the quotes of a JSON string: the texts themselves where none
-    needs escaping (hex digests, most names: no quote, backslash or control character, and only
-    ASCII where asked), found by a few scans of them all joined (TypeError for a text that is not one)."""
-    joined = "".join(texts)
-    if joined.isprintable() and '"' not in joined and "\\" not in joined and (joined.isascii() or not ascii_only):
-        return texts
-    return [quote(t)[1:-1] for t in texts]
 
 
 # ==================================================================================== reading

@@ -88,18 +88,6 @@ class TensorDigests(Mapping[str, str]):
     def items(self):
         return _Items(self)
 
-    def sorted_items(self) -> Iterator[tuple[str, str]]:
-        """(name, hex) by name, without building the name index (a manifest's canonical form)."""
-        names = self._names
-        if self._later:
-            for i in sorted(range(len(names)), key=names.__getitem__):
-                yield names[i], self._hex(i)
-            return
-        hexed = self._raw.hex()  # one string for all (64 characters a tensor), sliced below
-        width = 2 * DIGEST_SIZE
-        for i in sorted(range(len(names)), key=names.__getitem__):
-            yield names[i], hexed[i * width:(i + 1) * width]
-
     def columns(self, by_name: bool, size: int) -> Iterator[tuple[list[str], list[str]]] | None:
         """The (names, hex digests) in chunks of `size`, in file order or by name; None before
         ``complete``. Hex made for all digests in one call and cut apart in C (``bytes.hex`` with a
