@@ -143,6 +143,7 @@ def _write_in_order(writer, params: ParamPlans, sources: SourceFiles, max_memory
     readers: dict[int, object] = {}
     pending = 0  # bytes done but not yet reported (reporting per tensor would cost as much as the copy)
     tap = writer.fingerprint_tap if counted is not None else None
+    alike = _Alike(writer.add_alike) if hasattr(writer, "add_alike") else None
     for tensor, piece in zip(params.tensors, params.slices):
         if tap is not None and counted(piece[3] if len(piece) > 3 else None):
             tap.expect(tensor.name, tensor.dtype, tensor.kind, tensor.global_shape, piece[0], piece[3].origin)
@@ -156,15 +157,51 @@ def _write_in_order(writer, params: ParamPlans, sources: SourceFiles, max_memory
                 reader = readers[rank] = sources.reader(rank)
             span = reader.whole_span(tensor.name) if hasattr(reader, "whole_span") else None
             if span is not None and span[1] == extents and span[0] == tensor.dtype:
-                writer.add_bytes(tensor.name, tensor.dtype, piece[0], reader.read_near(span[2], piece[2]))
+                if alike is not None:
+                    alike.add(tensor.name, tensor.dtype, piece[0], reader.read_near(span[2], piece[2]))
+                else:
+                    writer.add_bytes(tensor.name, tensor.dtype, piece[0], reader.read_near(span[2], piece[2]))
                 pending += piece[2]
                 if pending >= _REPORT_EVERY and progress:
                     progress(pending)
                     pending = 0
                 continue
+        if alike is not None:
+            alike.flush()
         _write_param(writer, ParamPlan._shared(tensor, *piece), sources, max_memory, progress)
+    if alike is not None:
+        alike.flush()
     if pending and progress:
         progress(pending)
+
+
+class _Alike:
+    """Consecutive whole small tensors of one dtype and shape, handed to the writer's ``add_alike``
+    together (a few hundred KiB at a time): a model of many small parameters pays per call."""
+
+    HOLD = 1 << 20  # bytes of tensors held before they are written
+
+    def __init__(self, add_alike):
+        self._add = add_alike
+        self._key: tuple | None = None
+        self._names: list[str] = []
+        self._contents: list[bytes] = []
+        self._held = 0
+
+    def add(self, name: str, dtype: str, shape: tuple, data) -> None:
+        if (dtype, shape) != self._key:
+            self.flush()
+            self._key = (dtype, shape)
+        self._names.append(name)
+        self._contents.append(bytes(data))  # `data` is valid until the next read only
+        self._held += len(data)
+        if self._held >= self.HOLD:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._names:
+            self._add(self._names, self._key[0], self._key[1], self._contents)
+            self._names, self._contents, self._held = [], [], 0
 
 
 _UNKNOWN = object()

@@ -37,6 +37,14 @@ class TensorDigests(Mapping[str, str]):
         self._raw += digest
         self._index = None
 
+    def add_all(self, names: list[str], digests: list[bytes]) -> None:
+        """``add`` of each name and digest, in one call."""
+        if len(names) != len(digests) or set(map(len, digests)) - {DIGEST_SIZE}:
+            raise ValueError(f"{len(names)} names, {len(digests)} digests: a sha256 digest each, {DIGEST_SIZE} bytes")
+        self._names += names
+        self._raw += b"".join(digests)
+        self._index = None
+
     def add_later(self, name: str, hasher) -> None:
         """A digest to take from `hasher` (anything with ``digest()``) at ``complete``."""
         self._later[len(self._names)] = hasher

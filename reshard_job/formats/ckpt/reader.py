@@ -192,23 +192,25 @@ class CheckpointReader(RecordWalk, PositionedReader):
         """Every tensor's dtype known and its data the size its dims say, checked at open (cheaply,
         from the columns), so a bad file is refused before anything is planned from it."""
         by_name = dtypes.BY_NAME
-        seen = set()  # most tensors share dtype, dims and size: check each combination once
-        for i, dtype in enumerate(self._dtype):
-            kind = self._kind[i]
-            if kind == 2:  # map: parts were checked while parsing
-                continue
-            stored, dims = self._len[i], self._shape[i]
-            key = (kind, dtype, dims, stored)
-            if key in seen:
-                continue
-            seen.add(key)
+        # most tensors share dtype, dims and size: each combination is checked once (the set is
+        # made in C), and only where one is bad are the entries looked at one by one, in file order
+        bad = set()
+        for key in set(zip(self._kind, self._dtype, self._shape, self._len)):
+            kind, dtype, dims, stored = key
             if kind == 1:
                 if stored % 4:
-                    raise self._error(f"parameter {self._names[i]!r}: str content of {stored} bytes is not UTF-32")
-                continue
-            dt = by_name.get(dtype)
-            if dt is None or dt.storage is None or shape_problem(dims, dt.itemsize) or (
-                    stored != prod(dims) * dt.itemsize and not (dims == (0,) and stored == dt.itemsize)):
+                    bad.add(key)
+            elif kind == 0:  # a map's parts were checked while parsing
+                dt = by_name.get(dtype)
+                if dt is None or dt.storage is None or shape_problem(dims, dt.itemsize) or (
+                        stored != prod(dims) * dt.itemsize and not (dims == (0,) and stored == dt.itemsize)):
+                    bad.add(key)
+        if not bad:
+            return
+        for i, key in enumerate(zip(self._kind, self._dtype, self._shape, self._len)):
+            if key in bad:
+                if key[0] == 1:
+                    raise self._error(f"parameter {self._names[i]!r}: str content of {key[3]} bytes is not UTF-32")
                 self._entry(i)  # the detailed error
 
     def _share_columns(self) -> None:

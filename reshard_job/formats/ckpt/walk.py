@@ -20,6 +20,7 @@ import reshard_job.core.dtypes as dtypes
 from reshard_job.formats.tensorfile import KIND_MAP, KIND_STR, KIND_TENSOR
 from reshard_job.formats.ckpt.records import (CRC_MAGIC, CRC_TRAILER_LEN, MAX_RECORDS_PER_TENSOR, Record,
                                              parse_tensor_proto)
+from reshard_job.formats.ckpt.runs import take_run
 from reshard_job.text import quoted
 
 WINDOW = 4 * 1024 * 1024  # bytes fetched per read while walking small records
@@ -32,6 +33,7 @@ HEAD = 64 * 1024  # bytes fetched at the start of a record larger than a window
 # headers cost more than the rest of opening it (page-cache copies are not free either).
 LARGE_RECORD = 32 * 1024
 SMALL_HEAD = 4096
+RUN_AFTER = 16  # records alike checked one by one before the rest of a run is taken at once (``runs``)
 
 _DTYPES: dict[bytes, str] = {}  # tensor_type bytes -> interned name
 _SHAPES: dict[tuple, tuple] = {}  # interned shapes
@@ -121,6 +123,9 @@ class RecordWalk:
     """The walk that fills ``CheckpointReader``'s index columns (``_names``, ``_kind``, ``_dtype``,
     ``_shape``, ``_off``, ``_len``, ``_rec``, ``_rlen``, ``_multi``, ``_pos``, ``crc_stored``),
     reading the file through the reader's positioned reads."""
+
+    _tail_places = None  # ``runs.TailPlaces`` of the window being walked
+    _no_runs_before = 0  # file offset before which records alike are taken one by one
 
     def _walk(self) -> None:
         """Index every record, front to back, through windows of the file (module docstring).
@@ -219,10 +224,14 @@ class RecordWalk:
         there equal the last common record's (`tail`: those bytes from its TensorProto key to its
         content, its content length, dtype and shape), and whose length says nothing follows its
         content, is added without parsing those fields again."""
+        run, alike, tail_len = tail, 0, len(tail[0])  # a long run is taken at once (``runs``)
         tail, tail_clen, tail_dtype, tail_shape = tail
-        tail_len = len(tail)
         names = None  # the columns, fetched at the first repeat (most calls find none)
         while True:
+            alike += 1
+            if alike > RUN_AFTER and pos >= self._no_runs_before:  # a run: the rest of it at once
+                alike = 0
+                pos, typical = take_run(self, window, wstart, pos, typical, run) or (pos, typical)
             rel = pos - wstart
             if rel + 3 >= len(window) or window[rel] != 0x0A:
                 return pos, typical
