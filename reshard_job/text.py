@@ -109,6 +109,11 @@ def _escaped(texts: list[str], quote, ensure_ascii: bool) -> list[str]:
     needs escaping (hex digests, most names: no quote, backslash or control character, and only
     ASCII where asked), found by a few scans of them all joined (TypeError for a text that is not one)."""
     joined = "".join(texts)
-    if joined.isprintable() and '"' not in joined and "\\" not in joined and (joined.isascii() or not ensure_ascii):
-        return texts
-    return [quote(t)[1:-1] for t in texts]
+    if joined.isascii():
+        clean = not joined.encode("ascii").translate(None, _AS_IS)  # what is left needs escaping
+    else:
+        clean = not ensure_ascii and joined.isprintable() and '"' not in joined and "\\" not in joined
+    return texts if clean else [quote(t)[1:-1] for t in texts]
+
+
+_AS_IS = bytes(c for c in range(0x20, 0x7F) if c not in b'"\\')  # ASCII a JSON string holds unescaped
