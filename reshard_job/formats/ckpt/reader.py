@@ -313,6 +313,20 @@ class CheckpointReader(RecordWalk, PositionedReader):
             return None
         return key[0], shape, self._off[i], key[2]
 
+    def whole_spans(self, names: list[str]) -> list[tuple | None]:
+        """``whole_span`` of each name, the column lookups done for all at once (a run of small
+        tensors of one dtype and shape costs a few C-level passes, not a call each)."""
+        at = list(map(self._pos.get, names))
+        if None in at or any(map(self._kind.__getitem__, at)) or (self._multi and not self._multi.keys().isdisjoint(at)):
+            return list(map(self.whole_span, names))
+        keys = list(zip(map(self._dtype.__getitem__, at), map(self._shape.__getitem__, at),
+                        map(self._len.__getitem__, at)))
+        shapes = {key: _SPAN_SHAPES.get(key, _UNSET) for key in set(keys)}
+        shapes = {key: _span_shape(*key) if shape is _UNSET else shape for key, shape in shapes.items()}
+        if None in shapes.values():
+            return list(map(self.whole_span, names))
+        return [(key[0], shapes[key], off, key[2]) for key, off in zip(keys, map(self._off.__getitem__, at))]
+
     def names(self) -> list[str]:
         return list(self._pos)
 

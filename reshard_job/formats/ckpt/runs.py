@@ -106,19 +106,19 @@ def take_run(walk, window, wstart: int, pos: int, typical: int, tail: tuple) -> 
     ends = tails + places.step
     names = run_names(window, name_at, tails)
     columns = walk._names
-    if names is None or (columns and columns[-1] == names[0]) or len(set(names)) != len(names):
+    first = len(columns)
+    places = dict(zip(map(sys.intern, names), range(first, first + len(names)))) if names is not None else {}
+    if names is None or (columns and columns[-1] == names[0]) or len(places) != len(names):
         walk._no_runs_before = wstart + int(ends[-1])  # a chunk, a name again, a bad name: one by one
         return None
-    names = list(map(sys.intern, names))
-    first, m = len(columns), len(names)
-    table = walk._pos
-    if table.keys().isdisjoint(names):
-        table.update(zip(names, range(first, first + m)))
+    m, table = len(names), walk._pos
+    if table.keys().isdisjoint(places):
+        table.update(places)
     else:
-        for i, name in enumerate(names, first):
+        for name, i in places.items():
             table.pop(name, None)  # a later group replaces an earlier one, at the end
             table[name] = i
-    columns += names
+    columns += places  # the interned names, in order
     walk._kind += bytes(m)
     walk._dtype += [dtype] * m
     walk._shape += [shape] * m
@@ -131,6 +131,6 @@ def take_run(walk, window, wstart: int, pos: int, typical: int, tail: tuple) -> 
     if walk._note is not None:
         for offset in offsets.tolist():
             walk._note(offset, clen)
-    for n in lengths:
+    for n in lengths[-64:]:  # what came before weighs (3/4)**64 in it: nothing (it only sizes reads)
         typical = (3 * typical + n) >> 2
     return wstart + int(ends[-1]), typical
