@@ -22,7 +22,7 @@ import reshard_job.core.dtypes as dtypes
 from reshard_job.formats.tensorfile import KIND_MAP, KIND_STR, KIND_TENSOR, PositionedReader, TensorEntry
 from reshard_job.formats.ckpt.records import CRC_TRAILER_LEN, Record
 from reshard_job.core.sizes import shape_problem
-from reshard_job.formats.ckpt.walk import HEAD, KINDS, RecordWalk, intern_shape
+from reshard_job.formats.ckpt.walk import HEAD, KINDS, RecordWalk, intern_shape, positions
 from reshard_job.text import quoted
 
 INDEX_FORMAT = 1  # of ``CheckpointReader.index_document``: a change makes cached documents unused
@@ -177,12 +177,7 @@ class CheckpointReader(RecordWalk, PositionedReader):
                 return False
         except (KeyError, TypeError, ValueError, OverflowError):
             return False
-        pos: dict[str, int] = {}
-        for i, name in enumerate(names):
-            if name in pos:
-                del pos[name]  # a later group replaces an earlier one, at the end (as walking)
-            pos[name] = i
-        self._names, self._kind, self._dtype, self._shape, self._pos = names, kinds, dtype_col, shape_col, pos
+        self._names, self._kind, self._dtype, self._shape = names, kinds, dtype_col, shape_col
         self._off, self._len, self._rec, self._rlen = off, length, rec, rlen
         self._multi = multi
         self.crc_stored = crc
@@ -221,11 +216,12 @@ class CheckpointReader(RecordWalk, PositionedReader):
             self._share_columns_locked()
 
     def _share_columns_locked(self) -> None:
-        for names, pos in _SHARED_NAMES:
-            if len(names) == len(self._names) and names == self._names and len(pos) == len(self._pos):
+        for names, pos in _SHARED_NAMES:  # (equal names: equal positions, not made again)
+            if len(names) == len(self._names) and names == self._names:
                 self._names, self._pos = names, pos
                 break
         else:
+            self._pos = positions(self._names)
             _SHARED_NAMES.insert(0, (self._names, self._pos))
             del _SHARED_NAMES[4:]
         for attr in _SHAREABLE:

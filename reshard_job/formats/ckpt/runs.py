@@ -106,19 +106,11 @@ def take_run(walk, window, wstart: int, pos: int, typical: int, tail: tuple) -> 
     ends = tails + places.step
     names = run_names(window, name_at, tails)
     columns = walk._names
-    first = len(columns)
-    places = dict(zip(map(sys.intern, names), range(first, first + len(names)))) if names is not None else {}
-    if names is None or (columns and columns[-1] == names[0]) or len(places) != len(names):
-        walk._no_runs_before = wstart + int(ends[-1])  # a chunk, a name again, a bad name: one by one
+    if names is None or (columns and columns[-1] == names[0]) or any(map(str.__eq__, names[1:], names)):
+        walk._no_runs_before = wstart + int(ends[-1])  # a chunk (a name twice in a row), a bad name: one by one
         return None
-    m, table = len(names), walk._pos
-    if table.keys().isdisjoint(places):
-        table.update(places)
-    else:
-        for name, i in places.items():
-            table.pop(name, None)  # a later group replaces an earlier one, at the end
-            table[name] = i
-    columns += places  # the interned names, in order
+    m = len(names)
+    columns += map(sys.intern, names)
     walk._kind += bytes(m)
     walk._dtype += [dtype] * m
     walk._shape += [shape] * m

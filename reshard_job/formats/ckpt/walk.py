@@ -40,6 +40,18 @@ _SHAPES: dict[tuple, tuple] = {}  # interned shapes
 KINDS = (KIND_TENSOR, KIND_STR, KIND_MAP)  # a group's kind, by its code in the kind column
 
 
+def positions(names: list[str]) -> dict[str, int]:
+    """Name -> its group's place in `names`, in the order of each name's last group: a name given
+    again later is that later group (MindSpore's loader keeps the last), placed at the end."""
+    pos = dict(zip(names, range(len(names))))
+    if len(pos) != len(names):  # a name given twice: its later group, at the end
+        pos = {}
+        for i, name in enumerate(names):
+            pos.pop(name, None)
+            pos[name] = i
+    return pos
+
+
 def intern_shape(dims: tuple) -> tuple:
     return _SHAPES.setdefault(dims, dims) if len(_SHAPES) < 100_000 else dims
 
@@ -121,8 +133,9 @@ def _fast_value(b, p: int, end: int):
 
 class RecordWalk:
     """The walk that fills ``CheckpointReader``'s index columns (``_names``, ``_kind``, ``_dtype``,
-    ``_shape``, ``_off``, ``_len``, ``_rec``, ``_rlen``, ``_multi``, ``_pos``, ``crc_stored``),
-    reading the file through the reader's positioned reads."""
+    ``_shape``, ``_off``, ``_len``, ``_rec``, ``_rlen``, ``_multi``, ``crc_stored``), reading the
+    file through the reader's positioned reads. Where each name's group lies (``_pos``) follows
+    from ``_names`` alone, and is made from it once the walk is done (``positions``)."""
 
     _tail_places = None  # ``runs.TailPlaces`` of the window being walked
     _no_runs_before = 0  # file offset before which records alike are taken one by one
@@ -255,14 +268,11 @@ class RecordWalk:
                 raise self._error(f"record at offset {pos}: parameter name is not valid UTF-8") from None
             if names is None:
                 names, kinds, dtype_col, shape_col = self._names, self._kind, self._dtype, self._shape
-                off_col, len_col, rec_col, rlen_col, pos_table = self._off, self._len, self._rec, self._rlen, self._pos
+                off_col, len_col, rec_col, rlen_col = self._off, self._len, self._rec, self._rlen
                 note = self._note
             if names and names[-1] == name:  # the same name again is a chunk: the full path
                 return pos, typical
             vend = wstart + rel_end
-            if name in pos_table:
-                del pos_table[name]  # a later group replaces an earlier one, at the end
-            pos_table[name] = len(names)
             names.append(name)
             kinds.append(0)
             dtype_col.append(tail_dtype)
@@ -299,8 +309,7 @@ class RecordWalk:
             kind = KIND_STR if name == dtypes.STR_TYPE else KIND_TENSOR
             self._record(tag, kind, Record(pos, vend - pos, dims, name, wstart + coff, clen), None)
             return None
-        i = len(names)  # the common case, inline: a new one-record tensor
-        names.append(tag)
+        names.append(tag)  # the common case, inline: a new one-record tensor
         self._kind.append(0)
         self._dtype.append(name)
         self._shape.append(_SHAPES.setdefault(dims, dims) if len(_SHAPES) < 100_000 else dims)
@@ -310,10 +319,6 @@ class RecordWalk:
             self._note(wstart + coff, clen)
         self._rec.append(pos)
         self._rlen.append(vend - pos)
-        pos_table = self._pos
-        if tag in pos_table:
-            del pos_table[tag]  # a later group replaces an earlier one, at the end
-        pos_table[tag] = i
         return coff, vpos + 2 + len(raw_tag)
 
     def _record(self, tag: str, kind: str, rec: Record | None, parts: list | None) -> None:
@@ -359,8 +364,6 @@ class RecordWalk:
             self._len.append(rec.content_len)
             self._rec.append(rec.offset)
             self._rlen.append(rec.length)
-        self._pos.pop(tag, None)  # a later group replaces an earlier one, at the end
-        self._pos[tag] = i
 
     def _first_record(self, i: int) -> Record:
         return Record(self._rec[i], self._rlen[i], self._shape[i], self._dtype[i], self._off[i], self._len[i])
