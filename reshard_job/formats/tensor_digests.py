@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Iterable, Iterator, Mapping
 
+import numpy as np
+
 DIGEST_SIZE = 32  # sha256
 
 
@@ -98,16 +100,24 @@ class TensorDigests(Mapping[str, str]):
 
     def columns(self, by_name: bool, size: int) -> Iterator[tuple[list[str], list[str]]] | None:
         """The (names, hex digests) in chunks of `size`, in file order or by name; None before
-        ``complete``. Hex made for all digests in one call and cut apart in C (``bytes.hex`` with a
+        ``complete``. A chunk's hex is made in one call and cut apart in C (``bytes.hex`` with a
         separator): per-item Python is what a million digests, written three times, pay for."""
         if self._later:
             return None
+        return self._sorted_columns(size) if by_name else self._columns(size)
+
+    def _columns(self, size: int) -> Iterator[tuple[list[str], list[str]]]:
+        for start in range(0, len(self._names), size):
+            hexed = self._raw[start * DIGEST_SIZE:(start + size) * DIGEST_SIZE].hex("|", DIGEST_SIZE)
+            yield self._names[start:start + size], hexed.split("|")
+
+    def _sorted_columns(self, size: int) -> Iterator[tuple[list[str], list[str]]]:
         names = self._names
-        hexed = self._raw.hex("|", DIGEST_SIZE).split("|") if names else []
-        if by_name:
-            order = sorted(range(len(names)), key=names.__getitem__)
-            names, hexed = list(map(names.__getitem__, order)), list(map(hexed.__getitem__, order))
-        return ((names[i:i + size], hexed[i:i + size]) for i in range(0, len(names), size))
+        order = sorted(range(len(names)), key=names.__getitem__)
+        for start in range(0, len(order), size):
+            at = order[start:start + size]
+            rows = np.frombuffer(self._raw, dtype=np.uint8).reshape(-1, DIGEST_SIZE)[at].tobytes()
+            yield list(map(names.__getitem__, at)), rows.hex("|", DIGEST_SIZE).split("|")
 
     def values(self):
         return [self._hex(i) for i in range(len(self._names))]
