@@ -185,6 +185,7 @@ class RecordWalk:
             if tail is not None:
                 pos, typical = self._walk_repeats(window, wstart, pos, typical, tail)
         self._multi = {i: tuple(recs) for i, recs in self._multi.items()}
+        self._tail_places = None  # the last window's: a few MiB not to keep with the index
 
     def _walk_buffers(self) -> tuple[bytearray, bytearray, int]:
         """The buffers a walk reads windows and record heads into, and the typical record length

@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import reshard_job.formats.ckpt.walk as walk
+from reshard_job.formats.ckpt.runs import take_run as run_of
 from reshard_job.errors import CheckpointFormatError
 from reshard_job.formats import wire
 from reshard_job.formats.ckpt import CheckpointReader, CheckpointWriter, record_header
@@ -70,13 +71,16 @@ def test_runs_taken_at_once_index_as_one_by_one(tmp_path_factory, records, windo
     assert index_of(str(path), run_after, window) == index_of(str(path), 1 << 60, window)
 
 
-def test_a_long_run_is_taken_at_once_and_reads_its_own_bytes(tmp_path):
+def test_a_long_run_is_taken_at_once_and_reads_its_own_bytes(tmp_path, monkeypatch):
     records = [(f"expert.{i}.w".encode(), (1,), "Float32", i.to_bytes(4, "little")) for i in range(5000)]
     path = tmp_path / "r.ckpt"
     path.write_bytes(b"".join(raw_record(*r) for r in records))
     assert index_of(str(path), 16, 4 << 20) == index_of(str(path), 1 << 60, 4 << 20)
+    taken = []
+    monkeypatch.setattr(walk, "take_run", lambda *a: taken.append(run_of(*a)) or taken[-1])
     with CheckpointReader(str(path)) as r:
-        assert r._tail_places is not None  # the run was found in bulk
+        assert taken and taken[0] is not None  # the run was taken at once
+        assert r._tail_places is None  # and its window's places not kept
         assert [int(r.read(f"expert.{i}.w")[0].view("<u4")) for i in (0, 17, 4999)] == [0, 17, 4999]
 
 
