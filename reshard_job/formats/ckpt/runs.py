@@ -4,13 +4,13 @@ file of many small tensors (experts, their optimizer states, a model's many bias
 A record of such a run is ``0x0A <length> 0x0A <name length> <name> <tail> <content>``, its tail
 (TensorProto key and length, dims, dtype, content length) equal to its neighbours'. The walk
 (``walk.RecordWalk._walk_repeats``) checks such records one at a time; after a few in a row it asks
-here for the rest of its window at once. Every place where the tail's bytes occur in the window is
-found with a few numpy passes; a record starting where one tail's content ends is checked (framing,
+here for the rest of the run in its window at once. Every place where the tail's bytes occur ahead
+is found with a few numpy passes; a record starting where one tail's content ends is checked (framing,
 name length, where its own tail lies, where it ends) for all of them at once, and the run is the
 stretch of such records, each ending where the next begins. Names come out of one decode of all
 of them. The checks are the walk's own, so the index is the one the walk would build; anything
-unusual (a name given twice, a name that is not UTF-8, a tail's bytes inside a name) ends the
-run early and the walk goes on record by record.
+unusual (a name given twice in a row, a name that is not UTF-8, a tail's bytes inside a name) ends
+the run early and the walk goes on record by record.
 """
 
 from __future__ import annotations
@@ -21,20 +21,19 @@ from array import array
 import numpy as np
 
 SEPARATOR = 0x12  # the first byte of every tail (TensorProto key): what the names are split on
+LONG_RUN = 256  # records taken at once from which runs are looked for again as soon as usual
 
 
 class TailPlaces:
-    """Where one tail's bytes lie in one window, and which of those places a record alike follows.
+    """Where one tail's bytes lie in ``window[lo:hi]``, and which of those places a record alike
+    follows (a record reaching past `hi` is not one: the caller looks further if the run got there)."""
 
-    Made once per window and tail (the walk asks again after each record it checks itself), so a
-    window costs a few passes over its bytes however often the run is interrupted."""
-
-    def __init__(self, window, wstart: int, tail: bytes, clen: int):
-        self.key = (wstart, len(window), tail, clen)
-        w = np.frombuffer(window, dtype=np.uint8)
-        size = len(w)
+    def __init__(self, window, lo: int, hi: int, tail: bytes, clen: int):
+        w = np.frombuffer(window, dtype=np.uint8)[:hi]
+        size = hi
         self.step = len(tail) + clen  # from a tail's first byte to the end of its record
-        places = np.flatnonzero(w[:size - len(tail) + 1] == tail[0]) if size >= len(tail) else np.empty(0, np.int64)
+        found = w[lo:size - len(tail) + 1] == tail[0] if size - lo >= len(tail) else np.zeros(0, bool)
+        places = np.flatnonzero(found) + lo
         for k in range(1, len(tail)):
             places = places[w[places + k] == tail[k]]
         self.places = places
@@ -94,20 +93,44 @@ def run_names(window, name_at: np.ndarray, tails: np.ndarray) -> list[str] | Non
 def take_run(walk, window, wstart: int, pos: int, typical: int, tail: tuple) -> tuple[int, int] | None:
     """Index the records alike that follow `pos` in `window` (which began at file offset `wstart`)
     as ``RecordWalk._walk_repeats`` would one by one; return the position and `typical` after them,
-    or None where there is no run to take here (the walk goes on record by record)."""
+    or None where there is no run to take here (the walk goes on record by record).
+
+    The window is searched from `pos` in spans that double while the run goes on, so a run costs
+    passes over about its own bytes, and a short one (16 records of one shape, then 16 of another)
+    little more than itself."""
+    raw, clen = tail[0], tail[1]
+    span, taken, count = max(4096, 64 * (len(raw) + clen + 24)), None, 0
+    while True:
+        lo = pos - wstart - len(raw) - clen  # the tail of the record before `pos`
+        hi = min(len(window), lo + span)
+        found = TailPlaces(window, lo, hi, raw, clen).run(lo)
+        end = _add_run(walk, window, wstart, found, len(raw) + clen, tail) if found is not None else None
+        if end is None:
+            break
+        count += len(found[0])
+        for n in (found[2] + len(raw) + clen - found[0])[-64:].tolist():  # (3/4)**64: the rest weighs nothing
+            typical = (3 * typical + n) >> 2
+        pos = wstart + end
+        taken = pos, typical
+        if hi == len(window):
+            break
+        span *= 2
+    # runs that end soon after they are noticed (a few records of each shape in turn) are not worth
+    # the passes: wait for longer ones before asking again; a long run resets the wait
+    walk._run_after = 0 if count >= LONG_RUN else min(2 * max(walk._run_after, 8), 1 << 16)
+    return taken
+
+
+def _add_run(walk, window, wstart: int, found: tuple, step: int, tail: tuple) -> int | None:
+    """Add a run's records to the walk's columns; the window offset after them, or None where a
+    name is not UTF-8 or given twice in a row (a chunk): those records are then walked one by one."""
     raw, clen, dtype, shape = tail
-    places = walk._tail_places
-    if places is None or places.key != (wstart, len(window), raw, clen):
-        places = walk._tail_places = TailPlaces(window, wstart, raw, clen)
-    found = places.run(pos - wstart - places.step)
-    if found is None:
-        return None
     starts, name_at, tails = found
-    ends = tails + places.step
+    ends = tails + step
     names = run_names(window, name_at, tails)
     columns = walk._names
     if names is None or (columns and columns[-1] == names[0]) or any(map(str.__eq__, names[1:], names)):
-        walk._no_runs_before = wstart + int(ends[-1])  # a chunk (a name twice in a row), a bad name: one by one
+        walk._no_runs_before = wstart + int(ends[-1])
         return None
     m = len(names)
     columns += map(sys.intern, names)
@@ -118,11 +141,8 @@ def take_run(walk, window, wstart: int, pos: int, typical: int, tail: tuple) -> 
     walk._off += array("q", offsets.astype(np.int64).tobytes())
     walk._len += array("q", [clen]) * m
     walk._rec += array("q", (starts + wstart).astype(np.int64).tobytes())
-    lengths = (ends - starts).tolist()
-    walk._rlen += array("q", lengths)
+    walk._rlen += array("q", (ends - starts).astype(np.int64).tobytes())
     if walk._note is not None:
         for offset in offsets.tolist():
             walk._note(offset, clen)
-    for n in lengths[-64:]:  # what came before weighs (3/4)**64 in it: nothing (it only sizes reads)
-        typical = (3 * typical + n) >> 2
-    return wstart + int(ends[-1]), typical
+    return int(ends[-1])

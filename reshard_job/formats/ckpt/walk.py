@@ -137,8 +137,8 @@ class RecordWalk:
     file through the reader's positioned reads. Where each name's group lies (``_pos``) follows
     from ``_names`` alone, and is made from it once the walk is done (``positions``)."""
 
-    _tail_places = None  # ``runs.TailPlaces`` of the window being walked
     _no_runs_before = 0  # file offset before which records alike are taken one by one
+    _run_after = 0  # records alike before the rest of a run is asked for (0: RUN_AFTER; ``runs.take_run``)
 
     def _walk(self) -> None:
         """Index every record, front to back, through windows of the file (module docstring).
@@ -185,7 +185,6 @@ class RecordWalk:
             if tail is not None:
                 pos, typical = self._walk_repeats(window, wstart, pos, typical, tail)
         self._multi = {i: tuple(recs) for i, recs in self._multi.items()}
-        self._tail_places = None  # the last window's: a few MiB not to keep with the index
 
     def _walk_buffers(self) -> tuple[bytearray, bytearray, int]:
         """The buffers a walk reads windows and record heads into, and the typical record length
@@ -243,7 +242,7 @@ class RecordWalk:
         names = None  # the columns, fetched at the first repeat (most calls find none)
         while True:
             alike += 1
-            if alike > RUN_AFTER and pos >= self._no_runs_before:  # a run: the rest of it at once
+            if alike > (self._run_after or RUN_AFTER) and pos >= self._no_runs_before:  # the run at once
                 alike = 0
                 pos, typical = take_run(self, window, wstart, pos, typical, run) or (pos, typical)
             rel = pos - wstart

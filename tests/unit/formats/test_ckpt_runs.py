@@ -80,7 +80,6 @@ def test_a_long_run_is_taken_at_once_and_reads_its_own_bytes(tmp_path, monkeypat
     monkeypatch.setattr(walk, "take_run", lambda *a: taken.append(run_of(*a)) or taken[-1])
     with CheckpointReader(str(path)) as r:
         assert taken and taken[0] is not None  # the run was taken at once
-        assert r._tail_places is None  # and its window's places not kept
         assert [int(r.read(f"expert.{i}.w")[0].view("<u4")) for i in (0, 17, 4999)] == [0, 17, 4999]
 
 
@@ -116,3 +115,13 @@ def test_records_written_alike_are_the_bytes_written_one_by_one(tmp_path_factory
             w.add("after", np.arange(2, dtype=np.float32))
         results.append(((folder / f"{way}.ckpt").read_bytes(), dict(w.result.tensors.items())))
     assert results[0] == results[1]
+
+
+def test_a_name_twice_in_a_row_inside_a_run_is_a_chunk_of_that_tensor(tmp_path):
+    names = [b"p%d" % i for i in range(40)]
+    names.insert(21, names[20])
+    path = tmp_path / "r.ckpt"
+    path.write_bytes(b"".join(raw_record(n, (1,), "Float32", b"\1" * 4) for n in names))
+    for run_after in (0, 4, 16):
+        assert index_of(str(path), run_after, 4 << 20) == index_of(str(path), 1 << 60, 4 << 20)
+    assert "parameter 'p20': 8 bytes of data but dims [1]" in index_of(str(path), 4, 4 << 20)
