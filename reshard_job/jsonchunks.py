@@ -32,6 +32,8 @@ from itertools import islice
 from json.decoder import scanstring
 from typing import Callable, Iterator
 
+from reshard_job.text import json_object_pieces
+
 CHUNK_ITEMS = 8192  # items of a large mapping encoded per ``json.dumps`` call
 
 
@@ -104,13 +106,12 @@ def _pieces(obj, depth: int, split_depth: int, opts: dict) -> Iterator[str]:
 
 
 def _mapping_pieces(obj: Mapping, depth: int, opts: dict) -> Iterator[str]:
-    """A mapping of string keys to plain values (a file's tensor digests, made on the fly) in
-    chunks of ``CHUNK_ITEMS``: never the whole of it as a dict or as one string."""
-    if opts["sort_keys"]:
-        by_name = getattr(obj, "sorted_items", None)
-        items = by_name() if by_name is not None else ((k, obj[k]) for k in sorted(obj))
-    else:
-        items = iter(obj.items())
+    """A mapping of string keys to plain values in chunks of ``CHUNK_ITEMS``, never the whole of it
+    as a dict or as one string (a file's tensor digests: as names and hex digests in lists)."""
+    if (columns := getattr(obj, "columns", lambda *_: None)(opts["sort_keys"], CHUNK_ITEMS)) is not None:
+        yield from json_object_pieces(columns, depth, opts["indent"], opts["separators"], opts["ensure_ascii"])
+        return
+    items = ((k, obj[k]) for k in sorted(obj)) if opts["sort_keys"] else iter(obj.items())
     yield from _chunked(dict, items, "{}", depth, opts)
 
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from json.encoder import encode_basestring, encode_basestring_ascii
+from typing import Any, Iterable, Iterator, Sequence
 
 
 def rank_ranges(ranks: Iterable[int | None], sep: str = ",") -> str:
@@ -71,3 +72,48 @@ def bounded_list(values: Sequence[Any], limit: int = 8) -> str:
     values = list(values[:limit + 1]) if isinstance(values, (list, tuple)) else list(values)
     shown = ", ".join(shorten(v, 24) for v in values[:limit])
     return f"[{shown}{', …' if len(values) > limit else ''}]"
+
+
+def json_object_pieces(columns, depth: int = 0, indent: int | None = None, separators=(", ", ": "),
+                       ensure_ascii: bool = True) -> Iterator[str]:
+    """A mapping of strings to strings given as chunks of (keys, values) lists (keys unique, in
+    the order to write), as ``json.dumps`` writes the dict, a chunk a piece. ``json.dumps`` with an
+    indent encodes in Python, a call or more per item: a million digests written three times
+    (the manifest's digest and file, the journal) cost seconds that way."""
+    quote = encode_basestring_ascii if ensure_ascii else encode_basestring
+    item_sep, key_sep = separators
+    if indent is None:
+        head, close = "{", "}"
+    else:
+        head = "{\n" + " " * (indent * (depth + 1))
+        item_sep += head[1:]
+        close = "\n" + " " * (indent * depth) + "}"
+    first = True
+    for keys, values in columns:
+        if not keys:
+            continue
+        if len(keys) != len(values):
+            raise ValueError("columns of a mapping: as many values as keys")
+        n = len(keys)
+        parts = ['"' + item_sep + '"'] * (4 * n - 1)  # key, key_sep, value, item_sep, ...: one join
+        parts[0::4] = _escaped(keys, quote, ensure_ascii)
+        parts[1::4] = ['"' + key_sep + '"'] * n
+        parts[2::4] = _escaped(values, quote, ensure_ascii)
+        yield (head if first else item_sep) + '"' + "".join(parts) + '"'
+        first = False
+    yield "{}" if first else close
+
+
+def _escaped(texts: list[str], quote, ensure_ascii: bool) -> list[str]:
+    """Each text as it stands between the quotes of a JSON string: the texts themselves where none
+    needs escaping (hex digests, most names: no quote, backslash or control character, and only
+    ASCII where asked), found by a few scans of them all joined (TypeError for a text that is not one)."""
+    joined = "".join(texts)
+    if joined.isascii():
+        clean = not joined.encode("ascii").translate(None, _AS_IS)  # what is left needs escaping
+    else:
+        clean = not ensure_ascii and joined.isprintable() and '"' not in joined and "\\" not in joined
+    return texts if clean else [quote(t)[1:-1] for t in texts]
+
+
+_AS_IS = bytes(c for c in range(0x20, 0x7F) if c not in b'"\\')  # ASCII a JSON string holds unescaped

@@ -33,6 +33,8 @@ _OPTIMIZER_STATE = re.compile("(?:" + "|".join(re.escape(p) for p in OPTIMIZER_P
 
 def optimizer_base(name: str) -> str | None:
     """The parameter an optimizer-state entry belongs to (``adam_m.w`` -> ``w``), else None."""
+    if not name.startswith(OPTIMIZER_PREFIXES):  # most names: one C-level test, not a regex match
+        return None
     m = _OPTIMIZER_STATE.match(name)
     return m.group(1) if m else None
 

@@ -28,6 +28,7 @@ from reshard_job.plan.model import ACTION_COPY, ParamPlan, ParamPlans, RankPlan
 from reshard_job.execute.read_ahead import announce
 from reshard_job.sources.open_files import SourceFiles
 from reshard_job.execute.tasks import FORMAT_CKPT, RankResult, RankTask
+from reshard_job.execute.small_copies import WholeCopies
 from reshard_job.execute.writer_tap import WriterTap
 
 DEFAULT_MAX_MEMORY = 32 * 1024 * 1024
@@ -136,13 +137,17 @@ def _write_in_order(writer, params: ParamPlans, sources: SourceFiles, max_memory
 
     A model of many small parameters pays per parameter, not per byte: a small tensor copied whole
     from one source tensor stored in one record (experts and their optimizer states, mostly) is
-    read from the source's read-ahead window and written as one record, without a ParamPlan view
-    or an assembly buffer. Anything else, or a source entry that is not what the plan expects,
-    goes through ``_write_param``, which reads, checks and refuses in detail."""
+    written with the others of its run (``small_copies``), read from the source with them and
+    written as one record each, without a ParamPlan view or an assembly buffer. Anything else, or a
+    source entry that is not what the plan expects, goes through ``_write_param``, which reads,
+    checks and refuses in detail."""
     whole: dict[int, tuple | None] = {}  # id of a plan slice -> its source extents when a whole small copy
-    readers: dict[int, object] = {}
-    pending = 0  # bytes done but not yet reported (reporting per tensor would cost as much as the copy)
     tap = writer.fingerprint_tap if counted is not None else None
+
+    def the_long_way(tensor, piece) -> None:
+        _write_param(writer, ParamPlan._shared(tensor, *piece), sources, max_memory, progress)
+
+    copies = WholeCopies(writer, sources, the_long_way, progress)
     for tensor, piece in zip(params.tensors, params.slices):
         if tap is not None and counted(piece[3] if len(piece) > 3 else None):
             tap.expect(tensor.name, tensor.dtype, tensor.kind, tensor.global_shape, piece[0], piece[3].origin)
@@ -150,25 +155,14 @@ def _write_in_order(writer, params: ParamPlans, sources: SourceFiles, max_memory
         if extents is _UNKNOWN:
             extents = whole[id(piece)] = _whole_small_copy(piece)  # slices live as long as `params`
         if extents is not None and tensor.kind == KIND_TENSOR and tensor.itemsize:
-            rank = piece[1][0].source_rank
-            reader = readers.get(rank)
-            if reader is None:
-                reader = readers[rank] = sources.reader(rank)
-            span = reader.whole_span(tensor.name) if hasattr(reader, "whole_span") else None
-            if span is not None and span[1] == extents and span[0] == tensor.dtype:
-                writer.add_bytes(tensor.name, tensor.dtype, piece[0], reader.read_near(span[2], piece[2]))
-                pending += piece[2]
-                if pending >= _REPORT_EVERY and progress:
-                    progress(pending)
-                    pending = 0
-                continue
-        _write_param(writer, ParamPlan._shared(tensor, *piece), sources, max_memory, progress)
-    if pending and progress:
-        progress(pending)
+            copies.add(tensor, piece, extents)
+            continue
+        copies.flush()
+        the_long_way(tensor, piece)
+    copies.flush()
 
 
 _UNKNOWN = object()
-_REPORT_EVERY = 4 << 20
 
 
 def _whole_small_copy(piece: tuple) -> tuple | None:

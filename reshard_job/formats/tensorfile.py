@@ -223,6 +223,17 @@ class PositionedReader:
         self._near_start, self._near_len = offset, n
         return self._near[:nbytes]
 
+    def read_spans(self, offsets: list[int], nbytes: int) -> list[bytes]:
+        """The `nbytes` bytes at each offset (a run of small tensors): one read of the range they
+        lie in where it is not much larger than they are, else ``read_near`` each."""
+        if not offsets:
+            return []
+        lo, hi = min(offsets), max(offsets) + nbytes
+        if self.wants_read_ahead or hi - lo > max(NEAR_WINDOW, 4 * nbytes * len(offsets)):
+            return [bytes(self.read_near(offset, nbytes)) for offset in offsets]
+        block = self.pread(lo, hi - lo)
+        return [block[start:start + nbytes] for start in (offset - lo for offset in offsets)]
+
     def pread(self, offset: int, nbytes: int) -> bytes:
         buf = bytearray(nbytes)
         self.pread_into(offset, memoryview(buf))

@@ -28,8 +28,8 @@ from reshard_job.core.topology import Topology
 from reshard_job.errors import MissingRankError, PlanError
 from reshard_job.plan.checks import CHECK_IDENTICAL, CHECK_TARGET, show_block
 from reshard_job.plan.model import (ACTION_COPY, ACTION_FULL, ACTION_RESHARD, COUNTED_ALWAYS, COUNTED_FIRST,
-                                    COUNTED_NEVER, UNMAPPED_OMIT, Copy, ParamPlans, Place, Plan, RankPlan,
-                                    RankSummary, TensorFacts, ParamSource)
+                                    UNMAPPED_OMIT, Copy, Place, Plan, RankPlan, TensorFacts, ParamSource)
+from reshard_job.plan.bodies import RankBodies, RankBody
 from reshard_job.plan.counting import StageCounting
 from reshard_job.plan.patterns import chunk_copy_pattern, copy_pattern, scale_pattern
 from reshard_job.plan.redundancy import Owners, stage_owners
@@ -51,15 +51,7 @@ class _Group(NamedTuple):
     targets: tuple[tuple[int, Layout], ...] | None  # target stage -> layout; None: replicated whole
 
 
-class _Body(NamedTuple):
-    """A target rank's plan up to its number (shared by target ranks that read alike)."""
-
-    params: ParamPlans
-    summary: RankSummary
-    unavailable: frozenset[int]  # source ranks parameters without any file at hand would be read from
-
-
-class Planner:
+class Planner(RankBodies):
     """Builds a Plan; one instance per (source, target, available files) triple.
 
     Construction resolves every parameter and runs the cross-checks between the strategies and
@@ -92,7 +84,8 @@ class Planner:
         self._group_ids: dict[tuple, int] = {}
         self._stage_keys: dict[int, tuple] = {}
         self._chunks: dict[tuple[int, int], tuple[int, ...]] = {}
-        self._bodies: dict[tuple, _Body] = {}
+        self._bodies: dict[tuple, RankBody] = {}
+        self._rows: dict[int, tuple] = {}  # target stage -> ``_stage_rows``
         self._copies: dict[tuple, tuple[Copy, ...]] = {}
         self._block_holders: dict[tuple, dict] = {}
         self._target_keys: dict[tuple, tuple] = {}
@@ -214,50 +207,6 @@ class Planner:
             else:
                 by_rho = True
         return tuple(targets), tuple(sources), by_rho
-
-    def _make_body(self, t_stage: int, r: int) -> _Body:
-        rho = r % self.src.stage_devices
-        results: list = [None] * len(self._groups)
-        tensors: list[TensorFacts] = []
-        slices: list[tuple] = []
-        copied: list[tuple[TensorFacts, tuple]] = []  # pass-through parameters come last, as in MindSpore
-        unavailable: set[int] = set()
-        sources: set[int] = set()
-        read = written = largest = 0
-        owners = self._stage_owners(t_stage) if self.remove_redundancy else None
-        never: dict[int, tuple] = {}  # group -> its slice in a stage that does not count it
-        for ps in self.params:
-            if ps.dst_layouts is not None and t_stage not in ps.dst_layouts:
-                continue  # lives in another target pipeline stage
-            if owners is not None and not owners.writes(r, ps.name):
-                continue  # another rank of its redundancy group writes it
-            res = results[ps.group]
-            if res is None:
-                res = results[ps.group] = self._group_result(ps, t_stage, r, rho)
-                if ps.meta is not None:
-                    sources.update(c.source_rank for c in res[0][1])
-            if ps.meta is None:
-                unavailable.update(res)
-                continue
-            slice_, bytes_read = res
-            if t_stage != (min(ps.dst_layouts) if ps.dst_layouts else 0):  # counted in its first stage only
-                slice_ = never.get(ps.group) or never.setdefault(ps.group, slice_[:3] + (
-                    self._place(slice_[3].origin, COUNTED_NEVER),))
-            if ps.reshard:
-                tensors.append(ps.tensor)
-                slices.append(slice_)
-            else:
-                copied.append((ps.tensor, slice_))
-            nbytes = slice_[2]
-            read += bytes_read
-            written += nbytes
-            if nbytes > largest:
-                largest = nbytes
-        for tensor, slice_ in copied:
-            tensors.append(tensor)
-            slices.append(slice_)
-        params = ParamPlans(tuple(tensors), tuple(slices))
-        return _Body(params, RankSummary(tuple(sorted(sources)), read, written, largest), frozenset(unavailable))
 
     def _group_result(self, ps: ParamSource, t_stage: int, r: int, rho: int):
         """What every parameter of ps's group gets on target local rank r: ((target shape, copies,

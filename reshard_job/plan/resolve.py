@@ -86,6 +86,11 @@ class Resolver:
                     break
             else:
                 classes.append((names, [rank]))
+        if all(a.keys().isdisjoint(b.keys()) for i, (a, _) in enumerate(classes) for b, _ in classes[i + 1:]):
+            out = {}  # each name in the files of one set of ranks (a stage's, usually): a C-level fill
+            for names, ranks in classes:
+                out.update(dict.fromkeys(names, tuple(sorted(ranks))))
+            return out
         lists: dict[str, list[int]] = {}
         for names, ranks in classes:
             for name in names:

@@ -78,6 +78,9 @@ class RenamedReader:
         span = getattr(self.inner, "whole_span", None)
         return span(self.source_name(name)) if span is not None and name in self else None
 
+    def whole_spans(self, names: list[str]) -> list:
+        return [self.whole_span(name) for name in names]  # (the inner reader's would take them as its own)
+
     def read_box(self, name: str, box, out=None):
         return self.inner.read_box(self.source_name(name), box, out)
 

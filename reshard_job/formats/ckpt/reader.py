@@ -22,7 +22,7 @@ import reshard_job.core.dtypes as dtypes
 from reshard_job.formats.tensorfile import KIND_MAP, KIND_STR, KIND_TENSOR, PositionedReader, TensorEntry
 from reshard_job.formats.ckpt.records import CRC_TRAILER_LEN, Record
 from reshard_job.core.sizes import shape_problem
-from reshard_job.formats.ckpt.walk import HEAD, KINDS, RecordWalk, intern_shape
+from reshard_job.formats.ckpt.walk import HEAD, KINDS, RecordWalk, intern_shape, positions
 from reshard_job.text import quoted
 
 INDEX_FORMAT = 1  # of ``CheckpointReader.index_document``: a change makes cached documents unused
@@ -177,12 +177,7 @@ class CheckpointReader(RecordWalk, PositionedReader):
                 return False
         except (KeyError, TypeError, ValueError, OverflowError):
             return False
-        pos: dict[str, int] = {}
-        for i, name in enumerate(names):
-            if name in pos:
-                del pos[name]  # a later group replaces an earlier one, at the end (as walking)
-            pos[name] = i
-        self._names, self._kind, self._dtype, self._shape, self._pos = names, kinds, dtype_col, shape_col, pos
+        self._names, self._kind, self._dtype, self._shape = names, kinds, dtype_col, shape_col
         self._off, self._len, self._rec, self._rlen = off, length, rec, rlen
         self._multi = multi
         self.crc_stored = crc
@@ -192,23 +187,25 @@ class CheckpointReader(RecordWalk, PositionedReader):
         """Every tensor's dtype known and its data the size its dims say, checked at open (cheaply,
         from the columns), so a bad file is refused before anything is planned from it."""
         by_name = dtypes.BY_NAME
-        seen = set()  # most tensors share dtype, dims and size: check each combination once
-        for i, dtype in enumerate(self._dtype):
-            kind = self._kind[i]
-            if kind == 2:  # map: parts were checked while parsing
-                continue
-            stored, dims = self._len[i], self._shape[i]
-            key = (kind, dtype, dims, stored)
-            if key in seen:
-                continue
-            seen.add(key)
+        # most tensors share dtype, dims and size: each combination is checked once (the set is
+        # made in C), and only where one is bad are the entries looked at one by one, in file order
+        bad = set()
+        for key in set(zip(self._kind, self._dtype, self._shape, self._len)):
+            kind, dtype, dims, stored = key
             if kind == 1:
                 if stored % 4:
-                    raise self._error(f"parameter {self._names[i]!r}: str content of {stored} bytes is not UTF-32")
-                continue
-            dt = by_name.get(dtype)
-            if dt is None or dt.storage is None or shape_problem(dims, dt.itemsize) or (
-                    stored != prod(dims) * dt.itemsize and not (dims == (0,) and stored == dt.itemsize)):
+                    bad.add(key)
+            elif kind == 0:  # a map's parts were checked while parsing
+                dt = by_name.get(dtype)
+                if dt is None or dt.storage is None or shape_problem(dims, dt.itemsize) or (
+                        stored != prod(dims) * dt.itemsize and not (dims == (0,) and stored == dt.itemsize)):
+                    bad.add(key)
+        if not bad:
+            return
+        for i, key in enumerate(zip(self._kind, self._dtype, self._shape, self._len)):
+            if key in bad:
+                if key[0] == 1:
+                    raise self._error(f"parameter {self._names[i]!r}: str content of {key[3]} bytes is not UTF-32")
                 self._entry(i)  # the detailed error
 
     def _share_columns(self) -> None:
@@ -219,11 +216,12 @@ class CheckpointReader(RecordWalk, PositionedReader):
             self._share_columns_locked()
 
     def _share_columns_locked(self) -> None:
-        for names, pos in _SHARED_NAMES:
-            if len(names) == len(self._names) and names == self._names and len(pos) == len(self._pos):
+        for names, pos in _SHARED_NAMES:  # (equal names: equal positions, not made again)
+            if len(names) == len(self._names) and names == self._names:
                 self._names, self._pos = names, pos
                 break
         else:
+            self._pos = positions(self._names)
             _SHARED_NAMES.insert(0, (self._names, self._pos))
             del _SHARED_NAMES[4:]
         for attr in _SHAREABLE:
@@ -310,6 +308,20 @@ class CheckpointReader(RecordWalk, PositionedReader):
         if shape is None:
             return None
         return key[0], shape, self._off[i], key[2]
+
+    def whole_spans(self, names: list[str]) -> list[tuple | None]:
+        """``whole_span`` of each name, the column lookups done for all at once (a run of small
+        tensors of one dtype and shape costs a few C-level passes, not a call each)."""
+        at = list(map(self._pos.get, names))
+        if None in at or any(map(self._kind.__getitem__, at)) or (self._multi and not self._multi.keys().isdisjoint(at)):
+            return list(map(self.whole_span, names))
+        keys = list(zip(map(self._dtype.__getitem__, at), map(self._shape.__getitem__, at),
+                        map(self._len.__getitem__, at)))
+        shapes = {key: _SPAN_SHAPES.get(key, _UNSET) for key in set(keys)}
+        shapes = {key: _span_shape(*key) if shape is _UNSET else shape for key, shape in shapes.items()}
+        if None in shapes.values():
+            return list(map(self.whole_span, names))
+        return [(key[0], shapes[key], off, key[2]) for key, off in zip(keys, map(self._off.__getitem__, at))]
 
     def names(self) -> list[str]:
         return list(self._pos)

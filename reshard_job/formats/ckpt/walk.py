@@ -20,6 +20,7 @@ import reshard_job.core.dtypes as dtypes
 from reshard_job.formats.tensorfile import KIND_MAP, KIND_STR, KIND_TENSOR
 from reshard_job.formats.ckpt.records import (CRC_MAGIC, CRC_TRAILER_LEN, MAX_RECORDS_PER_TENSOR, Record,
                                              parse_tensor_proto)
+from reshard_job.formats.ckpt.runs import take_run
 from reshard_job.text import quoted
 
 WINDOW = 4 * 1024 * 1024  # bytes fetched per read while walking small records
@@ -32,10 +33,23 @@ HEAD = 64 * 1024  # bytes fetched at the start of a record larger than a window
 # headers cost more than the rest of opening it (page-cache copies are not free either).
 LARGE_RECORD = 32 * 1024
 SMALL_HEAD = 4096
+RUN_AFTER = 16  # records alike checked one by one before the rest of a run is taken at once (``runs``)
 
 _DTYPES: dict[bytes, str] = {}  # tensor_type bytes -> interned name
 _SHAPES: dict[tuple, tuple] = {}  # interned shapes
 KINDS = (KIND_TENSOR, KIND_STR, KIND_MAP)  # a group's kind, by its code in the kind column
+
+
+def positions(names: list[str]) -> dict[str, int]:
+    """Name -> its group's place in `names`, in the order of each name's last group: a name given
+    again later is that later group (MindSpore's loader keeps the last), placed at the end."""
+    pos = dict(zip(names, range(len(names))))
+    if len(pos) != len(names):  # a name given twice: its later group, at the end
+        pos = {}
+        for i, name in enumerate(names):
+            pos.pop(name, None)
+            pos[name] = i
+    return pos
 
 
 def intern_shape(dims: tuple) -> tuple:
@@ -119,8 +133,12 @@ def _fast_value(b, p: int, end: int):
 
 class RecordWalk:
     """The walk that fills ``CheckpointReader``'s index columns (``_names``, ``_kind``, ``_dtype``,
-    ``_shape``, ``_off``, ``_len``, ``_rec``, ``_rlen``, ``_multi``, ``_pos``, ``crc_stored``),
-    reading the file through the reader's positioned reads."""
+    ``_shape``, ``_off``, ``_len``, ``_rec``, ``_rlen``, ``_multi``, ``crc_stored``), reading the
+    file through the reader's positioned reads. Where each name's group lies (``_pos``) follows
+    from ``_names`` alone, and is made from it once the walk is done (``positions``)."""
+
+    _no_runs_before = 0  # file offset before which records alike are taken one by one
+    _run_after = 0  # records alike before the rest of a run is asked for (0: RUN_AFTER; ``runs.take_run``)
 
     def _walk(self) -> None:
         """Index every record, front to back, through windows of the file (module docstring).
@@ -219,10 +237,14 @@ class RecordWalk:
         there equal the last common record's (`tail`: those bytes from its TensorProto key to its
         content, its content length, dtype and shape), and whose length says nothing follows its
         content, is added without parsing those fields again."""
+        run, alike, tail_len = tail, 0, len(tail[0])  # a long run is taken at once (``runs``)
         tail, tail_clen, tail_dtype, tail_shape = tail
-        tail_len = len(tail)
         names = None  # the columns, fetched at the first repeat (most calls find none)
         while True:
+            alike += 1
+            if alike > (self._run_after or RUN_AFTER) and pos >= self._no_runs_before:  # the run at once
+                alike = 0
+                pos, typical = take_run(self, window, wstart, pos, typical, run) or (pos, typical)
             rel = pos - wstart
             if rel + 3 >= len(window) or window[rel] != 0x0A:
                 return pos, typical
@@ -246,14 +268,11 @@ class RecordWalk:
                 raise self._error(f"record at offset {pos}: parameter name is not valid UTF-8") from None
             if names is None:
                 names, kinds, dtype_col, shape_col = self._names, self._kind, self._dtype, self._shape
-                off_col, len_col, rec_col, rlen_col, pos_table = self._off, self._len, self._rec, self._rlen, self._pos
+                off_col, len_col, rec_col, rlen_col = self._off, self._len, self._rec, self._rlen
                 note = self._note
             if names and names[-1] == name:  # the same name again is a chunk: the full path
                 return pos, typical
             vend = wstart + rel_end
-            if name in pos_table:
-                del pos_table[name]  # a later group replaces an earlier one, at the end
-            pos_table[name] = len(names)
             names.append(name)
             kinds.append(0)
             dtype_col.append(tail_dtype)
@@ -290,8 +309,7 @@ class RecordWalk:
             kind = KIND_STR if name == dtypes.STR_TYPE else KIND_TENSOR
             self._record(tag, kind, Record(pos, vend - pos, dims, name, wstart + coff, clen), None)
             return None
-        i = len(names)  # the common case, inline: a new one-record tensor
-        names.append(tag)
+        names.append(tag)  # the common case, inline: a new one-record tensor
         self._kind.append(0)
         self._dtype.append(name)
         self._shape.append(_SHAPES.setdefault(dims, dims) if len(_SHAPES) < 100_000 else dims)
@@ -301,10 +319,6 @@ class RecordWalk:
             self._note(wstart + coff, clen)
         self._rec.append(pos)
         self._rlen.append(vend - pos)
-        pos_table = self._pos
-        if tag in pos_table:
-            del pos_table[tag]  # a later group replaces an earlier one, at the end
-        pos_table[tag] = i
         return coff, vpos + 2 + len(raw_tag)
 
     def _record(self, tag: str, kind: str, rec: Record | None, parts: list | None) -> None:
@@ -350,8 +364,6 @@ class RecordWalk:
             self._len.append(rec.content_len)
             self._rec.append(rec.offset)
             self._rlen.append(rec.length)
-        self._pos.pop(tag, None)  # a later group replaces an earlier one, at the end
-        self._pos[tag] = i
 
     def _first_record(self, i: int) -> Record:
         return Record(self._rec[i], self._rlen[i], self._shape[i], self._dtype[i], self._off[i], self._len[i])

@@ -412,7 +412,13 @@ def identical_to_check(prepared: Prepared) -> dict:
     reads no optimizer state, and may not have opened the files holding it)."""
     if not prepared.source.verify_replicas or not prepared.plan.identical:
         return {}
-    read = {p.name for rp in prepared.plan.ranks for p in rp.params}
+    read: set[str] = set()
+    shared = set()  # target ranks whose plans are alike share their parameters: each is read once
+    for rp in prepared.plan.ranks:
+        if id(rp.params) not in shared:
+            shared.add(id(rp.params))
+            # the tensors' facts where the plan keeps them in a table (no view made per parameter)
+            read.update(t.name for t in getattr(rp.params, "tensors", None) or rp.params)
     return {name: groups for name, groups in prepared.plan.identical.items() if name in read}
 
 

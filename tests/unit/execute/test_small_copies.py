@@ -1,0 +1,74 @@
+"""Whole small tensors are copied a run at a time (``execute.small_copies``): the output is the file
+the tensors were written to one by one, whatever breaks the runs (another shape or dtype, a string,
+a tensor in two records, a large tensor), and a source entry that changed since it was planned is
+still refused naming it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from reshard_job.core.topology import Topology
+from reshard_job.errors import FormatError
+from reshard_job.execute import small_copies
+from reshard_job.execute.rank_task import execute_rank
+from reshard_job.formats.ckpt import CheckpointReader, CheckpointWriter
+from reshard_job.formats.index import reader_index
+from reshard_job.plan.planner import Planner
+from reshard_job.sources.open_files import SourceFiles
+
+
+def write_source(path, changed: bool = False) -> None:
+    with CheckpointWriter(path, mode=0o644) as w:
+        for i in range(300):
+            w.add(f"expert.{i}.w", np.full(3, i, np.float32))
+            if i % 97 == 5:
+                w.add(f"expert.{i}.b", np.full((2, 2), i, np.float16))
+            if i % 113 == 7:
+                w.add_str(f"note.{i}", "kept")
+        w.add_bytes("chunked", "Float32", (4,), np.arange(4, dtype=np.float32).view(np.uint8), chunk_sizes=[8, 8])
+        w.add("large", np.arange(70_000, dtype=np.float32))
+        w.add("expert.299.m", np.zeros(3, np.float64 if changed else np.float32))
+        for i in range(50):
+            w.add(f"tail.{i}", np.full(3, -i, np.float32))
+
+
+def convert(src: str, out: str, before_run=None):
+    with SourceFiles({0: src}) as sources:
+        plan = Planner(Topology.unsharded(), None, {0: reader_index(sources.reader(0))}).plan()
+        if before_run is not None:
+            before_run()
+        return execute_rank(plan.ranks[0], SourceFiles({0: src}), out)
+
+
+@pytest.mark.parametrize("run", [1, 7, 2048])
+def test_runs_write_the_file_written_one_by_one(tmp_path, monkeypatch, run):
+    src = str(tmp_path / "src.ckpt")
+    write_source(src)
+    monkeypatch.setattr(small_copies, "RUN", run)
+    written = convert(src, str(tmp_path / "out.ckpt"))
+    with CheckpointReader(src) as r, CheckpointReader(written.path) as out:
+        assert list(out.entries) == list(r.entries)
+        assert all(out.value(n) == r.value(n) if out.kind(n) == "str" else np.array_equal(out.read(n), r.read(n))
+                   for n in r.entries)
+    with CheckpointWriter(tmp_path / "by_hand.ckpt") as w:  # the same tensors, one add each
+        with CheckpointReader(src) as r:
+            for name in r.entries:
+                if r.kind(name) == "str":
+                    w.add_str(name, r.read_str(name))
+                else:
+                    w.add(name, r.read(name), r.entries[name].dtype)
+    assert (tmp_path / "by_hand.ckpt").read_bytes() == (tmp_path / "out.ckpt").read_bytes()
+    assert dict(written.tensors.items()) == dict(w.result.tensors.items())
+
+
+def test_an_entry_changed_since_planning_is_refused_by_name(tmp_path):
+    src = str(tmp_path / "src.ckpt")
+    write_source(src)
+
+    def change():  # another dtype than planned, same name and place in the order
+        (tmp_path / "src.ckpt").unlink()
+        write_source(src, changed=True)
+
+    with pytest.raises(FormatError, match="expert.299.m"):
+        convert(src, str(tmp_path / "out.ckpt"), before_run=change)
