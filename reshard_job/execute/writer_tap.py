@@ -40,6 +40,12 @@ def _mask(dtype: str, shape: tuple[int, ...]) -> int:
     return int.from_bytes(Fingerprint(dtype, shape).digest(partial=True), "little")
 
 
+@lru_cache(maxsize=4096)
+def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
+    """Bytes a fingerprint of this dtype and shape is fed in all (the global tensor's)."""
+    return Fingerprint(dtype, shape).nbytes
+
+
 def _lanes(fp: Fingerprint, dtype: str, shape: tuple[int, ...]) -> bytes:
     """A partial fingerprint's two lane sums, without the header mask (so that parts add)."""
     return (int.from_bytes(fp.digest(partial=True), "little") ^ _mask(dtype, shape)).to_bytes(16, "little")
@@ -266,15 +272,17 @@ class TargetSums:
         Once: the sums are let go, so that the manifest is built without them."""
         out: dict[str, str] = {}
         uncovered: dict[str, None] = {}
+        rows = self._sums[:len(self._row)].tolist()  # Python ints: no numpy scalar per value
         for t in tensors:
             name = t.name
             i = self._row.get(name)
             if i is None or name in out or name in uncovered:
                 continue  # not a tensor, or counted nowhere: no fingerprint (the comparison names it)
-            h1, h2, fed = (int(v) for v in self._sums[i])
-            if fed != Fingerprint(t.dtype, t.global_shape).nbytes:
+            h1, h2, fed = rows[i]
+            shape = tuple(t.global_shape)
+            if fed != _nbytes(t.dtype, shape):
                 uncovered[name] = None
                 continue
-            out[name] = ((h1 | h2 << 64) ^ _mask(t.dtype, tuple(t.global_shape))).to_bytes(16, "little").hex()
+            out[name] = ((h1 | h2 << 64) ^ _mask(t.dtype, shape)).to_bytes(16, "little").hex()
         self._row, self._sums = {}, np.zeros((0, 3), np.uint64)
         return out, list(uncovered)

@@ -179,8 +179,10 @@ class FileTap:
             if header["algorithm"] != ALGORITHM or not isinstance(count, int) or len(rest) < 24 * count:
                 return False
             names = json.loads(rest[24 * count:])
-            if not isinstance(names, list) or len(names) != count or set(names) != {t[0] for t in self.tensors}:
+            own = {t.name: t.name for t in self.tensors}  # the names the job holds already, not copies
+            if not isinstance(names, list) or len(names) != count or len(own) != count:
                 return False
+            names = [own[n] for n in names]
             p = PartialFingerprints()
             p.__setstate__((names, rest[:16 * count], rest[16 * count:24 * count]))
         except (ValueError, KeyError, TypeError):
@@ -267,22 +269,55 @@ def plan_source_taps(rank_plan, sources, names) -> SourceTaps:
     params = rank_plan.params
     pairs = zip(params.tensors, (sl[:3] for sl in params.slices)) if isinstance(params, ParamPlans) else \
         ((p.tensor, (p.target_shape, p.copies, p.nbytes)) for p in params)
+    whole: dict[int, list] = {}  # source rank -> (tensor, copy) of parameters made of one copy
     for t, (_, copies, _) in pairs:
         if t.kind != KIND_TENSOR or t.name not in names:
             continue
-        records = _records(t, copies, sources, rename.get(t.name, t.name))
-        if records is None:
-            taps.residual.add(t.name)
-            continue
-        shape = tuple(t.global_shape)
-        for key, path, identity, box, pieces in records:
-            tap = taps.files.get(key)
-            if tap is None:
-                tap = taps.files[key] = FileTap(path, identity)
-            tap.add(Tapped(t.name, t.dtype, shape, None if box == full_box(shape) else box), pieces)
+        if len(copies) == 1:
+            whole.setdefault(copies[0].source_rank, []).append((t, copies[0]))
+        else:
+            _add(taps, t, copies, sources, rename)
+    for rank, items in whole.items():
+        _add_whole(taps, rank, items, sources, rename)
     for tap in taps.files.values():
         tap.seal()
     return taps
+
+
+def _add(taps: SourceTaps, t, copies, sources, rename) -> None:
+    """Parameter `t`'s records to the taps of their files (or it to the residual)."""
+    records = _records(t, copies, sources, rename.get(t.name, t.name))
+    if records is None:
+        taps.residual.add(t.name)
+        return
+    shape = tuple(t.global_shape)
+    for key, path, identity, box, pieces in records:
+        tap = taps.files.get(key)
+        if tap is None:
+            tap = taps.files[key] = FileTap(path, identity)
+        tap.add(Tapped(t.name, t.dtype, shape, None if box == full_box(shape) else box), pieces)
+
+
+def _add_whole(taps: SourceTaps, rank: int, items: list, sources, rename) -> None:
+    """Parameters each made of one copy from source `rank`: where the rank is one `.ckpt` file,
+    their records are looked up together (``whole_spans``: a model of many small parameters)."""
+    raw = sources.raw_reader(rank)
+    spans = raw.whole_spans([rename.get(t.name, t.name) for t, _ in items]) if hasattr(raw, "whole_spans") else None
+    if spans is None:
+        for t, c in items:
+            _add(taps, t, (c,), sources, rename)
+        return
+    tap = None
+    for (t, c), span in zip(items, spans):
+        shape = tuple(t.global_shape)
+        dt = dtypes.BY_NAME.get(t.dtype)
+        if span is None or dt is None or not dt.sliceable or span[0] != t.dtype or tuple(span[1]) != shape \
+                or span[3] != prod(shape) * dt.itemsize or c.source_box != c.target_box or c.target_box != full_box(shape):
+            _add(taps, t, (c,), sources, rename)  # anything but a whole record of the whole tensor
+            continue
+        if tap is None:
+            tap = taps.files.get((rank, 0)) or taps.files.setdefault((rank, 0), FileTap(raw.path, raw.identity))
+        tap.add(Tapped(t.name, t.dtype, shape, None), ((span[2], span[3]),))
 
 
 def _records(t, copies, sources, stored: str) -> list | None:
