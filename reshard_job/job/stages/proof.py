@@ -1,9 +1,12 @@
 """The proof stage: every converted parameter has the same fingerprint in the sources as in the
 outputs, checked before the manifest commits the conversion.
 
-The sources are read back independently of the conversion's own plan (``proof.collect``): as a
-one-device plan over them. The outputs' side comes from the bytes written (``execute.writer_tap``):
-each rank task fingerprints the tensors it counts (one rank per distinct box of the global tensor,
+The sources' side comes from the bytes the hash pass reads (``proof.source_taps``): a one-device
+plan over the sources, independent of the conversion's own, names the records that make up each
+global tensor once, and each is fed to a partial fingerprint as the hash pass reads its file (or
+taken from the digest cache, or read alone where the file's sha256 was cached); what taps cannot
+take is read by pieces (``proof.pieces``). The outputs' side comes from the bytes written
+(``execute.writer_tap``): each rank task fingerprints the tensors it counts (one rank per distinct box of the global tensor,
 ``plan.counting``) in the thread that hashes them for the per-tensor sha256, and returns partial
 sums, which are added up per parameter here, after checking that every byte of each parameter was
 counted exactly once. A conversion that misplaced, dropped or altered any byte of a parameter on
