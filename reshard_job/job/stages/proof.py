@@ -6,10 +6,10 @@ plan over the sources, independent of the conversion's own, names the records th
 global tensor once, and each is fed to a partial fingerprint as the hash pass reads its file (or
 taken from the digest cache, or read alone where the file's sha256 was cached); what taps cannot
 take is read by pieces (``proof.pieces``). The outputs' side comes from the bytes written
-(``execute.writer_tap``): each rank task fingerprints the tensors it counts (one rank per distinct box of the global tensor,
-``plan.counting``) in the thread that hashes them for the per-tensor sha256, and returns partial
-sums, which are added up per parameter here, after checking that every byte of each parameter was
-counted exactly once. A conversion that misplaced, dropped or altered any byte of a parameter on
+(``execute.writer_tap``): each rank task fingerprints the tensors it counts (one rank per distinct
+box of the global tensor, ``plan.counting``) in the thread that hashes them for the per-tensor
+sha256, and returns partial sums, which are added up per parameter here, after checking that every
+byte of each parameter was counted exactly once. A conversion that misplaced, dropped or altered any byte of a parameter on
 its way into a file therefore fails here (``ProofError``, naming it) instead of committing. The
 fingerprints go into ``manifest.json`` (``fingerprints``: algorithm, source, target) and the
 lineage database.
