@@ -16,17 +16,16 @@ import shutil
 from pathlib import Path
 
 import pytest
+from stage_runs import convert_stages
 
 from reshard_job.audit.queries import run_details
 from reshard_job.formats.ckpt import CheckpointReader
 from reshard_job.formats.manifest_file import MANIFEST_FILE
 from reshard_job.job.config.spec import JobContext, JobSpec, LineageSpec, OutputSpec, RunSpec, SourceSpec, TargetSpec
-from reshard_job.job.output.directory import OutputDir
 from reshard_job.job.output.manifest import manifest_digest
-from reshard_job.job.stages.convert import STATUS_COMPLETED, STATUS_REUSED, Outputs, convert, unit_paths
-from reshard_job.job.stages.integrity import hash_sources
+from reshard_job.job.stages.convert import STATUS_COMPLETED, STATUS_REUSED, unit_paths
 from reshard_job.job.stages.prepare import prepare
-from reshard_job.job.stages.record import LineageRecorder, NoRecorder
+from reshard_job.job.stages.record import LineageRecorder
 from reshard_job.lineage import LineageStore
 from reshard_job.storage import SourceChangedError, storage_for
 
@@ -43,18 +42,7 @@ def _spec(tmp_path: Path, sources: Path = S1 / "src_checkpoints", lineage: bool 
                    config={"target": {"strategy": str(S1 / "dst_strategy.ckpt")}})
 
 
-def _convert(spec: JobSpec, recorder=None, before_convert=lambda prepared: None) -> Outputs:
-    """prepare, lock, hash, convert, unlock: the job's stages around convert, in its order."""
-    recorder = recorder or NoRecorder()
-    with prepare(spec.source, spec.target) as prepared:
-        out = OutputDir(spec.output.dir, storage_for(spec.output.dir, spec.storage))
-        out.lock()
-        try:
-            digests = hash_sources(prepared, use_cache=False, progress=False)
-            before_convert(prepared)
-            return convert(spec, prepared, out, digests, recorder)
-        finally:
-            out.unlock()
+_convert = convert_stages  # tests/ is on sys.path through its conftest
 
 
 def _sha256(path) -> str:

@@ -18,6 +18,7 @@ from math import prod
 from pathlib import Path
 
 import pytest
+from stage_runs import convert_stages
 
 from reshard_job.errors import ProofError
 from reshard_job.execute.rank_task import run_rank_task
@@ -25,12 +26,9 @@ from reshard_job.execute.tasks import FORMAT_SAFETENSORS_INDEX, WriteOptions
 from reshard_job.execute.writer_tap import TargetSums
 from reshard_job.formats.manifest_file import MANIFEST_FILE
 from reshard_job.job.config.spec import JobContext, JobSpec, LineageSpec, OutputSpec, RunSpec, SourceSpec, TargetSpec
-from reshard_job.job.output.directory import OutputDir
-from reshard_job.job.stages.convert import convert, output_paths, rank_tasks, unit_paths
-from reshard_job.job.stages.integrity import hash_sources
+from reshard_job.job.stages.convert import output_paths, rank_tasks, unit_paths
 from reshard_job.job.stages.prepare import prepare
 from reshard_job.job.stages.proof import checkpoint_fingerprints, prove
-from reshard_job.job.stages.record import NoRecorder
 from reshard_job.plan.model import Copy, ParamPlans
 from reshard_job.storage import storage_for
 
@@ -48,16 +46,7 @@ def _spec(tmp_path: Path, target: TargetSpec | None = None) -> JobSpec:
                    JobContext(str(tmp_path), str(tmp_path / "run")), config={})
 
 
-def _convert(spec: JobSpec, before_convert=lambda prepared: None):
-    with prepare(spec.source, spec.target) as prepared:
-        out = OutputDir(spec.output.dir, storage_for(spec.output.dir, spec.storage))
-        out.lock()
-        try:
-            digests = hash_sources(prepared, use_cache=False, progress=False)
-            before_convert(prepared)
-            return convert(spec, prepared, out, digests, NoRecorder())
-        finally:
-            out.unlock()
+_convert = convert_stages  # tests/ is on sys.path through its conftest
 
 
 @pytest.mark.parametrize("source,target,redundancy", [
