@@ -25,15 +25,15 @@ import os
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping
 
 from reshard_job.formats.ckpt.records import CRC_TRAILER_LEN
 from reshard_job.storage import SourceChangedError, StorageOptions, storage_for
 from reshard_job.storage.cache_files import write_cache_file
+from reshard_job.sources.segment_crcs import Segments, SegmentCrcs as _SegmentCrcs
 
 BLOCK = 4 * 1024 * 1024
 REMOTE_BLOCK = 32 * 1024 * 1024
-Segments = Sequence[tuple[int, int]]  # (offset, length) byte ranges, in any order, possibly overlapping
 
 
 @dataclass(frozen=True)
@@ -96,49 +96,6 @@ def digest_file(path: str, *, segments: Segments | None = None, progress: Callab
     if pos != f.size or after is None or tuple(after.identity) != tuple(identity):
         raise SourceChangedError(f"{path}: changed while it was being hashed; rerun once it is stable")
     return FileDigest(path, pos, h.hexdigest(), tuple(crcs.crcs) if segments is not None else None, tuple(identity))
-
-
-class _SegmentCrcs:
-    """CRC32 of many byte ranges of one file, fed by the file's chunks in order.
-
-    Ranges may overlap (a `.ckpt` CRC trailer covers every tensor, which may also be checked on its
-    own). They are taken up in order of their start as the chunks reach them and dropped once
-    passed, so a file of a hundred thousand tensors costs no more per chunk than one of ten. More
-    ranges may be added while chunks come (``add``), in order of their start and ahead of them."""
-
-    def __init__(self, segments: Segments):
-        self.segments = [tuple(s) for s in segments]
-        self.order = sorted(range(len(self.segments)), key=lambda i: self.segments[i][0])
-        self.crcs = [0] * len(self.segments)
-        self._next = 0
-        self._active: list[int] = []
-        self._passed = 0  # bytes of the file fed so far
-
-    def add(self, offset: int, length: int) -> bool:
-        """One more range; False (and not added) if it starts before a range already added or
-        before the bytes fed so far, whose CRC it could no longer take."""
-        if offset < self._passed or (self.order and offset < self.segments[self.order[-1]][0]):
-            return False
-        self.order.append(len(self.segments))
-        self.segments.append((offset, length))
-        self.crcs.append(0)
-        return True
-
-    def update(self, pos: int, chunk: memoryview) -> None:
-        end = pos + len(chunk)
-        self._passed = end
-        while self._next < len(self.order) and self.segments[self.order[self._next]][0] < end:
-            self._active.append(self.order[self._next])
-            self._next += 1
-        still = []
-        for i in self._active:
-            off, length = self.segments[i]
-            lo, hi = max(off, pos), min(off + length, end)
-            if lo < hi:
-                self.crcs[i] = zlib.crc32(chunk[lo - pos : hi - pos], self.crcs[i])
-            if off + length > end:
-                still.append(i)
-        self._active = still
 
 
 def digest_files(requests: Iterable[HashRequest], *, threads: int = 2, progress: Callable[[int], None] | None = None,

@@ -13,7 +13,10 @@ its files' identities.
 from __future__ import annotations
 
 import os
+
+import numpy as np
 from dataclasses import dataclass, replace
+from typing import Iterator
 
 from reshard_job.errors import FormatError
 from reshard_job.formats.ckpt import CRC_TRAILER_LEN, CheckpointReader
@@ -135,23 +138,35 @@ def _request(reader, names) -> tuple[HashRequest, tuple[list[str], dict[str, int
     segments = list(_format_segments(reader))
     several: dict[str, int] = {}
     held: list[str] = []  # (a rank of several files holds each in one of them)
-    # one record's range straight from the index columns: no entry built for each of a million small tensors
-    whole_span = getattr(reader, "whole_span", None)
-    for name in names:
-        span = whole_span(name) if whole_span is not None else None
-        if span is not None:
-            segments.append((span[2], span[3]))
-        elif name in reader.entries:
-            pieces = reader.entries[name].pieces
-            segments.extend(pieces)
-            if len(pieces) != 1:
-                several[name] = len(pieces)
-        else:
-            continue
-        held.append(name)
+    # records' ranges straight from the index columns: no entry built for each of a million small tensors
+    spans = _whole_spans(reader, names)
+    if names and None not in spans:  # each one record of its own (the many-small-tensors case): at once
+        segments.extend((span[2], span[3]) for span in spans)
+        held = list(names)
+    else:
+        for name, span in zip(names, spans):
+            if span is not None:
+                segments.append((span[2], span[3]))
+            elif name in reader.entries:
+                pieces = reader.entries[name].pieces
+                segments.extend(pieces)
+                if len(pieces) != 1:
+                    several[name] = len(pieces)
+            else:
+                continue
+            held.append(name)
     # the identity the file had when indexed: one replaced since is refused, not hashed
     seen = tuple(getattr(reader, "identity", ()) or ())
     return HashRequest(reader.path, tuple(segments) if segments else None, seen), (held, several)
+
+
+def _whole_spans(reader, names) -> list:
+    """``whole_span`` of each name (None where the reader has none to give)."""
+    many = getattr(reader, "whole_spans", None)
+    if many is not None:
+        return many(names)
+    one = getattr(reader, "whole_span", None)
+    return list(map(one, names)) if one is not None else [None] * len(names)
 
 
 def _tensor_spans(reader: SafetensorsReader) -> list[tuple[int, int, str]]:
@@ -184,22 +199,62 @@ def _compare_identical(prepared: Prepared, identical: dict, compare: dict[int, l
         if lacking is not None:
             raise identical_mismatch(lacking, next(g for g in identical[lacking] if r in g), prepared.source.strategy)
     first: dict = {}  # name, or (name, group) for a tensor of several groups -> (crc, length) of the first read
+    reference = None  # the first file whose tensors are one record each: (names, values, of one group)
+    in_first = False  # whether the reference's tensors of one group are in `first` too
+    in_several_groups = {name for name, groups in identical.items() if len(groups) > 1}
     for (r, reader), request, d, (names, several) in zip(parts, requests, digests, held):
         skip = len(_format_segments(reader))
-        pairs = zip(request.segments[skip:] if request.segments else (), (d.crcs or ())[skip:])
-        for name in names:
-            count = several.get(name, 1)
-            crc, total = 0, 0
-            for _ in range(count):
-                (_, length), piece_crc = next(pairs)
-                crc, total = crc32_combine(crc, piece_crc, length) if count > 1 else piece_crc, total + length
-            value = (crc, total)
-            groups = identical[name]
-            group = groups[0] if len(groups) == 1 else next(g for g in groups if r in g)
-            key = name if len(groups) == 1 else (name, group)
-            if first.setdefault(key, value) != value:
-                raise identical_mismatch(name, group, prepared.source.strategy)
+        segments, crcs = (request.segments or ())[skip:], (d.crcs or ())[skip:]
+        if several or not names:
+            chosen = None
+        else:  # (CRC, length) of each; tensors of one group are compared file with file, at once
+            values = np.array([crcs, [length for _, length in segments]], dtype=np.int64)
+            alone = ~np.fromiter(map(in_several_groups.__contains__, names), bool, len(names))
+            chosen = (names, values, alone)
+            if reference is None:
+                reference = chosen
+            elif names == reference[0]:  # the same tensors in the same order (replicas)
+                differ = np.flatnonzero(alone & (values != reference[1]).any(axis=0))
+                if len(differ):
+                    name = names[int(differ[0])]
+                    raise identical_mismatch(name, identical[name][0], prepared.source.strategy)
+            else:
+                chosen = None
+        if chosen is not None:  # the rest one by one
+            _compare_one_by_one(prepared, identical, *_spill((names, values, ~alone)), r, first)
+            continue
+        if reference is not None and not in_first:
+            _compare_one_by_one(prepared, identical, *_spill(reference), None, first)
+            in_first = True
+        pieces = zip((n for _, n in segments), crcs)
+        _compare_one_by_one(prepared, identical, names, several, pieces, r, first)
     prepared.checks.append(IDENTICAL_CHECKED)
+
+
+def _spill(chosen: tuple) -> tuple[list[str], dict, Iterator]:
+    """(names, no pieces, (length, CRC) of each) of the tensors a (names, values, mask) triple selects."""
+    names, values, mask = chosen
+    at = np.flatnonzero(mask)
+    picked = values[:, at].tolist()
+    return [names[i] for i in at.tolist()], {}, zip(picked[1], picked[0])
+
+
+def _compare_one_by_one(prepared: Prepared, identical: dict, names: list[str], several: dict[str, int], pieces, rank,
+                        first: dict) -> None:
+    """Each of `names` (its `several` pieces, else one; `pieces` gives (length, CRC) in order) with the
+    first one read of its group, kept in `first`."""
+    for name in names:
+        count = several.get(name, 1)
+        crc, total = 0, 0
+        for _ in range(count):
+            length, piece_crc = next(pieces)
+            crc, total = crc32_combine(crc, piece_crc, length) if count > 1 else piece_crc, total + length
+        value = (crc, total)
+        groups = identical[name]
+        group = groups[0] if len(groups) == 1 else next(g for g in groups if rank in g)
+        key = name if len(groups) == 1 else (name, group)
+        if first.setdefault(key, value) != value:
+            raise identical_mismatch(name, group, prepared.source.strategy)
 
 
 def _check_crcs(reader, digest: FileDigest) -> None:

@@ -114,3 +114,41 @@ def test_a_source_replaced_after_it_was_indexed_is_refused(tmp_path):
         os.utime(replaced, ns=(1, 1))
         with pytest.raises(SourceChangedError, match=str(replaced)):
             _hash(prepared)
+
+
+def _with_extra_params(path: Path, values: dict[str, float]) -> None:
+    """Rewrite a .ckpt with its entries, then one small tensor per item of `values` (names the
+    source strategy does not lay out: every rank holds them whole, so they must be identical)."""
+    import numpy as np
+
+    from reshard_job.formats.ckpt import CheckpointWriter
+
+    with CheckpointReader(str(path)) as r:
+        items = [(n, r.read(n), r.entries[n].dtype) for n in r.names()]
+    path.unlink()
+    with CheckpointWriter(str(path), mode=0o644) as w:
+        for name, array, dtype in items:
+            w.add(name, array, dtype)
+        for name, value in values.items():
+            w.add(name, np.full(3, value, np.float32))
+
+
+def _prepare_whole(src: Path):
+    return prepare(SourceSpec(str(src), str(S1 / "src_strategy.ckpt")),
+                   TargetSpec(strategy=str(S1 / "dst_strategy.ckpt"), unmapped="full"))
+
+
+@pytest.mark.parametrize("shuffled", [False, True], ids=["same order", "rank 2 in another order"])
+def test_many_small_whole_tensors_are_compared_across_every_rank(tmp_path, shuffled):
+    src = _copy_sources(tmp_path)
+    values = {f"extra.p{i}": float(i) for i in range(200)}
+    for rank in range(8):
+        _with_extra_params(_checkpoint(src, rank), dict(reversed(values.items())) if shuffled and rank == 2 else values)
+    with _prepare_whole(src) as prepared:
+        _hash(prepared)
+        assert IDENTICAL_CHECKED in prepared.checks
+
+    _with_extra_params(_checkpoint(src, 3), {**values, "extra.p117": -1.0})
+    with _prepare_whole(src) as prepared:
+        with pytest.raises(PlanError, match=r"'extra\.p117' differs between source ranks 0-3"):  # the ranks 8 -> 4 reads
+            _hash(prepared)
