@@ -51,6 +51,23 @@ def _lanes(fp: Fingerprint, dtype: str, shape: tuple[int, ...]) -> bytes:
     return (int.from_bytes(fp.digest(partial=True), "little") ^ _mask(dtype, shape)).to_bytes(16, "little")
 
 
+@lru_cache(maxsize=4096)
+def _box_bytes(dtype: str, shape: tuple, box: tuple) -> int:
+    """Bytes of a box of a tensor of this dtype."""
+    return dtypes.BY_NAME[dtype].itemsize * prod(hi - lo for lo, hi in box)
+
+
+@lru_cache(maxsize=4096)
+def _whole_key(dtype: str, shape: tuple) -> tuple | None:
+    """(dtype, shape, full box, bytes) of a whole tensor small enough to be fingerprinted in a
+    batch; None for any other (empty, large, or not of a sliceable dtype)."""
+    dt = dtypes.BY_NAME.get(dtype)
+    if dt is None or not dt.sliceable:
+        return None
+    nbytes = dt.itemsize * prod(shape)
+    return (dtype, shape, tuple((0, n) for n in shape), nbytes) if 0 < nbytes <= SMALL else None
+
+
 class PartialFingerprints:
     """Per tensor a rank counted: name, 16 bytes of lane sums, bytes fed. Plain, compact, picklable."""
 
@@ -198,6 +215,33 @@ class WriterTap:
             self._done(feed)
         return feed
 
+    def feed_many(self, names: list[str], contents: list) -> None:
+        """``feed(name).update(data)`` of each, for tensors written whole in one piece (a run of
+        small ones): their bookkeeping done for all at once."""
+        small = []
+        for name, data in zip(names, contents):
+            spec = self._expected.get(name)
+            if spec is not None and 0 < len(data) <= SMALL and len(data) == _box_bytes(*spec):
+                del self._expected[name]
+                small.append((spec, name, bytes(data)))
+            else:
+                feed = self.feed(name)
+                if feed is not None:
+                    feed.update(data)
+        with self._lock:
+            for spec, name, data in small:
+                self._batches.add(spec, name, data)
+
+    def take_whole(self, name: str, dtype: str, shape: tuple, data) -> bool:
+        """A small tensor of a sliceable dtype, the whole of it fed at once (what ``expect`` at the
+        origin, ``feed`` and one update do); False, and nothing taken, for any other."""
+        key = _whole_key(dtype, shape)
+        if key is None or len(data) != key[3]:
+            return False
+        with self._lock:
+            self._batches.add(key[:3], name, bytes(data))
+        return True
+
     def _small_done(self, feed: _SmallFeed) -> None:
         if len(feed.data) != feed.total:
             raise ValueError(f"parameter {feed.name!r}: {len(feed.data)} bytes fed, {feed.total} expected")
@@ -269,20 +313,28 @@ class TargetSums:
     def digests(self, tensors: Iterable) -> tuple[dict[str, str], list[str]]:
         """(name -> hex fingerprint, names whose bytes were not counted exactly once). `tensors`: the
         parameters to give (anything with ``name``, ``dtype`` and ``global_shape``; repeats skipped).
-        Once: the sums are let go, so that the manifest is built without them."""
-        out: dict[str, str] = {}
-        uncovered: dict[str, None] = {}
-        rows = self._sums[:len(self._row)].tolist()  # Python ints: no numpy scalar per value
+        Once: the sums are let go, so that the manifest is built without them. Worked out with
+        whole-column operations: per tensor, a lookup and a slice of one hex string."""
+        kinds: dict[tuple, int] = {}  # (dtype, global shape) -> its number
+        kind_of: dict[str, int] = {}  # name -> the number of its kind, for each counted somewhere
+        counted = self._row
         for t in tensors:
             name = t.name
-            i = self._row.get(name)
-            if i is None or name in out or name in uncovered:
-                continue  # not a tensor, or counted nowhere: no fingerprint (the comparison names it)
-            h1, h2, fed = rows[i]
-            shape = tuple(t.global_shape)
-            if fed != _nbytes(t.dtype, shape):
-                uncovered[name] = None
-                continue
-            out[name] = ((h1 | h2 << 64) ^ _mask(t.dtype, shape)).to_bytes(16, "little").hex()
+            if name in counted and name not in kind_of:
+                kind_of[name] = kinds.setdefault((t.dtype, tuple(t.global_shape)), len(kinds))
+        names = list(kind_of)
+        kind = np.fromiter(kind_of.values(), np.int64, len(names))
+        del kind_of
+        sums = self._sums[np.fromiter(map(counted.__getitem__, names), np.int64, len(names))]
         self._row, self._sums = {}, np.zeros((0, 3), np.uint64)
-        return out, list(uncovered)
+        want = [_nbytes(*k) for k in kinds]
+        masks = [_mask(*k) for k in kinds]
+        whole = sums[:, 2] == np.array([min(n, _MASK64) for n in want], np.uint64)[kind]
+        whole &= np.array([n < _MASK64 for n in want], bool)[kind]  # (a size past 2^64 is never fed whole)
+        raw = np.empty((len(names), 2), "<u8")
+        raw[:, 0] = sums[:, 0] ^ np.array([m & _MASK64 for m in masks], np.uint64)[kind]
+        raw[:, 1] = sums[:, 1] ^ np.array([m >> 64 for m in masks], np.uint64)[kind]
+        text = raw[whole].tobytes().hex()
+        given = [names[i] for i in np.flatnonzero(whole).tolist()]
+        out = dict(zip(given, (text[i:i + 32] for i in range(0, 32 * len(given), 32))))
+        return out, [names[i] for i in np.flatnonzero(~whole).tolist()]

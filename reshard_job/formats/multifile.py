@@ -160,6 +160,38 @@ class MultiFileReader:
 
     def pread(self, offset: int, nbytes: int) -> bytes:
         """Bytes at `offset` of the concatenated address space (see the module docstring)."""
+        reader, within = self._locate(offset, nbytes)
+        return reader.pread(within, nbytes)
+
+    def pread_into(self, offset: int, view: memoryview) -> None:
+        reader, within = self._locate(offset, len(view))
+        reader.pread_into(within, view)
+
+    def read_near(self, offset: int, nbytes: int) -> memoryview:
+        reader, within = self._locate(offset, nbytes)
+        return reader.read_near(within, nbytes)
+
+    def read_spans(self, offsets: list[int], nbytes: int) -> list[bytes]:
+        """The `nbytes` at each offset (see ``PositionedReader.read_spans``)."""
+        if len(self._readers) == 1:
+            return self._readers[0].read_spans(offsets, nbytes)
+        return [self.pread(offset, nbytes) for offset in offsets]
+
+    def whole_span(self, name: str) -> tuple | None:
+        """The owning file's ``whole_span``, its offset in the one address space."""
+        i = self._owner.get(name)
+        span = self._readers[i].whole_span(name) if i is not None else None
+        if span is None or not self._bases[i]:
+            return span
+        return span[0], span[1], span[2] + self._bases[i], span[3]
+
+    def whole_spans(self, names: list[str]) -> list[tuple | None]:
+        if len(self._readers) == 1:
+            return self._readers[0].whole_spans(names)
+        return list(map(self.whole_span, names))
+
+    def _locate(self, offset: int, nbytes: int) -> tuple[SafetensorsReader, int]:
+        """(the file's reader, the offset within it) of `nbytes` at `offset` in the one address space."""
         i = bisect.bisect_right(self._bases, offset) - 1
         if offset < 0 or i < 0:
             raise FormatError(self.path, f"offset {offset} is outside the files")
@@ -167,7 +199,7 @@ class MultiFileReader:
         within = offset - self._bases[i]
         if within + nbytes > reader.size:
             raise FormatError(reader.path, f"a read of {nbytes} bytes at byte {within} runs past the end of the file")
-        return reader.pread(within, nbytes)
+        return reader, within
 
     # --- lifetime -----------------------------------------------------------------------------
     def close(self) -> None:

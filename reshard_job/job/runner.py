@@ -78,7 +78,8 @@ def run_job(spec: JobSpec, emit: Callable[[str], None] = print) -> JobResult:
             # job.hash_cache also keeps what walking a local source found (``index_cache``)
             prepared = prepare(spec.source, spec.target, ranks=spec.run.ranks, storage=spec.storage,
                                demo_root=demo_folder(), hashing=hashing,
-                               index_cache=IndexCache() if spec.run.hash_cache else None)
+                               index_cache=IndexCache() if spec.run.hash_cache else None,
+                               one_device=not plan_mode and spec.run.fingerprints)
             try:
                 if plan_mode:
                     return _plan_only(spec, prepared, emit)

@@ -28,7 +28,7 @@ from reshard_job.core.topology import Topology
 from reshard_job.errors import MissingRankError, PlanError
 from reshard_job.plan.checks import CHECK_IDENTICAL, CHECK_TARGET, show_block
 from reshard_job.plan.model import (ACTION_COPY, ACTION_FULL, ACTION_RESHARD, COUNTED_ALWAYS, COUNTED_FIRST,
-                                    UNMAPPED_OMIT, Copy, Place, Plan, RankPlan, TensorFacts, ParamSource)
+                                    UNMAPPED_FULL, UNMAPPED_OMIT, Copy, Place, Plan, RankPlan, TensorFacts, ParamSource)
 from reshard_job.plan.bodies import RankBodies, RankBody
 from reshard_job.plan.counting import StageCounting
 from reshard_job.plan.patterns import chunk_copy_pattern, copy_pattern, scale_pattern
@@ -67,9 +67,10 @@ class Planner(RankBodies):
         *,
         unmapped: str = UNMAPPED_OMIT,
         remove_redundancy: bool = False,
+        sources: dict[str, ParamSource] | None = None,
     ):
         self._shapes: dict[tuple, tuple] = {}  # equal shapes and boxes share one tuple
-        resolver = Resolver(src, dst, index, unmapped=unmapped, shapes=self._shapes)
+        resolver = Resolver(src, dst, index, unmapped=unmapped, shapes=self._shapes, sources=sources)
         self.src, self.dst, self.dst_given = resolver.src, resolver.dst, resolver.dst_given
         self.index = index
         self.unmapped = unmapped
@@ -92,6 +93,8 @@ class Planner(RankBodies):
         self._unlisted = 0  # needed source ranks left out of cut-short copy patterns
         self._places: dict[tuple, Place] = {}  # equal places share one
         self.params = resolver.resolve()
+        # the source side of each parameter, for another plan of the same source (``one_device``)
+        self._sources = resolver.sources
         self._counting = StageCounting(self.dst.stage_devices, lambda t_stage: self._stage_layouts(t_stage)[0])
         for ps in self.params:
             self._finish(ps)
@@ -391,3 +394,16 @@ class Planner(RankBodies):
             checks=checks,
         )
 
+    def one_device(self) -> RankPlan:
+        """The plan that puts every parameter of the source whole onto one device, as
+        ``proof.collect.single_device_plan`` makes it, from the records this planner resolved
+        (not worked out twice: for a model of many small parameters that is most of planning).
+        Call it after ``plan``: those records are the new plan's then."""
+        sources, self._sources = self._sources, None
+        if sources is None:
+            raise RuntimeError("one_device() was called twice")
+        missing: dict[int, list[int]] = {}
+        rank_plan = Planner(self.src, None, self.index, unmapped=UNMAPPED_FULL, sources=sources).plan_rank(0, missing)
+        if missing:
+            raise MissingRankError({k: sorted(set(v)) for k, v in missing.items()})
+        return rank_plan

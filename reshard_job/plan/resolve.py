@@ -41,7 +41,9 @@ class Resolver:
     """
 
     def __init__(self, src: Topology, dst: Topology | None, index: SourceIndex, *, unmapped: str,
-                 shapes: dict[tuple, tuple]):
+                 shapes: dict[tuple, tuple], sources: dict[str, ParamSource] | None = None):
+        """`sources`: the records another Resolver of the same `src` and `index` gave (its
+        ``sources``), reused rather than worked out again; they are this Resolver's then."""
         if unmapped not in UNMAPPED_CHOICES:
             raise ValueError(f"unmapped must be one of {', '.join(map(repr, UNMAPPED_CHOICES))}, got {unmapped!r}")
         self.src = src
@@ -59,6 +61,7 @@ class Resolver:
         self._at_hand: dict[tuple[int, ...], tuple[int, int]] = {}
         self._global_shapes: dict[tuple, tuple[Layout, tuple, ParamLayout]] = {}
         self._alike: dict[tuple[int, ...], bool] = {}  # holder set -> whether its files hold identical entries
+        self.sources = sources  # name -> record of each parameter the files hold, once resolved
 
     def _intern(self, value: tuple) -> tuple:
         return self._shapes.setdefault(value, value)
@@ -111,7 +114,9 @@ class Resolver:
         order, then strategy parameters none of whose stages has a file at hand."""
         holders = self._holders()
         check_names_overlap(self.src, holders)
-        resolved = {name: self._source_of(name, ranks) for name, ranks in holders.items()}
+        resolved = self.sources
+        if resolved is None:
+            resolved = self.sources = {name: self._source_of(name, ranks) for name, ranks in holders.items()}
         if self.src.layouts:
             self.checks += [CHECK_NAMES, CHECK_STAGES, CHECK_COMPLETE, CHECK_SHAPES]
             if any(lay.tensor_shape is not None for per in self.src.layouts.values() for lay in per.values()):

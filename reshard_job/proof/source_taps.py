@@ -120,6 +120,9 @@ class FileTap:
                     return
                 stop = min(offset + length, end)
                 index = self._of[self._next]
+                if stop - start == length and not self._state[index] and self._take_whole(index, chunk, start - pos):
+                    self._next += 1  # a small tensor in one record, all of it in this chunk
+                    continue
                 feed = self._feed(index)
                 feed.update(chunk[start - pos:stop - pos])
                 if feed.fp is None:  # the tensor's last byte: its feed is done (its sums are in the tap)
@@ -133,6 +136,19 @@ class FileTap:
         except (ValueError, KeyError) as e:  # a record the file does not hold as planned: left to the pieces
             log.debug("%s: fingerprints not taken in the hash pass (%s)", self.path, e)
             self._broken = True
+
+    def _take_whole(self, index: int, chunk, at: int) -> bool:
+        """Tensor `index` fed at once from `chunk` (at `at`), if it is a small whole tensor."""
+        tensor = self.tensors[index]
+        if tensor.box is not None:
+            return False
+        if self._tap is None:
+            self._tap = WriterTap()
+        length = self._lengths[self._next]
+        if not self._tap.take_whole(tensor.name, tensor.dtype, tensor.global_shape, chunk[at:at + length]):
+            return False
+        self._state[index] = 2
+        return True
 
     def _feed(self, index: int):
         feed = self._feeds.get(index)
@@ -299,9 +315,11 @@ def _add(taps: SourceTaps, t, copies, sources, rename) -> None:
 
 
 def _add_whole(taps: SourceTaps, rank: int, items: list, sources, rename) -> None:
-    """Parameters each made of one copy from source `rank`: where the rank is one `.ckpt` file,
+    """Parameters each made of one copy from source `rank`: where the rank is one file,
     their records are looked up together (``whole_spans``: a model of many small parameters)."""
     raw = sources.raw_reader(rank)
+    if isinstance(raw, MultiFileReader):  # offsets of one file, for that file's tap
+        raw = raw.readers[0] if len(raw.readers) == 1 else None
     spans = raw.whole_spans([rename.get(t.name, t.name) for t, _ in items]) if hasattr(raw, "whole_spans") else None
     if spans is None:
         for t, c in items:

@@ -268,10 +268,7 @@ class CheckpointWriter:
             self._flush_batch()
         self.tensors.add_all(names, [hashlib.sha256(data).digest() for data in contents])
         if self.fingerprint_tap is not None:
-            for name, data in zip(names, contents):
-                feed = self.fingerprint_tap.feed(name)
-                if feed is not None:
-                    feed.update(data)
+            self.fingerprint_tap.feed_many(names, contents)
 
     def add_str(self, name: str, text: str, dims=(0,)) -> str:
         """A string entry as MindSpore writes append_dict strings: dims [0], UTF-32LE content."""

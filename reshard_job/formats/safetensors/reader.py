@@ -306,6 +306,28 @@ class SafetensorsReader(PositionedReader):
         """A tensor's entry made for the caller alone (``entries`` may hand out one it made before)."""
         return self._entry(self._pos[name])
 
+    def whole_span(self, name: str) -> tuple[str, tuple[int, ...], int, int] | None:
+        """(dtype, shape, file offset, length) of a tensor of plain data, straight from the columns
+        (no entry built: the many-small-parameters path reads through this); None for anything
+        else (absent, int4-packed, a dtype MindSpore has no name for), read through its entry."""
+        i = self._pos.get(name)
+        if i is None or not _plain(self._dtypes[i]):
+            return None
+        return self._dtypes[i], self._shapes[i], self.data_start + self._begin[i], self._nbytes[i]
+
+    def whole_spans(self, names: list[str]) -> list[tuple | None]:
+        """``whole_span`` of each name, the column lookups done for all at once."""
+        at = list(map(self._pos.get, names))
+        if None in at:
+            return list(map(self.whole_span, names))
+        kinds = list(map(self._dtypes.__getitem__, at))
+        if not all(map(_plain, set(kinds))):
+            return list(map(self.whole_span, names))
+        start = self.data_start
+        return [(dtype, shape, start + begin, nbytes) for dtype, shape, begin, nbytes in
+                zip(kinds, map(self._shapes.__getitem__, at), map(self._begin.__getitem__, at),
+                    map(self._nbytes.__getitem__, at))]
+
     def describe(self, name: str) -> tuple[str, tuple[int, ...], str, int]:
         """(dtype, shape, kind, nbytes) of a tensor, from the columns (no entry built)."""
         i = self._pos[name]
@@ -363,3 +385,9 @@ class SafetensorsReader(PositionedReader):
         if storage is not None:
             return storage
         return super()._storage(entry)
+
+
+def _plain(dtype: str) -> bool:
+    """Whether a tensor of this dtype is stored as its plain little-endian elements."""
+    dt = dtypes.BY_NAME.get(dtype)
+    return dtype != INT4_MARK and dt is not None and dt.storage is not None

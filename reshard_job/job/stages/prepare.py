@@ -32,7 +32,7 @@ from reshard_job.sources.mindformers_save import MindFormersSource
 from reshard_job.formats.tensorfile import KIND_TENSOR
 from reshard_job.sources.file_digests import HashCache, default_cache_path
 from reshard_job.sources.index_cache import IndexCache
-from reshard_job.plan.model import Plan
+from reshard_job.plan.model import Plan, RankPlan
 from reshard_job.plan.planner import Planner
 from reshard_job.core.tensor_meta import TensorMeta
 from reshard_job.plan.checks import identical_mismatch
@@ -70,6 +70,8 @@ class Prepared:
     export: ExportLayout | None = None  # the shards, for target.format=safetensors_index
     every_file: RankFiles | None = None  # a MindFormers save's files, before narrowing to those the plan reads
     selected: Selected | None = None  # target.include/exclude/rename: what was kept, under which names
+    # the one-device plan of the sources (``prepare(one_device=True)``), for their fingerprints; taken once
+    one_device: RankPlan | None = None
 
     @property
     def source_paths(self) -> dict[int, str | tuple[str, ...]]:
@@ -107,27 +109,30 @@ PREDICT_LIMIT = 100_000
 
 def prepare(source: SourceSpec, target: TargetSpec, *, ranks: tuple[int, ...] | None = None,
             storage: StorageOptions | None = None, demo_root: str | None = None,
-            hashing: HashWhileIndexing | None = None, index_cache: IndexCache | None = None) -> Prepared:
+            hashing: HashWhileIndexing | None = None, index_cache: IndexCache | None = None,
+            one_device: bool = False) -> Prepared:
     """Sources found and indexed, target settled, inputs cross-checked, the plan made.
 
     With `hashing`, remote sources the plan will read are hashed while they are indexed; with
-    `index_cache`, local `.ckpt` files it knows unchanged are not walked again."""
+    `index_cache`, local `.ckpt` files it knows unchanged are not walked again; with `one_device`,
+    the one-device plan of the sources is made too (``Prepared.one_device``)."""
     source = _with_demo(source, demo_root)
     reader = reader_for(source, storage)
     reader.check(source)
     return prepare_from(reader, reader.discover(source), source, target, ranks=ranks, storage=storage,
-                        hashing=hashing, index_cache=index_cache)
+                        hashing=hashing, index_cache=index_cache, one_device=one_device)
 
 
 def prepare_from(reader: SourceReader, found: RankFiles, source: SourceSpec, target: TargetSpec, *,
                  ranks: tuple[int, ...] | None = None, storage: StorageOptions | None = None,
-                 hashing: HashWhileIndexing | None = None, index_cache: IndexCache | None = None) -> Prepared:
+                 hashing: HashWhileIndexing | None = None, index_cache: IndexCache | None = None,
+                 one_device: bool = False) -> Prepared:
     """Like ``prepare``, for the files `reader` found: every rank's, or those the API's per-rank
     conversion was given (then some of a rank's files only, for a MindFormers save)."""
     if isinstance(reader, MindFormersFolder):
-        return _prepare_mindformers(reader, found, source, target, ranks=ranks, storage=storage)
+        return _prepare_mindformers(reader, found, source, target, ranks=ranks, storage=storage, one_device=one_device)
     prepared = _prepare_files(found, reader.layouts(source.strategy), source, target, ranks=ranks, storage=storage,
-                              hashing=hashing, index_cache=index_cache)
+                              hashing=hashing, index_cache=index_cache, one_device=one_device)
     try:
         prepared.checks += reader.verify(prepared.found, prepared.readers)
     except BaseException:
@@ -138,7 +143,7 @@ def prepare_from(reader: SourceReader, found: RankFiles, source: SourceSpec, tar
 
 def _prepare_files(found: RankFiles, strategy: LoadedStrategy, source: SourceSpec, target: TargetSpec, *,
                    ranks: tuple[int, ...] | None, storage: StorageOptions | None, hashing: HashWhileIndexing | None,
-                   index_cache: IndexCache | None) -> Prepared:
+                   index_cache: IndexCache | None, one_device: bool = False) -> Prepared:
     """Open and index the source files (rank -> file), cross-check them, settle the target, plan."""
     paths = _usable_ranks(found, strategy, source)
     remote = _remote_ranks(paths, storage) if hashing is not None else set()
@@ -160,7 +165,7 @@ def _prepare_files(found: RankFiles, strategy: LoadedStrategy, source: SourceSpe
         checks = _cross_check(found, strategy, source, index, storage)
         strategy, index, selected = apply_selection(selection, strategy, readers, index)
         return _settle_and_plan(source, found, strategy, readers, index, target, ranks, storage, checks,
-                                settled=settled, selected=selected)
+                                settled=settled, selected=selected, one_device=one_device)
     except BaseException:
         readers.close()
         raise
@@ -210,7 +215,8 @@ def ranks_likely_read(strategy: LoadedStrategy, source: SourceSpec, target: Targ
 
 
 def _prepare_mindformers(reader: MindFormersFolder, found: RankFiles, source: SourceSpec, target: TargetSpec, *,
-                         ranks: tuple[int, ...] | None, storage: StorageOptions | None) -> Prepared:
+                         ranks: tuple[int, ...] | None, storage: StorageOptions | None,
+                         one_device: bool = False) -> Prepared:
     """A MindFormers save: layouts from its metadata.json, no strategy file.
 
     The headers were read and checked when the save was loaded, so the plan is made before any
@@ -221,7 +227,7 @@ def _prepare_mindformers(reader: MindFormersFolder, found: RankFiles, source: So
     strategy, index, selected = select_index(selection_of(target, optimizer_prefixes(target)), reader.layouts(),
                                              reader.index(found))
     tgt = narrow_target(settle_target(target, strategy, index, storage), selected)
-    plan, missing = _plan(strategy, tgt, target, index, ranks)
+    plan, missing, one = _plan(strategy, tgt, target, index, ranks, one_device)
     export = _export_layout(target, plan)
     _warn_omitted(plan, missing)
     record_in_plan(plan, selected)
@@ -232,7 +238,7 @@ def _prepare_mindformers(reader: MindFormersFolder, found: RankFiles, source: So
         checks = ["MindFormers metadata.json agrees with every file's header (dtypes, shapes, placement)"]
         checks += list(plan.checks)
         return Prepared(source, found, strategy, readers, index, tgt, plan, missing, checks, reader.save, export,
-                        every_file, selected)
+                        every_file, selected, one)
     except BaseException:
         readers.close()
         raise
@@ -240,15 +246,15 @@ def _prepare_mindformers(reader: MindFormersFolder, found: RankFiles, source: So
 
 def _settle_and_plan(source: SourceSpec, found: RankFiles, strategy: LoadedStrategy, readers: SourceFiles, index,
                      target: TargetSpec, ranks, storage, checks: list[str], *, settled: Target | None = None,
-                     selected: Selected | None = None) -> Prepared:
+                     selected: Selected | None = None, one_device: bool = False) -> Prepared:
     tgt = narrow_target(settled if settled is not None else settle_target(target, strategy, index, storage), selected)
-    plan, missing = _plan(strategy, tgt, target, index, ranks)
+    plan, missing, one = _plan(strategy, tgt, target, index, ranks, one_device)
     record_in_plan(plan, selected)
     checks += list(plan.checks)
     export = _export_layout(target, plan)
     _warn_omitted(plan, missing)
     return Prepared(source, found, strategy, readers, index, tgt, plan, missing, checks, export=export,
-                    selected=selected)
+                    selected=selected, one_device=one)
 
 
 def _export_layout(target: TargetSpec, plan: Plan) -> ExportLayout | None:
@@ -287,7 +293,9 @@ def _usable_ranks(found: RankFiles, strategy: LoadedStrategy, source: SourceSpec
     return {r: p for r, p in found.files.items() if r < devices}
 
 
-def _plan(strategy: LoadedStrategy, tgt: Target, spec: TargetSpec, index, ranks) -> tuple[Plan, dict]:
+def _plan(strategy: LoadedStrategy, tgt: Target, spec: TargetSpec, index, ranks,
+          one_device: bool = False) -> tuple[Plan, dict, RankPlan | None]:
+    """(the plan, the missing source ranks, the one-device plan of the sources if asked for)."""
     planner = Planner(strategy.topology, tgt.topology, index, unmapped=spec.unmapped,
                       remove_redundancy=spec.remove_redundancy)
     planner.notes.extend(tgt.notes)
@@ -295,7 +303,7 @@ def _plan(strategy: LoadedStrategy, tgt: Target, spec: TargetSpec, index, ranks)
     plan = planner.plan(list(ranks) if ranks is not None else None, missing=missing)
     # after planning: a refused plan prints its one line and nothing else
     _warn_absent(strategy, index)  # the API's per-rank path may be given some of a rank's files only
-    return plan, missing
+    return plan, missing, planner.one_device() if one_device and not missing else None
 
 
 # ================================================================================ cross-checks

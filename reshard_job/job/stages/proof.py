@@ -244,7 +244,9 @@ def source_taps(spec: JobSpec, prepared) -> SourceTaps | None:
     (``proof.source_taps``); None with ``job.fingerprints=false``."""
     if not spec.run.fingerprints:
         return None
-    rank_plan = single_device_plan(prepared.strategy, prepared.index, unmapped=UNMAPPED_FULL)
+    rank_plan, prepared.one_device = prepared.one_device, None  # made with the conversion's plan, if it was
+    if rank_plan is None:
+        rank_plan = single_device_plan(prepared.strategy, prepared.index, unmapped=UNMAPPED_FULL)
     with _proof_sources(prepared, spec.storage) as sources:
         return plan_source_taps(rank_plan, sources, converted_names(prepared))
 

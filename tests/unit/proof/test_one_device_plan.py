@@ -1,0 +1,52 @@
+"""The one-device plan of the sources made with the conversion's plan (``Planner.one_device``,
+``prepare(one_device=True)``) is the plan ``single_device_plan`` makes on its own, on every golden
+source and whatever the conversion's target leaves out."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from reshard_job.job.config.spec import SourceSpec, TargetSpec
+from reshard_job.job.stages.prepare import prepare
+from reshard_job.plan.model import UNMAPPED_FULL
+from reshard_job.proof.collect import single_device_plan
+
+GOLDEN = Path(__file__).parents[2] / "golden"
+SCENARIOS = sorted(p.name for p in GOLDEN.iterdir() if (p / "manifest.json").is_file())
+
+
+def _targets(d: Path) -> list[TargetSpec]:
+    out = [TargetSpec(devices=1), TargetSpec(devices=3)]
+    if (d / "dst_strategy.ckpt").exists():
+        out += [TargetSpec(strategy=str(d / "dst_strategy.ckpt"), unmapped=u) for u in ("omit", "drop", "full")]
+    return out
+
+
+def _source(d: Path) -> SourceSpec:
+    if (d / "src_mindformers").exists():
+        return SourceSpec(str(d / "src_mindformers"))
+    strategy = next((str(p) for p in (d / "src_strategy.ckpt", d / "src_strategy_dir") if p.exists()), None)
+    return SourceSpec(str(d / "src_checkpoints"), strategy)
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_the_one_device_plan_made_with_the_conversions_is_the_one_made_alone(name):
+    d = GOLDEN / name
+    compared = 0
+    for target in _targets(d):
+        try:
+            prepared = prepare(_source(d), target, one_device=True)
+        except Exception:  # a target this source cannot take: refused as without one_device
+            with pytest.raises(Exception):
+                prepare(_source(d), target)
+            continue
+        with prepared:
+            assert prepared.one_device is not None
+            alone = single_device_plan(prepared.strategy, prepared.index, unmapped=UNMAPPED_FULL)
+            assert prepared.one_device.to_json() == alone.to_json()
+            compared += 1
+    assert compared >= 1
+    with prepare(_source(d), TargetSpec(devices=1)) as prepared:
+        assert prepared.one_device is None  # only when asked for
