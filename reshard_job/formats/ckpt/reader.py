@@ -323,6 +323,14 @@ class CheckpointReader(RecordWalk, PositionedReader):
             return list(map(self.whole_span, names))
         return [(key[0], shapes[key], off, key[2]) for key, off in zip(keys, map(self._off.__getitem__, at))]
 
+    def record_ranges(self, names: list[str]) -> list[tuple[int, int]] | None:
+        """(offset, length) of the one record of each named tensor, straight from the index columns;
+        None unless every name is a tensor stored in one record."""
+        at = list(map(self._pos.get, names))
+        if None in at or any(map(self._kind.__getitem__, at)) or (self._multi and not self._multi.keys().isdisjoint(at)):
+            return None
+        return list(zip(map(self._off.__getitem__, at), map(self._len.__getitem__, at)))
+
     def names(self) -> list[str]:
         return list(self._pos)
 

@@ -139,9 +139,12 @@ def _request(reader, names) -> tuple[HashRequest, tuple[list[str], dict[str, int
     several: dict[str, int] = {}
     held: list[str] = []  # (a rank of several files holds each in one of them)
     # records' ranges straight from the index columns: no entry built for each of a million small tensors
-    spans = _whole_spans(reader, names)
-    if names and None not in spans:  # each one record of its own (the many-small-tensors case): at once
-        segments.extend((span[2], span[3]) for span in spans)
+    ranges = reader.record_ranges(names) if names and hasattr(reader, "record_ranges") else None
+    spans = _whole_spans(reader, names) if ranges is None else ()
+    if ranges is None and names and None not in spans:
+        ranges = [(span[2], span[3]) for span in spans]
+    if ranges is not None:  # each one record of its own (the many-small-tensors case): at once
+        segments.extend(ranges)
         held = list(names)
     else:
         for name, span in zip(names, spans):

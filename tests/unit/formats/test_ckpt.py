@@ -798,3 +798,17 @@ def test_an_encrypted_checkpoint_is_named_as_such(tmp_path, magic, mode):
         CheckpointReader(path).entries
     line = str(err.value)
     assert line.startswith(path) and f"an encrypted checkpoint ({mode}" in line and "\n" not in line
+
+
+def test_record_ranges_are_the_one_record_of_each_tensor_or_none(tmp_path):
+    path = tmp_path / "c.ckpt"
+    with CheckpointWriter(str(path), chunk_bytes=64) as w:
+        w.add("a", np.arange(3, dtype=np.float32))
+        w.add("b", np.arange(4, dtype=np.int64))
+        w.add("chunked", np.arange(64, dtype=np.float32))  # 256 bytes in 64-byte records
+        w.add_str("note", "hello")
+    with CheckpointReader(str(path)) as r:
+        assert r.record_ranges(["b", "a"]) == [tuple(r.entries["b"].pieces[0]), tuple(r.entries["a"].pieces[0])]
+        assert r.record_ranges(["a", "chunked"]) is None
+        assert r.record_ranges(["a", "note"]) is None
+        assert r.record_ranges(["a", "absent"]) is None
