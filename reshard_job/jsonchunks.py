@@ -32,6 +32,7 @@ from itertools import islice
 from json.decoder import scanstring
 from typing import Callable, Iterator
 
+from reshard_job.json_flat import dumps_flat
 from reshard_job.text import json_object_pieces
 
 CHUNK_ITEMS = 8192  # items of a large mapping encoded per ``json.dumps`` call
@@ -84,7 +85,9 @@ def _pieces(obj, depth: int, split_depth: int, opts: dict) -> Iterator[str]:
         yield from _list_pieces(obj, depth, opts)
         return
     if depth >= split_depth or not isinstance(obj, dict) or not obj or not all(isinstance(k, str) for k in obj):
-        text = json.dumps(obj, default=plain, **opts)
+        text = dumps_flat(obj, **opts)
+        if text is None:
+            text = json.dumps(obj, default=plain, **opts)
         indent = opts["indent"]
         if indent is not None and depth and "\n" in text:  # JSON strings never hold a raw newline
             text = text.replace("\n", "\n" + " " * (indent * depth))

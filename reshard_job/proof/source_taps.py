@@ -88,9 +88,10 @@ class FileTap:
     @property
     def key(self) -> str:
         if self._key is None:
-            h = hashlib.sha256(ALGORITHM.encode())
-            for offset, length, i in zip(self._offsets, self._lengths, self._of):
-                h.update(repr((offset, length, self.tensors[i])).encode("utf-8", "surrogateescape"))
+            h = hashlib.sha256(ALGORITHM.encode() + b"\n")
+            for column in (self._offsets, self._lengths, self._of):  # the records, in file order
+                h.update(len(column).to_bytes(8, "little") + column.tobytes())
+            h.update(json.dumps(self.tensors).encode())  # (name, dtype, shape, box) of each
             self._key = h.hexdigest()[:32]
         return self._key
 
@@ -326,16 +327,32 @@ def _add_whole(taps: SourceTaps, rank: int, items: list, sources, rename) -> Non
             _add(taps, t, (c,), sources, rename)
         return
     tap = None
+    plain: dict[tuple, bool] = {}  # (dtype, shape, stored dtype, dims, bytes, copy) -> a whole record of it
     for (t, c), span in zip(items, spans):
         shape = tuple(t.global_shape)
-        dt = dtypes.BY_NAME.get(t.dtype)
-        if span is None or dt is None or not dt.sliceable or span[0] != t.dtype or tuple(span[1]) != shape \
-                or span[3] != prod(shape) * dt.itemsize or c.source_box != c.target_box or c.target_box != full_box(shape):
+        whole = False
+        if span is not None:
+            dims = span[1] if type(span[1]) is tuple else tuple(span[1])
+            key = (t.dtype, shape, span[0], dims, span[3], c)
+            whole = plain.get(key)
+            if whole is None:
+                whole = _whole_record(t.dtype, shape, span, c)
+                if len(plain) < 4096:
+                    plain[key] = whole
+        if not whole:
             _add(taps, t, (c,), sources, rename)  # anything but a whole record of the whole tensor
             continue
         if tap is None:
             tap = taps.files.get((rank, 0)) or taps.files.setdefault((rank, 0), FileTap(raw.path, raw.identity))
         tap.add(Tapped(t.name, t.dtype, shape, None), ((span[2], span[3]),))
+
+
+def _whole_record(dtype: str, shape: tuple, span: tuple, c) -> bool:
+    """Whether a stored record `span` (dtype, dims, offset, length) is the whole of a tensor of
+    this dtype and global shape, and copy `c` takes all of it."""
+    dt = dtypes.BY_NAME.get(dtype)
+    return (dt is not None and dt.sliceable and span[0] == dtype and tuple(span[1]) == shape
+            and span[3] == prod(shape) * dt.itemsize and c.source_box == c.target_box == full_box(shape))
 
 
 def _records(t, copies, sources, stored: str) -> list | None:

@@ -114,3 +114,15 @@ def test_lazy_lists_come_out_as_the_list_they_stand_for(items, which, depth, chu
     finally:
         jsonchunks.CHUNK_ITEMS = saved
     assert json.dumps(doc, default=jsonchunks.plain, **opts) == expected
+
+
+@given(obj=st.one_of(st.dictionaries(st.text(max_size=8), SCALARS, max_size=8), st.lists(SCALARS, max_size=8)),
+       indent=st.sampled_from([1, 2, 4]), sort_keys=st.booleans(), ensure_ascii=st.booleans())
+def test_a_flat_container_indents_as_json_dumps_does(obj, indent, sort_keys, ensure_ascii):
+    from reshard_job.json_flat import dumps_flat
+
+    text = dumps_flat(obj, indent=indent, separators=(",", ": "), sort_keys=sort_keys, ensure_ascii=ensure_ascii)
+    if obj:
+        assert text == json.dumps(obj, indent=indent, sort_keys=sort_keys, ensure_ascii=ensure_ascii)
+    else:
+        assert text is None  # left to json.dumps
