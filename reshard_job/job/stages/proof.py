@@ -44,6 +44,8 @@ import logging
 import os
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from itertools import chain
+from operator import attrgetter
 
 from reshard_job.core.fingerprint import ALGORITHM
 from reshard_job.execute.writer_tap import TargetSums, fingerprint_written
@@ -137,10 +139,25 @@ def _prepare_files(source: SourceSpec, files: dict[int, str], storage):
 def converted_names(prepared) -> set[str]:
     """The tensors the job writes into any target rank."""
     names: set[str] = set()
+    for tensors in _planned_tensors(prepared):
+        names.update(map(_name, tensors))
+    return names
+
+
+_name = attrgetter("name")
+
+
+def _planned_tensors(prepared) -> list:
+    """The facts of the tensors of each target rank's plan (``TensorFacts``), each list once
+    (target ranks whose plans are alike share one)."""
+    lists: dict[int, list] = {}
     for rank_plan in prepared.plan.ranks:
         params = rank_plan.params
-        names.update(t.name for t in getattr(params, "tensors", params))
-    return names
+        tensors = getattr(params, "tensors", None)
+        if tensors is None:
+            tensors = [p.tensor for p in params]
+        lists.setdefault(id(tensors), tensors)
+    return list(lists.values())
 
 
 def prove(spec: JobSpec, prepared, out_path: str, strategy_path: str | None,
@@ -220,9 +237,8 @@ def _tapped_fingerprints(spec: JobSpec, prepared, names: set[str], written: dict
             sums.add(partials, key)
     log.debug("fingerprints: %d output file(s) from the bytes written, %d read back", len(units) - read_back,
               read_back)
-    digests, uncovered = sums.digests(t for rp in prepared.plan.ranks
-                                      for t in getattr(rp.params, "tensors", None) or [p.tensor for p in rp.params]
-                                      if t.name in names)
+    # (`names` are those of the plan's tensors: all of them)
+    digests, uncovered = sums.digests(chain.from_iterable(_planned_tensors(prepared)))
     if uncovered:
         shown = ", ".join(repr(n) for n in sorted(uncovered)[:5])
         raise ProofError(f"parameter {shown}: the target files do not hold each of its bytes exactly once "
