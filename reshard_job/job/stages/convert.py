@@ -18,7 +18,6 @@ output directory (``file``), so a moved directory still verifies whatever its la
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 from dataclasses import dataclass, field, replace
 
@@ -130,7 +129,8 @@ def write_export_index(prepared: Prepared, paths: dict[int, str], storage) -> tu
 
 def convert(spec: JobSpec, prepared: Prepared, out: OutputDir, digests: SourceDigests,
             recorder: LineageRecorder | NoRecorder, executor: Executor | None = None) -> Outputs:
-    strategy_sha = hashlib.sha256(prepared.target.strategy_bytes).hexdigest() if prepared.target.strategy_bytes else None
+    held = prepared.target.strategy
+    strategy_sha = held.sha256 if held is not None and held.size else None
     fingerprint = job_fingerprint(
         source_files=digests.files, source_strategy=_source_strategy(spec, prepared, digests),
         target_strategy_sha256=strategy_sha, target=_target_key(spec, prepared))
@@ -214,9 +214,9 @@ def _copied_target_strategy(prepared: Prepared) -> FileRecord | None:
     """The target strategy file the user gave, as an input, when the job copies it beside its outputs
     (its bytes, as read once: what was planned against and what the copy holds)."""
     t = prepared.target
-    if not t.strategy_copied or t.strategy_bytes is None:
+    if not t.strategy_copied or t.strategy is None:
         return None
-    return FileRecord(t.strategy_from, hashlib.sha256(t.strategy_bytes).hexdigest(), len(t.strategy_bytes), "strategy")
+    return FileRecord(t.strategy_from, t.strategy.sha256, t.strategy.size, "strategy")
 
 
 def _reuse_if_intact(spec: JobSpec, out: OutputDir, fingerprint: str, recorder, files,
@@ -264,7 +264,7 @@ def _record_reuse(out: OutputDir, manifest: dict, listed: list[JournalEntry], re
 
 def _write_target_strategy(out: OutputDir, prepared: Prepared) -> dict | None:
     t = prepared.target
-    if t.strategy_bytes is None:
+    if t.strategy is None:
         return None
     path = out.storage.join(out.path, t.strategy_file)
     size, sha = out.storage.write_bytes(path, t.strategy_bytes, mode=0o444)

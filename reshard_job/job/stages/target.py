@@ -7,7 +7,9 @@ parsed from those bytes, and copied from them, so the copy is exactly what was p
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import zlib
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -29,16 +31,38 @@ log = logging.getLogger("reshard_job")
 
 
 @dataclass(frozen=True)
+class HeldBytes:
+    """A document held through the job compressed (a compiled strategy of 600,000 parameters is
+    tens of MiB that compress a hundredfold), with its size and sha256 at hand."""
+
+    packed: bytes
+    size: int
+    sha256: str
+
+    @classmethod
+    def of(cls, data: bytes) -> "HeldBytes":
+        return cls(zlib.compress(data, 1), len(data), hashlib.sha256(data).hexdigest())
+
+    def unpacked(self) -> bytes:
+        return zlib.decompress(self.packed)
+
+
+@dataclass(frozen=True)
 class Target:
     topology: Topology | None  # None: one whole, unsharded checkpoint
     devices: int
     strategy_file: str | None = None  # name of the copy in output.dir ("strategy.ckpt" | "strategy.json")
-    strategy_bytes: bytes | None = None
+    strategy: HeldBytes | None = None  # its bytes
     strategy_from: str | None = None  # the user's file, or "target.layout"
     notes: tuple[str, ...] = field(default_factory=tuple)
     # strategy_bytes are the user's file byte for byte (not merged from stages, nor compiled from a
     # layout): lineage records that file as an input and the one beside the outputs as its copy
     strategy_copied: bool = False
+
+    @property
+    def strategy_bytes(self) -> bytes | None:
+        """The target strategy's bytes (unpacked for each use: let go once used)."""
+        return None if self.strategy is None else self.strategy.unpacked()
 
 
 def settle_target(spec: TargetSpec, source: LoadedStrategy, index: Mapping[int, Mapping[str, TensorMeta]],
@@ -53,7 +77,7 @@ def settle_target(spec: TargetSpec, source: LoadedStrategy, index: Mapping[int, 
             if "matches no parameter" in note:
                 log.warning("%s", note)
         return Target(Topology.from_strategy(compiled.strategy), spec.devices, "strategy.ckpt",
-                      to_protobuf_bytes(compiled.strategy), LAYOUT_SOURCE, tuple(compiled.notes))
+                      HeldBytes.of(to_protobuf_bytes(compiled.strategy)), LAYOUT_SOURCE, tuple(compiled.notes))
     return Target(None, 1)
 
 
@@ -81,7 +105,7 @@ def _from_file(spec: TargetSpec, storage_options: StorageOptions | None) -> Targ
         raise ConfigError(f"target.devices={spec.devices} but target.strategy {spec.strategy} describes "
                           f"{topology.devices} devices")
     merged = info is not None and info.is_dir
-    return Target(topology, topology.devices, name, data, spec.strategy, strategy_copied=not merged)
+    return Target(topology, topology.devices, name, HeldBytes.of(data), spec.strategy, strategy_copied=not merged)
 
 
 def global_shapes(source: LoadedStrategy, index: Mapping[int, Mapping[str, TensorMeta]]) -> dict[str, tuple[int, ...]]:
