@@ -3,9 +3,8 @@ piece by piece with bounds (``JsonStream``, ``loads_bounded``).
 
 A manifest of a checkpoint with a million small parameters holds a million per-tensor digests:
 ``json.dumps`` of it is one string of well over 100 MB, and encoding it to bytes doubles that.
-``iter_json`` writes the outer dictionaries itself and hands every value below them to
-``json.dumps`` (its C encoder, so no slower), so no piece is larger than one of those values (one
-target rank's digests, for the manifest).
+``iter_json`` writes the outer dictionaries itself and hands every value below them to ``json.dumps``
+(``json_flat`` for flat ones), so no piece is larger than one of those values (a rank's digests).
 
 Reading is the mirror image. ``json.loads`` of a document holds its bytes, its text and every
 object of it at once: a 200 MB ``metadata.json`` of 600,000 parameters peaked at 2.2 GB, and a
@@ -85,9 +84,7 @@ def _pieces(obj, depth: int, split_depth: int, opts: dict) -> Iterator[str]:
         yield from _list_pieces(obj, depth, opts)
         return
     if depth >= split_depth or not isinstance(obj, dict) or not obj or not all(isinstance(k, str) for k in obj):
-        text = dumps_flat(obj, **opts)
-        if text is None:
-            text = json.dumps(obj, default=plain, **opts)
+        text = dumps_flat(obj, **opts) or json.dumps(obj, default=plain, **opts)
         indent = opts["indent"]
         if indent is not None and depth and "\n" in text:  # JSON strings never hold a raw newline
             text = text.replace("\n", "\n" + " " * (indent * depth))

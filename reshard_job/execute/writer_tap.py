@@ -26,6 +26,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 import reshard_job.core.dtypes as dtypes
+from reshard_job.core.digest_table import DigestTable
 from reshard_job.core.fingerprint import LANES, _READS, Fingerprint, _column_dot, _dim_keys, _words
 from reshard_job.formats.tensorfile import KIND_TENSOR
 
@@ -310,7 +311,7 @@ class TargetSums:
         values[:, 2] = np.frombuffer(partials.fed, np.uint64)
         np.add.at(self._sums, rows, values)
 
-    def digests(self, tensors: Iterable) -> tuple[dict[str, str], list[str]]:
+    def digests(self, tensors: Iterable) -> tuple[DigestTable, list[str]]:
         """(name -> hex fingerprint, names whose bytes were not counted exactly once). `tensors`: the
         parameters to give (anything with ``name``, ``dtype`` and ``global_shape``; repeats skipped).
         Once: the sums are let go, so that the manifest is built without them. Worked out with
@@ -334,7 +335,5 @@ class TargetSums:
         raw = np.empty((len(names), 2), "<u8")
         raw[:, 0] = sums[:, 0] ^ np.array([m & _MASK64 for m in masks], np.uint64)[kind]
         raw[:, 1] = sums[:, 1] ^ np.array([m >> 64 for m in masks], np.uint64)[kind]
-        text = raw[whole].tobytes().hex()
         given = [names[i] for i in np.flatnonzero(whole).tolist()]
-        out = dict(zip(given, (text[i:i + 32] for i in range(0, 32 * len(given), 32))))
-        return out, [names[i] for i in np.flatnonzero(~whole).tolist()]
+        return DigestTable.of(given, raw[whole].view(np.uint8)), [names[i] for i in np.flatnonzero(~whole).tolist()]

@@ -70,8 +70,7 @@ class Prepared:
     export: ExportLayout | None = None  # the shards, for target.format=safetensors_index
     every_file: RankFiles | None = None  # a MindFormers save's files, before narrowing to those the plan reads
     selected: Selected | None = None  # target.include/exclude/rename: what was kept, under which names
-    # the one-device plan of the sources (``prepare(one_device=True)``), for their fingerprints; taken once
-    one_device: RankPlan | None = None
+    one_device: RankPlan | None = None  # the sources' one-device plan (``prepare(one_device=True)``); taken once
 
     @property
     def source_paths(self) -> dict[int, str | tuple[str, ...]]:
@@ -111,11 +110,10 @@ def prepare(source: SourceSpec, target: TargetSpec, *, ranks: tuple[int, ...] | 
             storage: StorageOptions | None = None, demo_root: str | None = None,
             hashing: HashWhileIndexing | None = None, index_cache: IndexCache | None = None,
             one_device: bool = False) -> Prepared:
-    """Sources found and indexed, target settled, inputs cross-checked, the plan made.
-
-    With `hashing`, remote sources the plan will read are hashed while they are indexed; with
-    `index_cache`, local `.ckpt` files it knows unchanged are not walked again; with `one_device`,
-    the one-device plan of the sources is made too (``Prepared.one_device``)."""
+    """Sources found and indexed, target settled, inputs cross-checked, the plan made. With `hashing`,
+    remote sources the plan will read are hashed while they are indexed; with `index_cache`, local
+    `.ckpt` files it knows unchanged are not walked again; with `one_device`, the one-device plan of
+    the sources is made too (``Prepared.one_device``)."""
     source = _with_demo(source, demo_root)
     reader = reader_for(source, storage)
     reader.check(source)
@@ -295,7 +293,6 @@ def _usable_ranks(found: RankFiles, strategy: LoadedStrategy, source: SourceSpec
 
 def _plan(strategy: LoadedStrategy, tgt: Target, spec: TargetSpec, index, ranks,
           one_device: bool = False) -> tuple[Plan, dict, RankPlan | None]:
-    """(the plan, the missing source ranks, the one-device plan of the sources if asked for)."""
     planner = Planner(strategy.topology, tgt.topology, index, unmapped=spec.unmapped,
                       remove_redundancy=spec.remove_redundancy)
     planner.notes.extend(tgt.notes)

@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from itertools import chain
 from operator import attrgetter
 
+from reshard_job.core.digest_table import DigestTable, differing
 from reshard_job.core.fingerprint import ALGORITHM
 from reshard_job.execute.writer_tap import TargetSums, fingerprint_written
 from reshard_job.errors import ProofError
@@ -67,17 +68,21 @@ log = logging.getLogger("reshard_job")
 
 @dataclass
 class ProofResult:
-    source: dict[str, str]
-    target: dict[str, str] | None
+    source: Mapping[str, str]  # a dict, or a DigestTable
+    target: Mapping[str, str] | None
     unchecked: str | None = None  # why the target side was not read back
     algorithm: str = ALGORITHM
     differ: list[str] = field(default_factory=list)
 
     def manifest_section(self) -> dict:
-        section = {"algorithm": self.algorithm, "source": _Sorted(self.source), "target": _Sorted(self.target or {})}
+        section = {"algorithm": self.algorithm, "source": _sorted(self.source), "target": _sorted(self.target or {})}
         if self.unchecked:
             section["target_unchecked"] = self.unchecked
         return section
+
+
+def _sorted(digests: Mapping[str, str]) -> Mapping[str, str]:
+    return digests if isinstance(digests, DigestTable) else _Sorted(digests)  # (a table is in name order)
 
 
 class _Sorted(Mapping):
@@ -202,7 +207,7 @@ def prove(spec: JobSpec, prepared, out_path: str, strategy_path: str | None,
                                          progress=spec.run.progress, desc="fingerprinting outputs",
                                          workers=spec.run.workers).digests
     result = ProofResult(source, _sharing(target, source))
-    result.differ = sorted(n for n in names if source.get(n) != target.get(n))
+    result.differ = differing(names, source, target)
     if result.differ:
         shown = ", ".join(repr(n) for n in result.differ[:5])
         more = f" and {len(result.differ) - 5} more" if len(result.differ) > 5 else ""
@@ -215,7 +220,9 @@ def prove(spec: JobSpec, prepared, out_path: str, strategy_path: str | None,
 def _sharing(target: dict[str, str], source: dict[str, str]) -> dict[str, str]:
     """`target` with each digest equal to the source's replaced by the source's own string: the
     two sides are equal where the proof holds, and a model of 600,000 parameters then keeps one
-    set of digest strings in memory, not two (tens of MiB)."""
+    set of digest strings in memory, not two (tens of MiB). (A ``DigestTable`` holds no strings.)"""
+    if not isinstance(target, dict):
+        return target
     for name, digest in target.items():
         same = source.get(name)
         if same == digest:
