@@ -315,18 +315,19 @@ class TargetSums:
         """(name -> hex fingerprint, names whose bytes were not counted exactly once). `tensors`: the
         parameters to give (anything with ``name``, ``dtype`` and ``global_shape``; repeats skipped).
         Once: the sums are let go, so that the manifest is built without them. Worked out with
-        whole-column operations: per tensor, a lookup and a slice of one hex string."""
+        whole-column operations: per tensor, a lookup."""
         kinds: dict[tuple, int] = {}  # (dtype, global shape) -> its number
-        kind_of: dict[str, int] = {}  # name -> the number of its kind, for each counted somewhere
-        counted = self._row
+        rows = self._row  # name -> its row, in the order of the rows
+        kind_of = array("q", [-1]) * len(rows)  # row -> the number of its tensor's kind (-1: not asked for)
         for t in tensors:
-            name = t.name
-            if name in counted and name not in kind_of:
-                kind_of[name] = kinds.setdefault((t.dtype, tuple(t.global_shape)), len(kinds))
-        names = list(kind_of)
-        kind = np.fromiter(kind_of.values(), np.int64, len(names))
-        del kind_of
-        sums = self._sums[np.fromiter(map(counted.__getitem__, names), np.int64, len(names))]
+            i = rows.get(t.name)
+            if i is not None and kind_of[i] < 0:
+                kind_of[i] = kinds.setdefault((t.dtype, tuple(t.global_shape)), len(kinds))
+        kind = np.frombuffer(kind_of, np.int64)
+        asked = np.flatnonzero(kind >= 0)
+        names = list(rows)
+        names = [names[i] for i in asked.tolist()]
+        kind, sums = kind[asked], self._sums[asked]
         self._row, self._sums = {}, np.zeros((0, 3), np.uint64)
         want = [_nbytes(*k) for k in kinds]
         masks = [_mask(*k) for k in kinds]

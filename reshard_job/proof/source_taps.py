@@ -38,6 +38,7 @@ from reshard_job.sources.byte_taps import TapCache, feed_ranges
 
 log = logging.getLogger("reshard_job")
 _MAGIC = b"reshard_job source tap 1\n"
+WHOLE_RUN = 1 << 16  # parameters of one copy looked up together (their spans are transient)
 
 
 class Tapped(NamedTuple):
@@ -286,12 +287,16 @@ def plan_source_taps(rank_plan, sources, names) -> SourceTaps:
     params = rank_plan.params
     pairs = zip(params.tensors, (sl[:3] for sl in params.slices)) if isinstance(params, ParamPlans) else \
         ((p.tensor, (p.target_shape, p.copies, p.nbytes)) for p in params)
-    whole: dict[int, list] = {}  # source rank -> (tensor, copy) of parameters made of one copy
+    whole: dict[int, list] = {}  # source rank -> (tensor, copy) of parameters made of one copy, a run at a time
     for t, (_, copies, _) in pairs:
         if t.kind != KIND_TENSOR or t.name not in names:
             continue
         if len(copies) == 1:
-            whole.setdefault(copies[0].source_rank, []).append((t, copies[0]))
+            rank = copies[0].source_rank
+            items = whole.setdefault(rank, [])
+            items.append((t, copies[0]))
+            if len(items) >= WHOLE_RUN:
+                _add_whole(taps, rank, whole.pop(rank), sources, rename)
         else:
             _add(taps, t, copies, sources, rename)
     for rank, items in whole.items():

@@ -58,6 +58,17 @@ def test_the_hash_pass_gives_every_converted_parameter_the_fingerprint_read_by_p
     assert digests == expected and len(digests) == len({n for n in names if n in expected}) > 0
 
 
+@pytest.mark.parametrize("name", ["S1_mlp_tutorial_8to4", "S3_pipeline2x4opt_to_4"])
+def test_parameters_looked_up_a_few_at_a_time_give_the_same_fingerprints(name, monkeypatch):
+    import reshard_job.proof.source_taps as source_taps_module
+
+    source, target = _source(name)
+    _, whole, _, _ = _tapped(source, target)
+    monkeypatch.setattr(source_taps_module, "WHOLE_RUN", 2)
+    taps, runs, residual, _ = _tapped(source, target)
+    assert runs == whole and not residual and taps.read_back == 0
+
+
 def test_a_rerun_takes_them_from_the_cache_and_a_cache_without_them_reads_the_records_only(tmp_path, monkeypatch):
     monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "cache"))
     source, target = _source("S3_pipeline2x4opt_to_4")
