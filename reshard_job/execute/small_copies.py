@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+from reshard_job.formats.base import whole_spans_of
+
 RUN = 2048  # tensors looked up and read together
 HOLD = 1 << 20  # bytes of tensors held before they are written
 
@@ -48,7 +50,7 @@ class WholeCopies:
         reader = self._readers.get(self._rank)
         if reader is None:
             reader = self._readers[self._rank] = self._sources.reader(self._rank)
-        spans = _spans(reader, [tensor.name for tensor, _, _ in run])
+        spans = whole_spans_of(reader, [tensor.name for tensor, _, _ in run])
         good = [span is not None and span[1] == extents and span[0] == tensor.dtype
                 for (tensor, _, extents), span in zip(run, spans)]
         start = 0
@@ -79,12 +81,3 @@ class WholeCopies:
                     self._writer.add_bytes(name, part[0][0].dtype, part[0][1][0], reader.read_near(offset, nbytes))
             if self._progress:
                 self._progress(nbytes * len(part))
-
-
-def _spans(reader, names: list[str]) -> list:
-    """The readers' ``whole_span`` of each name (None where it has none)."""
-    spans = getattr(reader, "whole_spans", None)
-    if spans is not None:
-        return spans(names)
-    span = getattr(reader, "whole_span", None)
-    return [span(name) for name in names] if span is not None else [None] * len(names)

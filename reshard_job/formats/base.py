@@ -90,3 +90,14 @@ class TensorWriter(Protocol):
     def commit(self) -> WrittenFile: ...
 
     def abort(self) -> None: ...
+
+
+def whole_spans_of(reader, names: list[str]) -> list:
+    """The reader's ``whole_spans`` of `names` (else its ``whole_span`` of each): (dtype, shape,
+    offset, length) of each tensor stored whole in one record, None for the others and for every
+    name where the reader can give none."""
+    many = getattr(reader, "whole_spans", None)
+    if many is not None:
+        return many(names)
+    one = getattr(reader, "whole_span", None)
+    return list(map(one, names)) if one is not None else [None] * len(names)

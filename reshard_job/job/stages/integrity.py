@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Iterator
 
 from reshard_job.errors import FormatError
+from reshard_job.formats.base import whole_spans_of
 from reshard_job.formats.ckpt import CRC_TRAILER_LEN, CheckpointReader
 from reshard_job.formats.crc32 import chain_crc, crc32_combine
 from reshard_job.formats.multifile import MultiFileReader
@@ -140,7 +141,7 @@ def _request(reader, names) -> tuple[HashRequest, tuple[list[str], dict[str, int
     held: list[str] = []  # (a rank of several files holds each in one of them)
     # records' ranges straight from the index columns: no entry built for each of a million small tensors
     ranges = reader.record_ranges(names) if names and hasattr(reader, "record_ranges") else None
-    spans = _whole_spans(reader, names) if ranges is None else ()
+    spans = whole_spans_of(reader, names) if ranges is None else ()
     if ranges is None and names and None not in spans:
         ranges = [(span[2], span[3]) for span in spans]
     if ranges is not None:  # each one record of its own (the many-small-tensors case): at once
@@ -161,15 +162,6 @@ def _request(reader, names) -> tuple[HashRequest, tuple[list[str], dict[str, int
     # the identity the file had when indexed: one replaced since is refused, not hashed
     seen = tuple(getattr(reader, "identity", ()) or ())
     return HashRequest(reader.path, tuple(segments) if segments else None, seen), (held, several)
-
-
-def _whole_spans(reader, names) -> list:
-    """``whole_span`` of each name (None where the reader has none to give)."""
-    many = getattr(reader, "whole_spans", None)
-    if many is not None:
-        return many(names)
-    one = getattr(reader, "whole_span", None)
-    return list(map(one, names)) if one is not None else [None] * len(names)
 
 
 def _tensor_spans(reader: SafetensorsReader) -> list[tuple[int, int, str]]:
