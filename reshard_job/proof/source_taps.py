@@ -30,6 +30,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 import reshard_job.core.dtypes as dtypes
+from reshard_job.core.digest_table import DigestTable
 from reshard_job.core.boxes import box_shape, full_box
 from reshard_job.core.fingerprint import ALGORITHM
 from reshard_job.execute.writer_tap import PartialFingerprints, TargetSums, WriterTap
@@ -218,7 +219,7 @@ class SourceTaps:
         self.residual: set[str] = set()  # parameters left to ``proof.pieces``
         self.read_back = 0  # taps fed from reads of their records (not by the hash pass, nor the cache)
         self.restored = 0  # taps whose state came from the cache
-        self._settled: tuple[dict[str, str], set[str]] | None = None
+        self._settled: tuple[DigestTable, set[str]] | None = None
 
     def tap(self, rank: int, file: int) -> FileTap | None:
         return self.files.get((rank, file))
@@ -260,7 +261,7 @@ class SourceTaps:
         self._settled = self.digests()
         self.files = {}
 
-    def digests(self) -> tuple[dict[str, str], set[str]]:
+    def digests(self) -> tuple[DigestTable, set[str]]:
         """(parameter -> hex fingerprint from the taps, the parameters they could not give)."""
         if self._settled is not None:
             return self._settled

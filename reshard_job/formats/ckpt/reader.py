@@ -327,7 +327,7 @@ class CheckpointReader(RecordWalk, PositionedReader):
         """(offset, length) of the one record of each named tensor, straight from the index columns;
         None unless every name is a tensor stored in one record."""
         at = list(map(self._pos.get, names))
-        if None in at or any(map(self._kind.__getitem__, at)) or (self._multi and not self._multi.keys().isdisjoint(at)):
+        if None in at or any(map(self._kind.__getitem__, at)) or not self._multi.keys().isdisjoint(at):
             return None
         return list(zip(map(self._off.__getitem__, at), map(self._len.__getitem__, at)))
 

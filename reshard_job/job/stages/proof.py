@@ -199,7 +199,7 @@ def prove(spec: JobSpec, prepared, out_path: str, strategy_path: str | None,
     if unchecked and not (not spec.run.ranks and _all_tapped(prepared, tapped)):
         log.info("fingerprints: sources only (%s)", unchecked)
         return ProofResult(source, None, unchecked)
-    target = _tapped_fingerprints(spec, prepared, names, written or {}, tapped)
+    target = _tapped_fingerprints(spec, prepared, written or {}, tapped)
     if target is None:
         local = written if written and prepared.export is None and not any("://" in p for p in written.values()) \
             else None
@@ -243,8 +243,8 @@ def _all_tapped(prepared, tapped: TargetSums) -> bool:
     return all(rp.counting is not None and key in tapped.units for key, rp in units.items())
 
 
-def _tapped_fingerprints(spec: JobSpec, prepared, names: set[str], written: dict[int, str],
-                         sums: TargetSums) -> dict[str, str] | None:
+def _tapped_fingerprints(spec: JobSpec, prepared, written: dict[int, str],
+                         sums: TargetSums) -> Mapping[str, str] | None:
     """The outputs' fingerprints from the rank tasks' partial sums, with the files written in an
     earlier run (resumed, or kept) read back one by one; None when the plan does not say which
     rank counts what (then the whole output is read back)."""
@@ -261,7 +261,6 @@ def _tapped_fingerprints(spec: JobSpec, prepared, names: set[str], written: dict
             sums.add(partials, key)
     log.debug("fingerprints: %d output file(s) from the bytes written, %d read back", len(units) - read_back,
               read_back)
-    # (`names` are those of the plan's tensors: all of them)
     digests, uncovered = sums.digests(chain.from_iterable(_planned_tensors(prepared)))
     if uncovered:
         shown = ", ".join(repr(n) for n in sorted(uncovered)[:5])
@@ -291,14 +290,15 @@ def source_taps(spec: JobSpec, prepared) -> SourceTaps | None:
         return plan_source_taps(rank_plan, sources, converted_names(prepared))
 
 
-def _source_fingerprints(spec: JobSpec, prepared, names: set[str], taps: SourceTaps | None = None) -> dict[str, str]:
+def _source_fingerprints(spec: JobSpec, prepared, names: set[str],
+                         taps: SourceTaps | None = None) -> Mapping[str, str]:
     """The converted parameters' fingerprints in the sources: what `taps` took in the hash pass,
     and the rest (all without taps) read by pieces through the files the job has open and indexed
     already. A MindFormers save's rank keeps open only the files the conversion reads; the
     one-device plan may read a replica from another file, which is opened beside them (the save
     itself, its metadata and headers, is not loaded a second time: for 600,000 parameters that was
     hundreds of MiB)."""
-    digests: dict[str, str] = {}
+    digests: Mapping[str, str] = {}
     if taps is not None:
         digests, names = taps.digests()
         log.debug("fingerprints: %d source parameter(s) from the hash pass, %d read by pieces", len(digests), len(names))

@@ -150,5 +150,6 @@ def test_many_small_whole_tensors_are_compared_across_every_rank(tmp_path, shuff
 
     _with_extra_params(_checkpoint(src, 3), {**values, "extra.p117": -1.0})
     with _prepare_whole(src) as prepared:
-        with pytest.raises(PlanError, match=r"'extra\.p117' differs between source ranks 0-3"):  # the ranks 8 -> 4 reads
+        # (8 -> 4 reads ranks 0-3)
+        with pytest.raises(PlanError, match=r"'extra\.p117' differs between source ranks 0-3"):
             _hash(prepared)
