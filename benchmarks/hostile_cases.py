@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -164,8 +165,8 @@ def audit_descendants_graph_of_1000_successive_conversions(root: Path) -> list[s
     return [AUDIT, "--db", url, "graph", str(first), "--descendants", "--format", "dot"]
 
 
-def run(name: str, scratch: Path) -> dict:
-    root = scratch / name
+def run(name: str, scratch: Path, attempt: int = 0) -> dict:
+    root = scratch / (name if not attempt else f"{name}.{attempt}")
     root.mkdir(parents=True)
     args = CASES[name](root)
     module = "reshard_job"
@@ -193,17 +194,33 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", default=None)
     parser.add_argument("--keep", type=Path, default=None)
+    parser.add_argument("--runs", type=int, default=1,
+                        help="runs of each case (fresh inputs each); seconds and MiB are then their medians, with "
+                             "the range in brackets: a noisy machine's one run says little")
     opts = parser.parse_args()
     scratch = opts.keep or Path(tempfile.mkdtemp(prefix="hostile-"))
     try:
         print(f"{'case':45} {'exit':>4} {'s':>7} {'MiB':>6}  line  ({os.cpu_count()} cores)")
         for name in opts.only or CASES:
-            r = run(name, scratch)
-            print(f"{r['name']:45} {r['rc']:>4} {r['wall_s']:7.1f} {r['peak_mib']:6.0f}  {r['line'][:160]}", flush=True)
+            runs = [run(name, scratch, i) for i in range(max(1, opts.runs))]
+            print(_row(runs), flush=True)
     finally:
         if opts.keep is None:
             shutil.rmtree(scratch, ignore_errors=True)
     return 0
+
+
+def _row(runs: list[dict]) -> str:
+    """One case's line: its exit statuses, the median seconds and MiB (and their range)."""
+    r = runs[0]
+    rc = r["rc"] if all(x["rc"] == r["rc"] for x in runs) else "/".join(str(x["rc"]) for x in runs)
+    wall = statistics.median(x["wall_s"] for x in runs)
+    peak = statistics.median(x["peak_mib"] for x in runs)
+    line = f"{r['name']:45} {rc:>4} {wall:7.1f} {peak:6.0f}  {r['line'][:160]}"
+    if len(runs) > 1:
+        line += (f"  [{min(x['wall_s'] for x in runs):.1f}-{max(x['wall_s'] for x in runs):.1f} s, "
+                 f"{min(x['peak_mib'] for x in runs):.0f}-{max(x['peak_mib'] for x in runs):.0f} MiB]")
+    return line
 
 
 if __name__ == "__main__":
