@@ -53,7 +53,7 @@ def _lanes(fp: Fingerprint, dtype: str, shape: tuple[int, ...]) -> bytes:
 
 
 @lru_cache(maxsize=4096)
-def _box_bytes(dtype: str, shape: tuple, box: tuple) -> int:
+def _box_bytes(dtype: str, box: tuple) -> int:
     """Bytes of a box of a tensor of this dtype."""
     return dtypes.BY_NAME[dtype].itemsize * prod(hi - lo for lo, hi in box)
 
@@ -204,9 +204,7 @@ class WriterTap:
         if spec is None:
             return None
         dtype, shape, box = spec
-        total = dtypes.BY_NAME[dtype].itemsize
-        for lo, hi in box:
-            total *= hi - lo
+        total = _box_bytes(dtype, box)
         with self._lock:
             self._open += 1
         if 0 < total <= SMALL:
@@ -222,7 +220,7 @@ class WriterTap:
         small = []
         for name, data in zip(names, contents):
             spec = self._expected.get(name)
-            if spec is not None and 0 < len(data) <= SMALL and len(data) == _box_bytes(*spec):
+            if spec is not None and 0 < len(data) <= SMALL and len(data) == _box_bytes(spec[0], spec[2]):
                 del self._expected[name]
                 small.append((spec, name, bytes(data)))
             else:

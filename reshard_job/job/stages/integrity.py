@@ -13,10 +13,10 @@ its files' identities.
 from __future__ import annotations
 
 import os
-
-import numpy as np
 from dataclasses import dataclass, replace
 from typing import Iterator
+
+import numpy as np
 
 from reshard_job.errors import FormatError
 from reshard_job.formats.base import whole_spans_of
