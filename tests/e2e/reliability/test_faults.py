@@ -282,8 +282,15 @@ READ_ONLY_DRIVER = textwrap.dedent("""
     mount_point, trigger, err_path, *command = sys.argv[1:]
     out = os.path.join(mount_point, "out")
     def mount(source, target, fstype, flags):
-        if libc.mount(source, target.encode(), fstype, flags, None) != 0:
-            raise OSError(ctypes.get_errno(), f"mount {target}")
+        # a read-only remount fails with EBUSY while a writer holds the mount for an instant (a file
+        # being made or renamed): tried again for up to a second, as the job goes on meanwhile
+        for _ in range(2000):
+            if libc.mount(source, target.encode(), fstype, flags, None) == 0:
+                return
+            if ctypes.get_errno() != 16:
+                break
+            time.sleep(0.0005)
+        raise OSError(ctypes.get_errno(), f"mount {target}")
     mount(b"tmpfs", mount_point, b"tmpfs", 0)
     def limits():
         resource.setrlimit(resource.RLIMIT_AS, (int(os.environ["AS_LIMIT"]), int(os.environ["AS_LIMIT"])))
