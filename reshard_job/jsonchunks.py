@@ -31,35 +31,10 @@ from itertools import islice
 from json.decoder import scanstring
 from typing import Callable, Iterator
 
-from reshard_job.json_flat import dumps_flat
+from reshard_job.json_flat import LazyList, dumps_flat, plain
 from reshard_job.text import json_object_pieces
 
 CHUNK_ITEMS = 8192  # items of a large mapping encoded per ``json.dumps`` call
-
-
-class LazyList:
-    """A JSON array whose items are made only as it is written (``iter_json``: a few thousand at
-    a time), from `items`, a function returning an iterable of plain values. A plan of a million
-    parameters describes them in tables of that length; as Python lists they would cost far more
-    than their text."""
-
-    __slots__ = ("items",)
-
-    def __init__(self, items):
-        self.items = items
-
-    def __iter__(self):
-        return iter(self.items())
-
-
-def plain(obj):
-    """``default=`` for ``json.dumps``: a mapping that is not a dict (a file's tensor digests)
-    is written as the dict it stands for, a ``LazyList`` as the list."""
-    if isinstance(obj, Mapping):
-        return dict(obj.items())
-    if isinstance(obj, LazyList):
-        return list(obj)
-    raise TypeError(f"Object of type {type(obj).__name__} is not JSON serializable")
 
 
 def iter_json(obj, *, indent: int | None = None, sort_keys: bool = False, separators=None,
@@ -156,6 +131,7 @@ _KEY = re.compile(r'"((?:[^"\\]|\\.){0,200})"\s*:')
 
 RECENT = 4  # recent distinct values ``JsonStream.items`` compares the next one with
 REUSED = object()  # ``JsonStream.items``: the value is the caller's, known by its text
+MATCHED = object()  # ``JsonStream.items``: the member matched the caller's pattern (the match is the third)
 
 
 class JsonProblem(ValueError):
@@ -304,22 +280,28 @@ class JsonStream:
             if self.take(",}") == "}":
                 return
 
-    def items(self, known: Mapping[str, object] | None = None,
-              max_value: Callable[[str], int] | None = None) -> Iterator[tuple[str, object, str]]:
+    def items(self, known: Mapping[str, object] | None = None, max_value: Callable[[str], int] | None = None,
+              pattern: re.Pattern | None = None) -> Iterator[tuple[str, object, str]]:
         """(key, value, the value's JSON text) of each member of the object that begins here.
 
         The text lets a caller reuse what it made of an equal value: in a large document most values
         repeat (every expert's weights have the same shape and layout). Where `known` (the caller's
         values by text) holds a text that recurs among the last few, its value is not scanned again:
         it is yielded as ``REUSED`` with that very text. `max_value(key)`: the bound on that key's value
-        (``max_value`` of the stream otherwise)."""
+        (``max_value`` of the stream otherwise). `pattern`: a member in the caller's most common compact
+        form, its key (without escapes) in group 1: one it matches is yielded as (key, ``MATCHED``, the match)."""
         self.take("{")
         if self.peek() == "}":
             self.pos += 1
             return
         recent: list[str] = []  # texts of the last values that `known` holds, newest first
         while True:
-            item = self._fast_item(recent, known) or self._item(max_value)
+            m = pattern.match(self.buf, self.pos) if pattern is not None else None
+            if m is not None and m.end() < len(self.buf):  # the end of the window may cut a member
+                self.pos = m.end()
+                item = m[1], MATCHED, m
+            else:
+                item = self._fast_item(recent, known) or self._item(max_value)
             yield item
             if known is not None and item[1] is not REUSED and item[2] in known:
                 recent.insert(0, item[2])
