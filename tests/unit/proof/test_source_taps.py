@@ -10,6 +10,7 @@ that overlap are left to the read by pieces rather than trusted.
 from __future__ import annotations
 
 import random
+from array import array
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -152,3 +153,33 @@ def test_a_job_proves_its_conversion_with_the_fingerprints_its_hash_pass_took(tm
     section = json.loads((tmp_path / "out" / "manifest.json").read_text())["fingerprints"]
     expected = checkpoint_fingerprints(source, wanted=set(section["source"])).digests
     assert section["source"] == expected == section["target"] and expected
+
+
+def _two_boxes_tap() -> FileTap:
+    """A file holding "w" as two blocks (its rows 0-1 and 2-3) after "b", in the other order on disk."""
+    tap = FileTap("f", ())
+    tap.add(Tapped("b", "Float32", (3,), None), ((48, 12),))
+    tap.add(Tapped("w", "Float32", (4, 3), ((2, 4), (0, 3))), ((0, 24),))
+    tap.add(Tapped("w", "Float32", (4, 3), ((0, 2), (0, 3))), ((24, 24),))
+    tap.seal()
+    return tap
+
+
+def test_a_kept_state_restores_the_same_sums_and_a_state_that_does_not_fit_is_refused():
+    data = memoryview(np.arange(15, dtype=np.float32).tobytes())
+    fed = _two_boxes_tap()
+    fed.update(0, data)
+    blob = fed.state()
+    assert fed.result() is not None and blob is not None
+    restored = _two_boxes_tap()
+    assert restored.restore(blob) and restored.restored
+    assert list(restored.result()) == list(fed.result())
+    header_end = blob.index(b"\n", blob.index(b"\n") + 1) + 1
+    count = len(fed.result())
+    wrong_index = blob[:-4] + array("I", [7]).tobytes()  # a tensor index past this tap's three
+    for bad in (blob[:-1], wrong_index, blob[:header_end] + blob[header_end + 1:], b"x" + blob[1:]):
+        assert not _two_boxes_tap().restore(bad)
+    other = FileTap("f", ())  # fewer tensors than the state has sums
+    other.add(Tapped("b", "Float32", (3,), None), ((48, 12),))
+    other.seal()
+    assert count == 3 and not other.restore(blob)
