@@ -34,9 +34,11 @@ class DigestTable(Mapping):
     @classmethod
     def of(cls, names: list[str], rows: np.ndarray) -> "DigestTable":
         """From unique `names` in any order and their digests (``rows``: one 16-byte row each)."""
-        order = sorted(range(len(names)), key=names.__getitem__)
+        by_name = np.empty(len(names), object)  # sorted as an array: no int object per index
+        by_name[:] = names
+        order = np.argsort(by_name, kind="stable")
         raw = np.ascontiguousarray(rows, dtype=np.uint8).reshape(len(names), DIGEST_BYTES)[order].tobytes()
-        return cls([names[i] for i in order], raw)
+        return cls(by_name[order].tolist(), raw)
 
     def _at(self, name) -> int:
         i = bisect_left(self._names, name) if isinstance(name, str) else len(self._names)

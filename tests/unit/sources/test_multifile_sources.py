@@ -63,3 +63,25 @@ def test_rank_task_reads_a_tuple_and_writes_the_metadata_it_is_given(m1a, tmp_pa
     assert (result.part, result.target_rank) == (3, 0)
     with SafetensorsReader(result.path) as r:
         assert r.metadata == {"format": "pt"} and set(r.names()) == set(result.tensors)
+
+
+@pytest.mark.parametrize("files", [2, 3, 7])  # asked in turn, and (more than four) one dict of names
+def test_files_read_as_one_rank_each_tensor_found_in_its_file_and_a_name_in_two_refused(tmp_path, files):
+    import numpy as np
+
+    from reshard_job.errors import FormatError
+    from safetensors.numpy import save_file
+
+    paths = []
+    for i in range(files):
+        paths.append(str(tmp_path / f"f{i}.safetensors"))
+        save_file({f"t{i}.{j}": np.full(j + 1, i, np.float32) for j in range(3)}, paths[-1])
+    with MultiFileReader(paths) as reader:
+        assert list(reader) == [f"t{i}.{j}" for i in range(files) for j in range(3)] and len(reader) == 3 * files
+        for i in range(files):
+            assert reader.file_of(f"t{i}.2") == paths[i] and reader.read(f"t{i}.1").tolist() == [i, i]
+        assert "t0.9" not in reader and reader.whole_span("t0.9") is None
+    save_file({"x": np.zeros(1, np.float32), "t0.1": np.zeros(2, np.float32)}, paths[-1])  # t0.1 twice
+    with pytest.raises(FormatError) as e:
+        MultiFileReader(paths)
+    assert str(e.value).startswith(paths[-1]) and f"'t0.1' is also in {paths[0]}" in str(e.value)
