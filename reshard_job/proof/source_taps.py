@@ -25,7 +25,7 @@ import logging
 from array import array
 from concurrent.futures import ThreadPoolExecutor
 from math import prod
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import numpy as np
 
@@ -37,20 +37,12 @@ from reshard_job.execute.writer_tap import PartialFingerprints, TargetSums, Writ
 from reshard_job.formats.multifile import MultiFileReader
 from reshard_job.formats.tensorfile import KIND_TENSOR
 from reshard_job.plan.model import ParamPlans
+from reshard_job.proof.tapped import Tapped, TappedColumns
 from reshard_job.sources.byte_taps import TapCache, feed_ranges
 
 log = logging.getLogger("reshard_job")
 _MAGIC = b"reshard_job source tap 2\n"  # 1: the names as JSON
 WHOLE_RUN = 1 << 16  # parameters of one copy looked up together (their spans are transient)
-
-
-class Tapped(NamedTuple):
-    """A parameter counted in a file: its facts and its box in the global tensor (None: all of it)."""
-
-    name: str
-    dtype: str
-    global_shape: tuple
-    box: tuple | None
 
 
 class FileTap:
@@ -61,7 +53,7 @@ class FileTap:
 
     def __init__(self, path: str, identity: tuple):
         self.path, self.identity = path, tuple(identity)
-        self.tensors: list[tuple] = []
+        self.tensors = TappedColumns()
         self._offsets, self._lengths, self._of = array("q"), array("q"), array("q")
         self._tap: WriterTap | None = None
         self._feeds: dict[int, object] = {}  # tensor index -> its feed, while its pieces come
@@ -84,8 +76,13 @@ class FileTap:
     def seal(self) -> None:
         """Put the records in file order (called once all are added)."""
         order = np.argsort(np.frombuffer(self._offsets, np.int64), kind="stable")  # (columns, not an int each)
-        self._offsets, self._lengths, self._of = (array("q", np.frombuffer(column, np.int64)[order].tobytes())
-                                                  for column in (self._offsets, self._lengths, self._of))
+
+        def in_order(column: array) -> array:
+            return array("q", np.frombuffer(column, np.int64)[order].tobytes())
+        # one column at a time: each old one let go before the next is made
+        self._offsets = in_order(self._offsets)
+        self._lengths = in_order(self._lengths)
+        self._of = in_order(self._of)
         self._state = bytearray(len(self.tensors))  # per tensor: 0 not begun, 1 begun, 2 fed whole
 
     @property
@@ -94,7 +91,7 @@ class FileTap:
             h = hashlib.sha256(ALGORITHM.encode() + b"\n")
             for column in (self._offsets, self._lengths, self._of):  # the records, in file order
                 h.update(len(column).to_bytes(8, "little") + column.tobytes())
-            h.update(json.dumps(self.tensors).encode())  # (name, dtype, shape, box) of each
+            self.tensors.hash_into(h)  # (name, dtype, shape, box) of each
             self._key = h.hexdigest()[:32]
         return self._key
 
@@ -158,7 +155,7 @@ class FileTap:
         feed = self._feeds.get(index)
         if feed is None:
             if self._state[index]:  # fed whole already: the tensor's records met twice
-                raise ValueError(f"parameter {self.tensors[index][0]!r} fed twice")
+                raise ValueError(f"parameter {self.tensors.name(index)!r} fed twice")
             feed = self._feeds[index] = self._begin(index)
         return feed
 
@@ -190,8 +187,8 @@ class FileTap:
         if p is None:
             return None
         first: dict[str, int] = {}  # a tensor of several boxes here sums under its name: any index of it will do
-        for i, t in enumerate(self.tensors):
-            first.setdefault(t.name, i)
+        for i, name in enumerate(self.tensors.names()):
+            first.setdefault(name, i)
         order = array("I", map(first.__getitem__, p.names))
         header = json.dumps({"algorithm": ALGORITHM, "count": len(p)}).encode() + b"\n"
         return _MAGIC + header + bytes(p.lanes) + p.fed.tobytes() + order.tobytes()
@@ -211,7 +208,7 @@ class FileTap:
             if count and max(order) >= count:
                 return False
             p = PartialFingerprints()
-            p.__setstate__(([self.tensors[i].name for i in order], body[:16 * count], body[16 * count:24 * count]))
+            p.__setstate__(([self.tensors.name(i) for i in order], body[:16 * count], body[16 * count:24 * count]))
         except (ValueError, KeyError, TypeError):
             return False
         self._result, self.restored = p, True
@@ -276,7 +273,7 @@ class SourceTaps:
         sums = TargetSums()
         for tap in self.files.values():
             if tap.result() is None:
-                residual.update(t[0] for t in tap.tensors)
+                residual.update(tap.tensors.names())
             else:
                 sums.add(tap.result())
         digests, uncovered = sums.digests(t for tap in self.files.values() for t in tap.tensors

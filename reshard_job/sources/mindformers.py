@@ -173,16 +173,19 @@ class MindFormersFolder:
 
     def files_read(self, found: RankFiles, plan: Plan) -> RankFiles:
         """`found` narrowed to the ranks the plan reads and, per rank, to the files holding what it reads."""
-        names: dict[int, set[str]] = {}
+        read: dict[int, set[int]] = {}  # rank -> its files the plan reads from (no set of names: 600,000 were 72 MiB)
+        headers = self.save.file_tensors
         for rp in plan.ranks:
             for p in rp.params:
                 for c in p.copies:
-                    names.setdefault(c.source_rank, set()).add(p.name)
+                    rank_files = found.files.get(c.source_rank)  # None: missing, reported by the plan
+                    kept = read.setdefault(c.source_rank, set()) if rank_files is not None else None
+                    if kept is None or len(kept) == len(rank_files):
+                        continue
+                    kept.update(i for i, f in enumerate(rank_files) if i not in kept and p.name in headers[f])
         files, identities = {}, {}
-        for rank, needed in sorted(names.items()):
-            if rank not in found.files:
-                continue  # missing: reported by the plan
-            keep = [i for i, f in enumerate(found.files[rank]) if needed & set(self.save.file_tensors[f])]
+        for rank, kept in sorted(read.items()):
+            keep = sorted(kept)
             files[rank] = tuple(found.files[rank][i] for i in keep)
             if rank in found.identities:
                 identities[rank] = tuple(found.identities[rank][i] for i in keep)

@@ -45,7 +45,7 @@ def test_the_one_device_plan_made_with_the_conversions_is_the_one_made_alone(nam
         with prepared:
             assert prepared.one_device is not None
             alone = single_device_plan(prepared.strategy, prepared.index, unmapped=UNMAPPED_FULL)
-            assert prepared.one_device().to_json() == alone.to_json()
+            assert prepared.one_device.to_json() == alone.to_json()
             compared += 1
     assert compared >= 1
     with prepare(_source(d), TargetSpec(devices=1)) as prepared:
@@ -64,11 +64,11 @@ def _facts(plan_ranks) -> dict[str, object]:
 def test_the_two_plans_share_the_facts_of_each_parameter_they_treat_alike():
     d = GOLDEN / "S1_mlp_tutorial_8to4"
     with prepare(_source(d), TargetSpec(devices=1), one_device=True) as prepared:
-        converted, alone = _facts(prepared.plan.ranks), _facts([prepared.one_device()])
+        converted, alone = _facts(prepared.plan.ranks), _facts([prepared.one_device])
     assert converted.keys() == alone.keys() and converted
     assert all(alone[n] is t for n, t in converted.items())  # one object, not an equal copy
     with prepare(_source(d), TargetSpec(strategy=str(d / "dst_strategy.ckpt"), unmapped="full"),
                  one_device=True) as prepared:
-        converted, alone = _facts(prepared.plan.ranks), _facts([prepared.one_device()])
+        converted, alone = _facts(prepared.plan.ranks), _facts([prepared.one_device])
     differ = [n for n, t in converted.items() if t.action != alone[n].action]  # left out of the target: full
     assert all((alone[n] is t) == (n not in differ) for n, t in converted.items())

@@ -598,3 +598,18 @@ def test_mutated_metadata_fails_with_one_line_errors_only(data):
             Topology.from_strategy(sf)
     except ReshardError as e:
         assert "\n" not in str(e) and len(str(e)) < 600
+
+
+def test_each_rank_keeps_only_the_files_the_plan_reads_from():
+    """Left out of the target, the optimizer states' `-opt-` files are not read (nor hashed), but for
+    rank 0's, which holds `global_step` and `learning_rate` too."""
+    from reshard_job.job.config.spec import SourceSpec, TargetSpec
+    from reshard_job.job.stages.prepare import prepare
+
+    source = SourceSpec(str(M1A / "src_mindformers"))
+    with prepare(source, TargetSpec(devices=1)) as every:
+        assert all(len(files) == 2 for files in every.readers.paths.values())
+    with prepare(source, TargetSpec(devices=1, exclude=("adam_*",))) as weights:
+        kept = weights.readers.paths
+    assert sorted(kept) == [0, 1, 2, 3] and all(len(kept[r]) == 1 and "-model-" in kept[r][0] for r in (1, 2, 3))
+    assert [f.rsplit("-", 3)[1] for f in kept[0]] == ["model", "opt"]
