@@ -33,6 +33,10 @@ class IndexView(Mapping):
         self._reader = reader
         self._describe = getattr(reader, "describe", None) or self._from_entry
 
+    @property
+    def reader(self) -> TensorReader:
+        return self._reader
+
     def _from_entry(self, name: str) -> tuple:
         e = self._reader.entries[name]
         return e.dtype, tuple(e.shape), e.kind, e.nbytes

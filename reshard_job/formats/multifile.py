@@ -108,9 +108,11 @@ class _Owners(Mapping):
 class MultiFileReader:
     """The tensors of several safetensors files, read as one rank's file (names unique across them)."""
 
-    def __init__(self, sources: Iterable["str | os.PathLike | RandomAccess"], *, verify_crc: bool = True):
+    def __init__(self, sources: Iterable["str | os.PathLike | RandomAccess"], *, verify_crc: bool = True,
+                 parsed: Mapping[str, SafetensorsReader] | None = None):
         """`sources`: paths (opened read-only through ``reshard_job.storage``) or open
-        ``storage.RandomAccess`` files, which are then closed with this reader."""
+        ``storage.RandomAccess`` files, which are then closed with this reader. `parsed`: readers
+        of some of the files opened before, by path (``SafetensorsReader``'s `parsed`)."""
         sources = list(sources)
         if not sources:
             raise ValueError("MultiFileReader needs at least one file")
@@ -120,7 +122,8 @@ class MultiFileReader:
         try:
             base = 0
             for source in sources:
-                reader = SafetensorsReader(source, verify_crc=verify_crc)
+                path = source if isinstance(source, (str, os.PathLike)) else source.path
+                reader = SafetensorsReader(source, verify_crc=verify_crc, parsed=(parsed or {}).get(str(path)))
                 self._readers.append(reader)
                 self._bases.append(base)
                 base += reader.size

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from reshard_job.core.tensor_meta import TensorMeta
@@ -32,7 +33,7 @@ from reshard_job.core.strategy_model import StrategyFile
 from reshard_job.formats.mindformers_metadata import (METADATA_FILE, SHARD_FILE, MindFormersFormatError,
                                                       ParamMetadata, brief, is_int, read_metadata, short_name)
 from reshard_job.formats.safetensors.header import MAX_HEADER_BYTES, header_scaled_limit
-from reshard_job.formats.index import shared_meta
+from reshard_job.formats.index import IndexView
 from reshard_job.formats.multifile import MultiFileReader, MultiFileSources
 from reshard_job.formats.safetensors import SafetensorsReader
 from reshard_job.jsonchunks import JsonProblem, file_reader, loads_bounded
@@ -140,9 +141,14 @@ class MindFormersSource:
     params: dict[str, ParamMetadata]  # metadata.json, in its order ({} for a single-rank save)
     strategy: StrategyFile | None  # the layouts as a strategy file; None when nothing is sharded
     rank_files: dict[int, tuple[str, ...]]  # storage rank -> its files (absolute paths)
-    file_tensors: dict[str, dict[str, TensorMeta]]  # file -> what its header lists
+    file_tensors: dict[str, Mapping[str, TensorMeta]]  # file -> what its header lists
     unreferenced: tuple[str, ...] = ()  # .safetensors files in the folder that storage_data never names
     storage: StorageOptions | None = None  # how the folder is reached (a bucket's endpoint and options)
+
+    @property
+    def parsed(self) -> dict[str, SafetensorsReader]:
+        """The readers that parsed each file's header, by path (``SourceFiles``' `parsed`)."""
+        return {path: view.reader for path, view in self.file_tensors.items() if isinstance(view, IndexView)}
 
     @property
     def metadata_path(self) -> str:
@@ -298,9 +304,11 @@ def _single_rank_save(root: str, folder: str, number: int | None, files: list[st
     return MindFormersSource(root, folder, number, {}, None, {0: paths}, file_tensors, (), storage)
 
 
-def _header(path: str, storage: StorageOptions | None = None) -> dict[str, TensorMeta]:
+def _header(path: str, storage: StorageOptions | None = None) -> Mapping[str, TensorMeta]:
+    """What a file's header lists, over the (closed) reader that parsed it: the job's readers of
+    the file take that header rather than parse it again (``MindFormersSource.parsed``)."""
     with SafetensorsReader(storage_for(path, storage).open_read(path), verify_crc=False) as reader:
-        return {name: shared_meta(reader.describe(name)) for name in reader.entries}
+        return IndexView(reader)
 
 
 def _check_files_against_metadata(params: dict[str, ParamMetadata], folder: str,

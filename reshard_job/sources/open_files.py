@@ -38,7 +38,8 @@ class SourceFiles:
     def __init__(self, paths: dict[int, str | tuple[str, ...]], *, verify_crc: bool = True,
                  identities: dict[int, tuple] | None = None, storage: StorageOptions | None = None,
                  digest_ranks: Collection[int] = (), digest_progress=None, index_cache=None,
-                 names: Mapping[str, str] | None = None, only_named: bool = False):
+                 names: Mapping[str, str] | None = None, only_named: bool = False,
+                 parsed: Mapping[str, object] | None = None):
         self.paths = {r: p if isinstance(p, str) else tuple(p) for r, p in paths.items()}
         self.verify_crc = verify_crc
         self.identities = dict(identities or {})
@@ -57,6 +58,8 @@ class SourceFiles:
         self.names = names
         self.only_named = only_named
         self._views: dict[int, TensorReader] = {}
+        # safetensors files whose headers were parsed already (a MindFormers save's), by path
+        self.parsed = parsed
 
     def select(self, names: Mapping[str, str] | None, *, only_named: bool = True) -> None:
         """See the files through a selection from now on (``reader`` answers under the new names)."""
@@ -95,7 +98,7 @@ class SourceFiles:
             elif isinstance(entry, str):
                 r = self._open_file(entry, raws[0])
             else:
-                r = MultiFileReader(raws, verify_crc=self.verify_crc)
+                r = MultiFileReader(raws, verify_crc=self.verify_crc, parsed=self.parsed)
             self._readers[rank] = r
         return r
 

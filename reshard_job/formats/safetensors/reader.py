@@ -30,9 +30,8 @@ from reshard_job.formats.safetensors.header import CRC_KEY, FORMAT_KEY, INT4_MAR
 MAX_DIMS = 64  # numpy's limit on an array's dimensions (MindSpore's tensors have at most 8)
 MAX_ENTRY_CHARS = 1 << 16  # a tensor's header entry: dtype, at most MAX_DIMS dims, two offsets
 _INT = r"(?:0|[1-9][0-9]{0,17})"
-# an entry as the safetensors library writes it, its name without escapes: parsed by this alone (for
-# 600,000 tensors, a third of the time the JSON scanner and a dict per entry took); anything else,
-# other spacing or key order included, goes the careful way
+# an entry as the safetensors library writes it, its name without escapes: parsed by this alone (a third
+# of the time of the JSON scanner); anything else (other spacing or key order too) goes the careful way
 _COMPACT = re.compile(rf'"([^"\\\x00-\x1f]*)":\{{"dtype":"([A-Za-z0-9_]{{1,32}})","shape":\[((?:{_INT}(?:,{_INT}){{0,{MAX_DIMS - 1}}})?)\],"data_offsets":\[({_INT}),({_INT})\]\}}')
 
 
@@ -86,19 +85,21 @@ class SafetensorsReader(PositionedReader):
     holds ``safetensors_dtype`` (the code in the file) and ``data_offsets``.
     """
 
-    def __init__(self, source, *, verify_crc: bool = True):
+    def __init__(self, source, *, verify_crc: bool = True, parsed: "SafetensorsReader | None" = None):
+        """`parsed`: a reader of the file opened earlier: its header is taken where the file is the same."""
         super().__init__(source)
         self.header_len = 0
         self._metadata: dict[str, str] | None = None
         self._names: list[str] = []  # in file order
         self._pos: dict[str, int] = {}
-        self._codes: list[str] = []  # safetensors dtype codes
-        self._dtypes: list[str] = []  # MindSpore names ("Int4" where the metadata marks it)
-        self._shapes: list[tuple[int, ...]] = []
         self._begin = array("q")  # data_offsets[0]
-        self._nbytes = array("q")
+        # per tensor the number of its (code, MindSpore dtype name ("Int4" if marked), shape, nbytes)
+        self._kind = array("I")
+        self._kinds: list[tuple] = []
+        self._kind_ids: dict[tuple, int] = {}
         try:
-            self._index()
+            if not self._take_header(parsed):
+                self._index()
         except BaseException:
             self.close()
             raise
@@ -155,6 +156,14 @@ class SafetensorsReader(PositionedReader):
             raise self._error(f"header is {text}" if text.startswith("not valid") else f"header: {text}") from None
         self._set_columns(size - 8 - n)
 
+    def _take_header(self, parsed: "SafetensorsReader | None") -> bool:
+        if (parsed is None or tuple(parsed.identity) != tuple(self.identity) or parsed.size != self.size
+                or not parsed.identity or getattr(self._file, "note_content", None) is not None):
+            return False  # (a file also being hashed is told where its tensors lie as they are parsed)
+        for column in ("header_len", "_metadata", "_names", "_pos", "_begin", "_kind", "_kinds", "_kind_ids"):
+            setattr(self, column, getattr(parsed, column))  # shared: neither reader changes them
+        return True
+
     def _header_bytes(self, n: int):
         """``read(k)`` of the header's `n` bytes, front to back."""
         done = 0
@@ -177,7 +186,7 @@ class SafetensorsReader(PositionedReader):
             raise self._error(f"header is not a JSON object (it begins with {first[:1]!r}), expected an object")
         known, metadata = {}, False
         pos = self._pos  # name -> header position (file position once ``_set_columns`` has run)
-        names, codes, shapes, begins, lengths = self._names, self._codes, self._shapes, self._begin, self._nbytes
+        names, begins, kind_col = self._names, self._begin, self._kind
         bound = lambda k: MAX_HEADER_BYTES if k == METADATA_KEY else MAX_ENTRY_CHARS  # noqa: E731
         for name, info, m in stream.items(max_value=bound, pattern=_COMPACT):
             if name in pos or (name == METADATA_KEY and metadata):
@@ -192,11 +201,16 @@ class SafetensorsReader(PositionedReader):
                 begin, code, shape, nbytes = self._known_tensor(name, info, known) or self._parse_tensor(name, info, known)
             pos[name] = len(names)
             names.append(name)
-            codes.append(code)
-            shapes.append(shape)
             begins.append(begin)
-            lengths.append(nbytes)
+            kind_col.append(self._kind_number((code, None, shape, nbytes)))
         stream.end()
+
+    def _kind_number(self, kind: tuple) -> int:
+        number = self._kind_ids.get(kind)
+        if number is None:
+            number = self._kind_ids[kind] = len(self._kinds)
+            self._kinds.append(kind)
+        return number
 
     def _matched_tensor(self, name: str, m: re.Match, known: dict) -> tuple:
         """``_parse_tensor`` of an entry ``_COMPACT`` matched: its dtype and shape text parsed once."""
@@ -280,35 +294,35 @@ class SafetensorsReader(PositionedReader):
 
     def _set_columns(self, data_size: int) -> None:
         """The columns put in file order, checked to tile the data section exactly; the dtypes."""
+        sizes = np.array([k[3] for k in self._kinds], np.int64)
         begin = np.frombuffer(self._begin, np.int64)
-        end = begin + np.frombuffer(self._nbytes, np.int64)
+        end = begin + sizes[np.frombuffer(self._kind, np.uint32)]
         later = (begin[1:] > begin[:-1]) | ((begin[1:] == begin[:-1]) & (end[1:] >= end[:-1]))
         if not later.all():  # stable: equal offsets (empty tensors) keep header order
             order = np.argsort(end, kind="stable")
             order = order[np.argsort(begin[order], kind="stable")]
-            self._permute(order.tolist())
+            self._permute(order)
             begin = np.frombuffer(self._begin, np.int64)
-            end = begin + np.frombuffer(self._nbytes, np.int64)
+            end = begin + sizes[np.frombuffer(self._kind, np.uint32)]
         self._check_tiling(begin, end, data_size)
+        # each kind's MindSpore dtype name; qint4x2: validated under its stored code (I8, one byte
+        # per element), typed Int4 again where the metadata marks the tensor
+        self._kinds = [(code, dtypes.from_safetensors(code).name, shape, n) for code, _, shape, n in self._kinds]
+        self._kind_ids = {kind: i for i, kind in enumerate(self._kinds)}
         marks = self._metadata or {}
-        names = {code: dtypes.from_safetensors(code).name for code in set(self._codes)}
-        # qint4x2: validated under its stored code (I8, one byte per element); typed Int4 again
-        self._dtypes = [names[code] for code in self._codes]
-        if marks:
-            for i, name in enumerate(self._names):
-                if marks.get(name) == INT4_MARK:
-                    self._dtypes[i] = INT4_MARK
+        for i, name in enumerate(self._names) if marks else ():
+            if marks.get(name) == INT4_MARK:
+                code, _, shape, n = self._kinds[self._kind[i]]
+                self._kind[i] = self._kind_number((code, INT4_MARK, shape, n))
         note = getattr(self._file, "note_content", None)  # a file also being hashed: where tensors lie
         if note is not None:
-            for at, nbytes in zip(self._begin, self._nbytes):
-                note(self.data_start + at, nbytes)
+            for at, stop in zip(begin.tolist(), end.tolist()):
+                note(self.data_start + at, stop - at)
 
-    def _permute(self, order: list[int]) -> None:
-        self._names = [self._names[i] for i in order]
-        self._codes = [self._codes[i] for i in order]
-        self._shapes = [self._shapes[i] for i in order]
-        self._begin = array("q", [self._begin[i] for i in order])
-        self._nbytes = array("q", [self._nbytes[i] for i in order])
+    def _permute(self, order: np.ndarray) -> None:
+        self._names = [self._names[i] for i in order.tolist()]
+        self._begin = array("q", np.frombuffer(self._begin, np.int64)[order].tobytes())
+        self._kind = array("I", np.frombuffer(self._kind, np.uint32)[order].tobytes())
         self._pos = {name: i for i, name in enumerate(self._names)}
 
     def _check_tiling(self, begin, end, data_size: int) -> None:
@@ -330,12 +344,12 @@ class SafetensorsReader(PositionedReader):
             raise self._error(f"{data_size - pos} bytes after the last tensor's data (offsets end at {pos})")
 
     def _entry(self, i: int) -> TensorEntry:
-        code, dtype, begin, nbytes = self._codes[i], self._dtypes[i], self._begin[i], self._nbytes[i]
+        (code, dtype, shape, nbytes), begin = self._kinds[self._kind[i]], self._begin[i]
         extra = {"safetensors_dtype": code, "data_offsets": (begin, begin + nbytes)}
         dt = dtypes.from_safetensors(code)
         if dtype != INT4_MARK and dt.name not in dtypes.BY_NAME:  # codes MindSpore has no name for (F8_*)
             extra["storage"] = dt.storage
-        return TensorEntry(self._names[i], dtype, self._shapes[i], nbytes, [(self.data_start + begin, nbytes)],
+        return TensorEntry(self._names[i], dtype, shape, nbytes, [(self.data_start + begin, nbytes)],
                            extra=extra).finish()
 
     def new_entry(self, name: str) -> TensorEntry:
@@ -347,27 +361,27 @@ class SafetensorsReader(PositionedReader):
         (no entry built: the many-small-parameters path reads through this); None for anything
         else (absent, int4-packed, a dtype MindSpore has no name for), read through its entry."""
         i = self._pos.get(name)
-        if i is None or not _plain(self._dtypes[i]):
+        if i is None:
             return None
-        return self._dtypes[i], self._shapes[i], self.data_start + self._begin[i], self._nbytes[i]
+        _, dtype, shape, nbytes = self._kinds[self._kind[i]]
+        return (dtype, shape, self.data_start + self._begin[i], nbytes) if _plain(dtype) else None
 
     def whole_spans(self, names: list[str]) -> list[tuple | None]:
         """``whole_span`` of each name, the column lookups done for all at once."""
         at = list(map(self._pos.get, names))
         if None in at:
             return list(map(self.whole_span, names))
-        kinds = list(map(self._dtypes.__getitem__, at))
-        if not all(map(_plain, set(kinds))):
+        kinds = list(map(self._kinds.__getitem__, map(self._kind.__getitem__, at)))
+        if not all(_plain(k[1]) for k in set(kinds)):
             return list(map(self.whole_span, names))
         start = self.data_start
-        return [(dtype, shape, start + begin, nbytes) for dtype, shape, begin, nbytes in
-                zip(kinds, map(self._shapes.__getitem__, at), map(self._begin.__getitem__, at),
-                    map(self._nbytes.__getitem__, at))]
+        return [(dtype, shape, start + begin, nbytes) for (_, dtype, shape, nbytes), begin in
+                zip(kinds, map(self._begin.__getitem__, at))]
 
     def describe(self, name: str) -> tuple[str, tuple[int, ...], str, int]:
         """(dtype, shape, kind, nbytes) of a tensor, from the columns (no entry built)."""
-        i = self._pos[name]
-        return self._dtypes[i], self._shapes[i], "tensor", self._nbytes[i]
+        _, dtype, shape, nbytes = self._kinds[self._kind[self._pos[name]]]
+        return dtype, shape, "tensor", nbytes
 
     # --- CRC ----------------------------------------------------------------------------------
     def stored_crc(self) -> int | None:
@@ -382,10 +396,11 @@ class SafetensorsReader(PositionedReader):
         """name -> (crc32, length) of what crc_num hashes for each 0-d integer tensor: its value
         as a count of zero bytes (see ``formats.crc32``); refuses a value MindSpore cannot hash."""
         out = {}
-        for i, name in enumerate(self._names):
-            if hashed_as_count(self._codes[i], self._shapes[i]):
+        for name, number in zip(self._names, self._kind):
+            code, _, shape, _ = self._kinds[number]
+            if hashed_as_count(code, shape):
                 try:
-                    out[name] = scalar_crc_part(self._codes[i], self.read_raw(name))
+                    out[name] = scalar_crc_part(code, self.read_raw(name))
                 except ValueError as e:
                     raise self._error(f"tensor {name!r}: {CRC_KEY} cannot be checked: {e}") from None
         return out

@@ -231,7 +231,7 @@ def _prepare_mindformers(reader: MindFormersFolder, found: RankFiles, source: So
     record_in_plan(plan, selected)
     every_file, found = found, reader.files_read(found, under_stored_names(plan, selected))
     readers = SourceFiles(found.files, verify_crc=False, identities=found.identities, storage=storage,
-                          names=selected.stored if selected else None, only_named=True)
+                          names=selected.stored if selected else None, only_named=True, parsed=reader.save.parsed)
     try:
         checks = ["MindFormers metadata.json agrees with every file's header (dtypes, shapes, placement)"]
         checks += list(plan.checks)

@@ -329,7 +329,7 @@ class _WiderSources:
         identities = {r: every_file.identities[r] for r in wider if r in every_file.identities}
         # under the selection's names too (target.include/exclude/rename), as the job's own readers
         self.others = SourceFiles(wider, verify_crc=False, identities=identities, storage=storage,
-                                  names=readers.names, only_named=readers.only_named)
+                                  names=readers.names, only_named=readers.only_named, parsed=readers.parsed)
         self.storage = getattr(readers, "storage", None)
 
     def reader(self, rank: int):

@@ -85,3 +85,31 @@ def test_files_read_as_one_rank_each_tensor_found_in_its_file_and_a_name_in_two_
     with pytest.raises(FormatError) as e:
         MultiFileReader(paths)
     assert str(e.value).startswith(paths[-1]) and f"'t0.1' is also in {paths[0]}" in str(e.value)
+
+
+def test_the_jobs_readers_take_the_headers_the_save_parsed_and_parse_any_other_file(m1a, tmp_path, monkeypatch):
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from reshard_job.job.config.spec import SourceSpec, TargetSpec
+    from reshard_job.job.stages.prepare import prepare
+
+    parsed = []
+    index = SafetensorsReader._index
+    monkeypatch.setattr(SafetensorsReader, "_index", lambda self: parsed.append(self.path) or index(self))
+    with prepare(SourceSpec(str(m1a)), TargetSpec(devices=1)) as prepared:
+        files = [f for rank_files in prepared.readers.paths.values() for f in rank_files]
+        assert sorted(parsed) == sorted(files) == sorted(prepared.mindformers.parsed)  # each once, by the save
+        for rank in prepared.readers.paths:
+            assert prepared.readers.raw_reader(rank).names()  # opened: nothing parsed again
+        assert len(parsed) == len(files)
+    a, b = str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors")
+    save_file({"x": np.arange(3, dtype=np.float32)}, a)
+    save_file({"y": np.arange(4, dtype=np.int8), "z": np.zeros(1, np.float32)}, b)
+    with SafetensorsReader(a) as first:
+        pass
+    with SafetensorsReader(b, parsed=first) as other:  # another file: its own header
+        assert sorted(other.entries) == ["y", "z"] and other.read("y").tolist() == [0, 1, 2, 3]
+    with SafetensorsReader(a, parsed=first) as same:
+        assert list(same.entries) == ["x"] and same.read("x").tolist() == [0, 1, 2]
+    assert parsed.count(a) == 1 and parsed.count(b) == 1  # a's header taken the second time, b's parsed
