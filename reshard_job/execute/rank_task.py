@@ -141,7 +141,9 @@ def _write_in_order(writer, params: ParamPlans, sources: SourceFiles, max_memory
     written as one record each, without a ParamPlan view or an assembly buffer. Anything else, or a
     source entry that is not what the plan expects, goes through ``_write_param``, which reads,
     checks and refuses in detail."""
-    whole: dict[int, tuple | None] = {}  # id of a plan slice -> its source extents when a whole small copy
+    # (id of a plan slice, dtype, kind, global shape) -> (its source extents when a whole small
+    # copy, else None; whether counted; its tap spec): slices and shapes live as long as `params`
+    known: dict[tuple, tuple] = {}
     tap = writer.fingerprint_tap if counted is not None else None
 
     def the_long_way(tensor, piece) -> None:
@@ -149,20 +151,27 @@ def _write_in_order(writer, params: ParamPlans, sources: SourceFiles, max_memory
 
     copies = WholeCopies(writer, sources, the_long_way, progress)
     for tensor, piece in zip(params.tensors, params.slices):
-        if tap is not None and counted(piece[3] if len(piece) > 3 else None):
-            tap.expect(tensor.name, tensor.dtype, tensor.kind, tensor.global_shape, piece[0], piece[3].origin)
-        extents = whole.get(id(piece), _UNKNOWN)
-        if extents is _UNKNOWN:
-            extents = whole[id(piece)] = _whole_small_copy(piece)  # slices live as long as `params`
-        if extents is not None and tensor.kind == KIND_TENSOR and tensor.itemsize:
-            copies.add(tensor, piece, extents)
+        key = (id(piece), tensor.dtype, tensor.kind, tensor.global_shape)
+        facts = known.get(key)
+        if facts is None:
+            facts = known[key] = _facts_of(tensor, piece, tap, counted)
+        extents, counts, spec = facts
+        if extents is not None:
+            copies.add(tensor, piece, extents, spec)  # the tap told of it with the run
             continue
+        if counts:
+            tap.expect_spec(tensor.name, spec)
         copies.flush()
         the_long_way(tensor, piece)
     copies.flush()
 
 
-_UNKNOWN = object()
+def _facts_of(tensor, piece: tuple, tap: WriterTap | None, counted: Callable | None) -> tuple:
+    """(source extents of a whole small copy of a tensor or None, whether counted here, tap spec)."""
+    counts = tap is not None and counted(piece[3] if len(piece) > 3 else None)
+    spec = tap.spec_for(tensor.dtype, tensor.kind, tensor.global_shape, piece[0], piece[3].origin) if counts else None
+    whole = tensor.kind == KIND_TENSOR and tensor.itemsize
+    return (_whole_small_copy(piece) if whole else None), counts, spec
 
 
 def _whole_small_copy(piece: tuple) -> tuple | None:

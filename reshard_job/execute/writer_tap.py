@@ -193,10 +193,38 @@ class WriterTap:
     def expect(self, name: str, dtype: str, kind: str, global_shape: tuple, target_shape: tuple, origin) -> None:
         """The next tensor `name` is counted here, at `origin` of the global tensor (tensors only:
         strings and map entries have no fingerprint)."""
+        spec = self.spec_for(dtype, kind, global_shape, target_shape, origin)
+        if spec is not None:
+            self._expected[name] = spec
+
+    @staticmethod
+    def spec_for(dtype: str, kind: str, global_shape: tuple, target_shape: tuple, origin) -> tuple | None:
+        """What ``expect`` keeps of a tensor counted here: (dtype, global shape, box); None for what
+        has no fingerprint. Tensors of one spec share it (``take_many``)."""
         if kind != KIND_TENSOR or not dtypes.BY_NAME[dtype].sliceable:
-            return
-        box = tuple((o, o + n) for o, n in zip(origin, target_shape))
-        self._expected[name] = (dtype, tuple(global_shape), box)
+            return None
+        return dtype, tuple(global_shape), tuple((o, o + n) for o, n in zip(origin, target_shape))
+
+    def expect_spec(self, name: str, spec: tuple | None) -> None:
+        """``expect`` of a tensor by its ``spec_for`` (None: not counted)."""
+        if spec is not None:
+            self._expected[name] = spec
+
+    def take_many(self, names: list[str], contents: list, specs: list) -> None:
+        """Tensors written whole in one piece, each counted by its spec (None: not counted here),
+        without an ``expect`` each: what ``expect_spec`` and ``feed_many`` of them do."""
+        small = []
+        for name, data, spec in zip(names, contents, specs):
+            if spec is None:
+                continue
+            if 0 < len(data) <= SMALL and len(data) == _box_bytes(spec[0], spec[2]):
+                small.append((spec, name, bytes(data)))
+            else:
+                self._expected[name] = spec
+                self.feed(name).update(data)
+        with self._lock:
+            for spec, name, data in small:
+                self._batches.add(spec, name, data)
 
     def feed(self, name: str) -> _Feed | _SmallFeed | None:
         """The feed of an expected tensor the writer starts (None: not counted here)."""

@@ -252,23 +252,31 @@ class CheckpointWriter:
         sink.write(mv)
         return sink.close()
 
-    def add_alike(self, names: list[str], dtype: str, dims: tuple, contents: list[bytes]) -> None:
+    def add_alike(self, names: list[str], dtype: str, dims: tuple, contents: list[bytes],
+                  counted: list | None = None) -> None:
         """Whole tensors of one dtype and dims, each of the bytes `contents` holds for it: what
         ``add_bytes`` of each does, with the per-record work done for all at once (their records
         made in two joins, their digests kept in one call). A model of many small tensors is a
-        model of many such runs."""
+        model of many such runs. `counted`: each one's ``WriterTap.spec_for`` (None: not counted),
+        given instead of an ``expect`` each."""
+        tap = self.fingerprint_tap
         n = len(contents[0]) if contents else 0
         if not (0 < n <= _JOIN_BELOW and self._open_sink is None and _plain_tensor(dims, dtype, n)
                 and len(names) == len(contents) and sum(map(len, contents)) == n * len(contents)):
-            for name, data in zip(names, contents):
+            for i, (name, data) in enumerate(zip(names, contents)):
+                if counted is not None and tap is not None:
+                    tap.expect_spec(name, counted[i])
                 self.add_bytes(name, dtype, dims, data)
             return
         self._batch += records_alike(names, tensor_field(dims, dtype, n), contents)
         if len(self._batch) >= _BATCH:
             self._flush_batch()
         self.tensors.add_all(names, [hashlib.sha256(data).digest() for data in contents])
-        if self.fingerprint_tap is not None:
-            self.fingerprint_tap.feed_many(names, contents)
+        if tap is not None:
+            if counted is not None:
+                tap.take_many(names, contents, counted)
+            else:
+                tap.feed_many(names, contents)
 
     def add_str(self, name: str, text: str, dims=(0,)) -> str:
         """A string entry as MindSpore writes append_dict strings: dims [0], UTF-32LE content."""

@@ -172,11 +172,22 @@ def _tensor_spans(reader: SafetensorsReader) -> list[tuple[int, int, str]]:
 
 def _to_compare(identical: dict) -> dict[int, list[str]]:
     """rank -> the tensors it holds that the plan says other ranks hold identically."""
-    out: dict[int, list[str]] = {}
+    # by group first: a million replicated tensors of one group are one list, extended per rank
+    by_group: dict[tuple, list[str]] = {}
     for name, groups in identical.items():
-        for group in groups:
-            for r in group:
-                out.setdefault(r, []).append(name)
+        if len(groups) == 1:
+            group = groups[0]
+            names = by_group.get(group)
+            if names is None:
+                names = by_group[group] = []
+            names.append(name)
+        else:
+            for group in groups:
+                by_group.setdefault(group, []).append(name)
+    out: dict[int, list[str]] = {}
+    for group, names in by_group.items():
+        for r in group:
+            out.setdefault(r, []).extend(names)
     return out
 
 
@@ -190,8 +201,9 @@ def _compare_identical(prepared: Prepared, identical: dict, compare: dict[int, l
     hashed = {r for r, _ in parts}
     for r, names in compare.items():  # a rank of a group without the tensor differs from the rest
         entries = prepared.readers.raw_reader(r).entries if r in hashed else {}
-        lacking = next((name for name in names if name not in entries), None)
-        if lacking is not None:
+        absent = set(names).difference(entries.keys())  # (a dict's keys where the reader has them)
+        if absent:
+            lacking = next(name for name in names if name in absent)
             raise identical_mismatch(lacking, next(g for g in identical[lacking] if r in g), prepared.source.strategy)
     first: dict = {}  # name, or (name, group) for a tensor of several groups -> (crc, length) of the first read
     reference = None  # the first file whose tensors are one record each: (names, values, of one group)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import operator
 from dataclasses import dataclass, field
 
 from reshard_job.sources.demo import ensure_demo
@@ -420,10 +421,9 @@ def identical_to_check(prepared: Prepared) -> dict:
     read: set[str] = set()
     shared = set()  # target ranks whose plans are alike share their parameters: each is read once
     for rp in prepared.plan.ranks:
-        if id(rp.params) not in shared:
+        if id(rp.params) not in shared:  # names from the plan's table of facts: no view made each
             shared.add(id(rp.params))
-            # the tensors' facts where the plan keeps them in a table (no view made per parameter)
-            read.update(t.name for t in getattr(rp.params, "tensors", None) or rp.params)
+            read.update(map(operator.attrgetter("name"), getattr(rp.params, "tensors", None) or rp.params))
     return {name: groups for name, groups in prepared.plan.identical.items() if name in read}
 
 

@@ -41,3 +41,25 @@ def test_tables_differ_where_the_dicts_do(names, seed, changed, extra):
     assert differing(asked, source, target) == expected == sorted(names[i] for i in changed if i < len(names))
     fewer = DigestTable.of(names[1:], rows[1:])  # not the same names: compared one by one
     assert differing(asked, source, fewer) == sorted(n for n in asked if dict(source).get(n) != dict(fewer).get(n))
+
+
+@given(names=NAMES, seed=st.integers(0, 99), size=st.integers(1, 7), indent=st.sampled_from([None, 2]),
+       sort_keys=st.booleans())
+def test_a_table_is_written_as_json_dumps_writes_its_dict(names, seed, size, indent, sort_keys):
+    import json
+
+    from reshard_job import jsonchunks
+
+    table = DigestTable.of(names, _rows(len(names), seed))
+    chunks = list(table.columns(sort_keys, size))
+    assert all(len(keys) == len(values) <= size for keys, values in chunks)
+    assert [k for keys, _ in chunks for k in keys] == sorted(names)
+    doc = {"fingerprints": {"source": table}}
+    expected = json.dumps({"fingerprints": {"source": dict(table)}}, indent=indent, sort_keys=sort_keys,
+                          ensure_ascii=False)
+    old, jsonchunks.CHUNK_ITEMS = jsonchunks.CHUNK_ITEMS, size
+    try:
+        written = "".join(jsonchunks.iter_json(doc, indent=indent, sort_keys=sort_keys, ensure_ascii=False))
+    finally:
+        jsonchunks.CHUNK_ITEMS = old
+    assert written == expected

@@ -72,3 +72,29 @@ def test_an_entry_changed_since_planning_is_refused_by_name(tmp_path):
 
     with pytest.raises(FormatError, match="expert.299.m"):
         convert(src, str(tmp_path / "out.ckpt"), before_run=change)
+
+
+@pytest.mark.parametrize("run", [1, 7, 2048])
+def test_the_fingerprints_taken_while_writing_runs_are_those_of_the_file_read_back(tmp_path, monkeypatch, run):
+    """Runs hand the tap their tensors' specs instead of an expectation each; a tensor handed back
+    to be written the long way (``chunked``: two records), one too large for a run, and strings
+    in between are counted as before."""
+    from reshard_job.execute.writer_tap import WriterTap, fingerprint_written
+
+    src = str(tmp_path / "src.ckpt")
+    write_source(src)
+    monkeypatch.setattr(small_copies, "RUN", run)
+    with SourceFiles({0: src}) as sources:
+        rank_plan = Planner(Topology.unsharded(), None, {0: reader_index(sources.reader(0))}).plan().ranks[0]
+    assert rank_plan.counting is not None
+    tap = WriterTap()
+    with SourceFiles({0: src}) as sources:
+        written = execute_rank(rank_plan, sources, str(tmp_path / "out.ckpt"), tap=tap)
+    tapped = tap.result()
+    with CheckpointReader(written.path) as r:
+        read_back = fingerprint_written(rank_plan, r)
+    assert tapped is not None and read_back is not None
+    assert sorted(tapped) == sorted(read_back)
+    names = {name for name, _, _ in tapped}
+    assert {"chunked", "large", "expert.0.w", "expert.5.b", "tail.49"} <= names and "note.7" not in names
+    assert len(names) == len(tapped) == 300 + 4 + 3 + 50
