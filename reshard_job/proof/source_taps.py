@@ -73,6 +73,19 @@ class FileTap:
                 self._lengths.append(length)
                 self._of.append(index)
 
+    def add_whole(self, names: list[str], kinds: list[tuple], offsets: list[int], lengths: list[int]) -> None:
+        """``add`` of each of a run of tensors stored whole in one record: (dtype, global shape,
+        None) and the record's offset and length each, for all at once."""
+        if 0 in lengths:  # (an empty tensor has no record to wait for)
+            for name, kind, offset, length in zip(names, kinds, offsets, lengths):
+                self.add(Tapped(name, *kind), ((offset, length),))
+            return
+        index = len(self.tensors)
+        self.tensors.extend(names, kinds)
+        self._offsets.extend(offsets)
+        self._lengths.extend(lengths)
+        self._of.extend(range(index, index + len(names)))
+
     def seal(self) -> None:
         """Put the records in file order (called once all are added)."""
         order = np.argsort(np.frombuffer(self._offsets, np.int64), kind="stable")  # (columns, not an int each)
@@ -337,7 +350,7 @@ def _add_whole(taps: SourceTaps, rank: int, items: list, sources, rename) -> Non
         for t, c in items:
             _add(taps, t, (c,), sources, rename)
         return
-    tap = None
+    run: tuple[list, list, list, list] = ([], [], [], [])  # whole records, added together in their order
     plain: dict[tuple, bool] = {}  # (dtype, shape, stored dtype, dims, bytes, copy) -> a whole record of it
     for (t, c), span in zip(items, spans):
         shape = tuple(t.global_shape)
@@ -351,11 +364,24 @@ def _add_whole(taps: SourceTaps, rank: int, items: list, sources, rename) -> Non
                 if len(plain) < 4096:
                     plain[key] = whole
         if not whole:
+            _add_run(taps, rank, raw, run)
             _add(taps, t, (c,), sources, rename)  # anything but a whole record of the whole tensor
             continue
-        if tap is None:
-            tap = taps.files.get((rank, 0)) or taps.files.setdefault((rank, 0), FileTap(raw.path, raw.identity))
-        tap.add(Tapped(t.name, t.dtype, shape, None), ((span[2], span[3]),))
+        run[0].append(t.name)
+        run[1].append((t.dtype, shape, None))
+        run[2].append(span[2])
+        run[3].append(span[3])
+    _add_run(taps, rank, raw, run)
+
+
+def _add_run(taps: SourceTaps, rank: int, raw, run: tuple[list, list, list, list]) -> None:
+    """The whole records collected in `run` (names, kinds, offsets, lengths) to the file's tap; emptied."""
+    if not run[0]:
+        return
+    tap = taps.files.get((rank, 0)) or taps.files.setdefault((rank, 0), FileTap(raw.path, raw.identity))
+    tap.add_whole(*run)
+    for column in run:
+        column.clear()
 
 
 def _whole_record(dtype: str, shape: tuple, span: tuple, c) -> bool:

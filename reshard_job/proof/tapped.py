@@ -43,6 +43,16 @@ class TappedColumns:
         self._names.append(t.name)
         self._kind.append(number)
 
+    def extend(self, names: list[str], kinds: list[tuple]) -> None:
+        """``append`` of each name with its (dtype, global shape, box), for a run of them at once."""
+        ids = self._kind_ids
+        for kind in dict.fromkeys(kinds):  # numbered in the order first seen, as ``append`` does
+            if kind not in ids:
+                ids[kind] = len(self._kinds)
+                self._kinds.append(kind)
+        self._names.extend(names)
+        self._kind.extend(map(ids.__getitem__, kinds))
+
     def __len__(self) -> int:
         return len(self._names)
 

@@ -324,7 +324,11 @@ class CheckpointReader(RecordWalk, PositionedReader):
         shapes = {key: _span_shape(*key) if shape is _UNSET else shape for key, shape in shapes.items()}
         if None in shapes.values():
             return list(map(self.whole_span, names))
-        return [(key[0], shapes[key], off, key[2]) for key, off in zip(keys, map(self._off.__getitem__, at))]
+        offsets = map(self._off.__getitem__, at)
+        if len(shapes) == 1:  # a run of one dtype and shape: no lookup each
+            (dtype, _, nbytes), shape = next(iter(shapes.items()))
+            return [(dtype, shape, off, nbytes) for off in offsets]
+        return [(key[0], shapes[key], off, key[2]) for key, off in zip(keys, offsets)]
 
     def record_ranges(self, names: list[str]) -> list[tuple[int, int]] | None:
         """(offset, length) of the one record of each named tensor, straight from the index columns;

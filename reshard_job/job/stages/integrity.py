@@ -198,8 +198,12 @@ def _compare_identical(prepared: Prepared, identical: dict, compare: dict[int, l
 
     Each rank's (CRC, length) is compared with the first one read of its group, and only that one
     is kept: a million replicated small tensors cost one entry each, not one per rank."""
-    hashed = {r for r, _ in parts}
+    hashed, found = {r for r, _ in parts}, {}
+    for (r, _), (names, _) in zip(parts, held):  # how many its files were asked for and hold
+        found[r] = found.get(r, 0) + len(names)
     for r, names in compare.items():  # a rank of a group without the tensor differs from the rest
+        if found.get(r) == len(names):
+            continue
         entries = prepared.readers.raw_reader(r).entries if r in hashed else {}
         absent = set(names).difference(entries.keys())  # (a dict's keys where the reader has them)
         if absent:

@@ -183,3 +183,27 @@ def test_a_kept_state_restores_the_same_sums_and_a_state_that_does_not_fit_is_re
     other.add(Tapped("b", "Float32", (3,), None), ((48, 12),))
     other.seal()
     assert count == 3 and not other.restore(blob)
+
+
+@pytest.mark.parametrize("with_empty", [False, True])
+def test_whole_records_added_as_a_run_are_the_records_added_one_by_one(with_empty):
+    """``FileTap.add_whole`` (a run of tensors stored whole, many small parameters) keeps what
+    ``add`` of each keeps: the same tensors, records, key and order, an empty tensor included."""
+    rng = random.Random(7)
+    names = [f"p{i}" for i in range(50)]
+    kinds = [("Float32", (3,), None) if i % 3 else ("Float16", (2, 2), None) for i in range(50)]
+    lengths = [12 if i % 3 else 8 for i in range(50)]
+    if with_empty:
+        kinds[10], lengths[10] = ("Float32", (0,), None), 0
+    offsets = sorted(rng.sample(range(0, 100_000, 16), 50))
+    one_by_one, as_run = FileTap("f", (1, 2)), FileTap("f", (1, 2))
+    one_by_one.add(Tapped("first", "Int32", (1,), None), ((5, 4),))
+    as_run.add(Tapped("first", "Int32", (1,), None), ((5, 4),))
+    for name, kind, offset, length in zip(names, kinds, offsets, lengths):
+        one_by_one.add(Tapped(name, *kind), ((offset, length),))
+    as_run.add_whole(names, kinds, offsets, lengths)
+    for tap in (one_by_one, as_run):
+        tap.seal()
+    assert list(as_run.tensors) == list(one_by_one.tensors) and len(as_run.tensors) == 51
+    assert as_run.key == one_by_one.key
+    assert list(as_run.ranges()) == list(one_by_one.ranges())
