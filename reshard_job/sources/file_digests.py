@@ -30,7 +30,7 @@ from typing import Callable, Iterable, Mapping
 from reshard_job.formats.ckpt.records import CRC_TRAILER_LEN
 from reshard_job.storage import SourceChangedError, StorageOptions, storage_for
 from reshard_job.storage.cache_files import write_cache_file
-from reshard_job.sources.segment_crcs import Segments, SegmentCrcs as _SegmentCrcs
+from reshard_job.sources.segment_crcs import Segments, SegmentTable, SegmentCrcs as _SegmentCrcs
 
 BLOCK = 4 * 1024 * 1024
 REMOTE_BLOCK = 32 * 1024 * 1024
@@ -148,7 +148,9 @@ def _segments_key(segments) -> str | None:
     if segments is None:
         return None
     # the ranges as 64-bit integers: millions of them (one per compared tensor) hash in milliseconds
-    return hashlib.sha256(array("q", chain.from_iterable(segments)).tobytes()).hexdigest()[:32]
+    table = segments if isinstance(segments, SegmentTable) else array("q", chain.from_iterable(segments))
+    raw = table.tobytes()
+    return hashlib.sha256(raw).hexdigest()[:32]
 
 
 class HashCache:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import zlib
 from bisect import bisect_left
 from itertools import chain
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -23,6 +23,49 @@ from reshard_job.formats.crc32 import crc32_rows
 Segments = Sequence[tuple[int, int]]  # (offset, length) byte ranges, in any order, possibly overlapping
 SHORT = 32  # ranges at most this long, within one chunk, are taken together
 TOGETHER = 64  # ... when at least this many enter at once (fewer: one zlib call each is as quick)
+_ITER_ROWS = 1 << 16
+
+
+class SegmentTable(Sequence):
+    """Byte ranges as one (n, 2) int64 array, read as the sequence of (offset, length) tuples it
+    stands for: 300,000 compared tensors per file are 16 bytes a range, not a tuple of two ints
+    (some 120 bytes), for as long as the hash pass holds them."""
+
+    __slots__ = ("_a",)
+
+    def __init__(self, table):
+        a = np.array(table, dtype=np.int64).reshape(-1, 2)  # (a copy: nobody else changes it)
+        a.flags.writeable = False
+        self._a = a
+
+    @property
+    def array(self) -> np.ndarray:
+        return self._a
+
+    def __len__(self) -> int:
+        return len(self._a)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return SegmentTable(self._a[i])
+        offset, length = self._a[i].tolist()
+        return offset, length
+
+    def __iter__(self):
+        for start in range(0, len(self._a), _ITER_ROWS):  # (a block of tuples at a time)
+            yield from map(tuple, self._a[start:start + _ITER_ROWS].tolist())
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, SegmentTable):
+            return np.array_equal(self._a, other._a)
+        return isinstance(other, Sequence) and len(other) == len(self) and all(map(tuple.__eq__, self, other))
+
+    def __hash__(self) -> int:
+        return hash(self._a.tobytes())
+
+    def tobytes(self) -> bytes:
+        """The ranges as native int64 pairs (what ``array("q", …)`` of them holds)."""
+        return self._a.tobytes()
 
 
 class SegmentCrcs:
@@ -30,9 +73,13 @@ class SegmentCrcs:
     may be added while chunks come (``add``), in order of their start and ahead of them."""
 
     def __init__(self, segments: Segments):
-        self.segments = [s if type(s) is tuple else tuple(s) for s in segments]
-        # the ranges given at first, as an array
-        self._table = np.fromiter(chain.from_iterable(self.segments), np.int64, 2 * len(self.segments)).reshape(-1, 2)
+        if isinstance(segments, SegmentTable):  # kept as it is: a list is made only if one is added
+            self.segments, self._table = segments, segments.array
+        else:
+            self.segments = [s if type(s) is tuple else tuple(s) for s in segments]
+            # the ranges given at first, as an array
+            self._table = np.fromiter(chain.from_iterable(self.segments), np.int64,
+                                      2 * len(self.segments)).reshape(-1, 2)
         self.order = np.argsort(self._table[:, 0], kind="stable").tolist()
         self.crcs = [0] * len(self.segments)
         self._next = 0
@@ -44,6 +91,8 @@ class SegmentCrcs:
         before the bytes fed so far, whose CRC it could no longer take."""
         if offset < self._passed or (self.order and offset < self.segments[self.order[-1]][0]):
             return False
+        if isinstance(self.segments, SegmentTable):
+            self.segments = list(self.segments)
         self.order.append(len(self.segments))
         self.segments.append((offset, length))
         self.crcs.append(0)

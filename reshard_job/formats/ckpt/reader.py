@@ -330,13 +330,14 @@ class CheckpointReader(RecordWalk, PositionedReader):
             return [(dtype, shape, off, nbytes) for off in offsets]
         return [(key[0], shapes[key], off, key[2]) for key, off in zip(keys, offsets)]
 
-    def record_ranges(self, names: list[str]) -> list[tuple[int, int]] | None:
-        """(offset, length) of the one record of each named tensor, straight from the index columns;
-        None unless every name is a tensor stored in one record."""
+    def record_ranges(self, names: list[str]) -> np.ndarray | None:
+        """(offset, length) of the one record of each named tensor, straight from the index columns,
+        as an (n, 2) int64 array; None unless every name is a tensor stored in one record."""
         at = list(map(self._pos.get, names))
         if None in at or any(map(self._kind.__getitem__, at)) or not self._multi.keys().isdisjoint(at):
             return None
-        return list(zip(map(self._off.__getitem__, at), map(self._len.__getitem__, at)))
+        rows = np.array(at, dtype=np.int64)
+        return np.stack([np.frombuffer(self._off, np.int64)[rows], np.frombuffer(self._len, np.int64)[rows]], axis=1)
 
     def names(self) -> list[str]:
         return list(self._pos)

@@ -24,6 +24,7 @@ from reshard_job.formats.ckpt import CRC_TRAILER_LEN, CheckpointReader
 from reshard_job.formats.crc32 import chain_crc, crc32_combine
 from reshard_job.formats.multifile import MultiFileReader
 from reshard_job.formats.safetensors import SafetensorsReader
+from reshard_job.sources.segment_crcs import SegmentTable
 from reshard_job.sources.file_digests import FileDigest, HashCache, HashRequest, default_cache_path, digest_files, usable_digest
 from reshard_job.storage import StorageOptions
 from reshard_job.plan.checks import identical_mismatch
@@ -144,8 +145,9 @@ def _request(reader, names) -> tuple[HashRequest, tuple[list[str], dict[str, int
     spans = whole_spans_of(reader, names) if ranges is None else ()
     if ranges is None and names and None not in spans:
         ranges = [(span[2], span[3]) for span in spans]
-    if ranges is not None:  # each one record of its own (the many-small-tensors case): at once
-        segments.extend(ranges)
+    if ranges is not None:  # each one record of its own (the many-small-tensors case): at once, as a table
+        segments = SegmentTable(np.concatenate([np.array(segments, np.int64).reshape(-1, 2),
+                                                np.array(ranges, np.int64).reshape(-1, 2)]))
         held = list(names)
     else:
         for name, span in zip(names, spans):
@@ -161,7 +163,8 @@ def _request(reader, names) -> tuple[HashRequest, tuple[list[str], dict[str, int
             held.append(name)
     # the identity the file had when indexed: one replaced since is refused, not hashed
     seen = tuple(getattr(reader, "identity", ()) or ())
-    return HashRequest(reader.path, tuple(segments) if segments else None, seen), (held, several)
+    table = segments if isinstance(segments, SegmentTable) else tuple(segments)
+    return HashRequest(reader.path, table if len(table) else None, seen), (held, several)
 
 
 def _tensor_spans(reader: SafetensorsReader) -> list[tuple[int, int, str]]:
@@ -219,7 +222,8 @@ def _compare_identical(prepared: Prepared, identical: dict, compare: dict[int, l
         if several or not names:
             chosen = None
         else:  # (CRC, length) of each; tensors of one group are compared file with file, at once
-            values = np.array([crcs, [length for _, length in segments]], dtype=np.int64)
+            lengths = segments.array[:, 1] if isinstance(segments, SegmentTable) else [n for _, n in segments]
+            values = np.array([crcs, lengths], dtype=np.int64)
             alone = ~np.fromiter(map(in_several_groups.__contains__, names), bool, len(names))
             chosen = (names, values, alone)
             if reference is None:

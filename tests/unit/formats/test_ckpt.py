@@ -808,7 +808,9 @@ def test_record_ranges_are_the_one_record_of_each_tensor_or_none(tmp_path):
         w.add("chunked", np.arange(64, dtype=np.float32))  # 256 bytes in 64-byte records
         w.add_str("note", "hello")
     with CheckpointReader(str(path)) as r:
-        assert r.record_ranges(["b", "a"]) == [tuple(r.entries["b"].pieces[0]), tuple(r.entries["a"].pieces[0])]
+        ranges = r.record_ranges(["b", "a"])
+        assert ranges.dtype == np.int64 and ranges.shape == (2, 2)
+        assert list(map(tuple, ranges.tolist())) == [tuple(r.entries["b"].pieces[0]), tuple(r.entries["a"].pieces[0])]
         assert r.record_ranges(["a", "chunked"]) is None
         assert r.record_ranges(["a", "note"]) is None
         assert r.record_ranges(["a", "absent"]) is None

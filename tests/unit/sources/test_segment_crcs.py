@@ -51,3 +51,25 @@ def test_ranges_added_while_chunks_come_and_ranges_refused_once_passed():
     crcs = SegmentCrcs([(0, 4)])
     crcs.update(0, memoryview(data)[:100])
     assert not crcs.add(50, 4)  # its bytes went by
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_table_of_ranges_reads_as_its_tuples_and_gives_the_same_crcs_and_cache_key(seed):
+    """``SegmentTable`` (the hash pass's compact form for a file of many compared tensors) is the
+    sequence of its (offset, length) tuples: the same CRCs, ranges added to it included, and the
+    same digest-cache key as the tuples."""
+    from reshard_job.sources.file_digests import _segments_key
+    from reshard_job.sources.segment_crcs import SegmentTable
+
+    rnd = random.Random(seed)
+    data = rnd.randbytes(30_000)
+    segments = [(rnd.randrange(20_000), rnd.choice([0, 3, 8, 40, 900])) for _ in range(2000)] + [(0, 20_000)]
+    table = SegmentTable(segments)
+    assert len(table) == len(segments) and list(table) == segments and table == segments and table == tuple(segments)
+    assert table[5] == segments[5] and type(table[5][0]) is int and list(table[10:20]) == segments[10:20]
+    assert table[-1] == (0, 20_000) and hash(table) == hash(SegmentTable(tuple(segments))) and table != segments[:-1]
+    assert _segments_key(table) == _segments_key(tuple(segments))
+    added = [(25_000 + 16 * i, 8) for i in range(50)]
+    chunks = [rnd.choice([7, 700, 4096]) for _ in range(len(data))]
+    assert _fed(data, table, chunks, added) == _fed(data, segments, chunks, added) == \
+        [zlib.crc32(data[off:off + n]) for off, n in segments + added]
