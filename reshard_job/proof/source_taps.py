@@ -43,6 +43,7 @@ from reshard_job.sources.byte_taps import TapCache, feed_ranges
 log = logging.getLogger("reshard_job")
 _MAGIC = b"reshard_job source tap 2\n"  # 1: the names as JSON
 WHOLE_RUN = 1 << 16  # parameters of one copy looked up together (their spans are transient)
+TAP_RUN = 1 << 13  # whole records of them added to a tap together
 
 
 class FileTap:
@@ -351,6 +352,7 @@ def _add_whole(taps: SourceTaps, rank: int, items: list, sources, rename) -> Non
             _add(taps, t, (c,), sources, rename)
         return
     run: tuple[list, list, list, list] = ([], [], [], [])  # whole records, added together in their order
+    kind: tuple = (None, None, None)
     plain: dict[tuple, bool] = {}  # (dtype, shape, stored dtype, dims, bytes, copy) -> a whole record of it
     for (t, c), span in zip(items, spans):
         shape = tuple(t.global_shape)
@@ -367,10 +369,14 @@ def _add_whole(taps: SourceTaps, rank: int, items: list, sources, rename) -> Non
             _add_run(taps, rank, raw, run)
             _add(taps, t, (c,), sources, rename)  # anything but a whole record of the whole tensor
             continue
+        if kind[0] != t.dtype or kind[1] != shape:
+            kind = (t.dtype, shape, None)  # (one tuple for a run of tensors alike)
         run[0].append(t.name)
-        run[1].append((t.dtype, shape, None))
+        run[1].append(kind)
         run[2].append(span[2])
         run[3].append(span[3])
+        if len(run[0]) >= TAP_RUN:
+            _add_run(taps, rank, raw, run)
     _add_run(taps, rank, raw, run)
 
 

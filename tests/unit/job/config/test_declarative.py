@@ -100,3 +100,39 @@ def test_errors_name_the_rule_and_the_parameter(rule, params, error, message):
 def test_a_mesh_that_does_not_fit_is_refused(settings, devices, message):
     with pytest.raises(ConfigError, match=message):
         compile_layout({"rules": [{"match": ".*", "dims": []}], **settings}, devices, {"w": (8,)})
+
+
+RULE_SETS = [
+    [r"layer1\.weight", r".*\.weight", r"layer\d\.bias", r"layer"],
+    [r"a", r"ab", r"a.*b|c", r"(?:x|y)+", r".*"],  # a later rule that matches where an earlier one stops short
+    [r"(a)(b)\2?", r"ab", r".*b"],  # capturing groups (a back reference): tried rule by rule
+    [r"(?i)AB", r"ab", r"[a-z]+"],  # inline flags: tried rule by rule
+    [r"adam_m\..*", r"layer\d\.weight", r"adam_v\.layer1\.weight"],
+]
+NAMES = ["layer1.weight", "layer2.weight", "layer1.bias", "layer", "a", "ab", "abb", "acb", "c", "xyx", "AB", "Ab",
+         "zz", "", "adam_m.layer1.weight", "adam_v.layer1.weight", "adam_v.layer2.weight", "x.weight\n"]
+
+
+@pytest.mark.parametrize("rules", RULE_SETS)
+def test_many_names_find_the_rule_each_would_find_rule_by_rule(rules):
+    """The rules are found for many names at once through one pattern of them all where their
+    patterns capture nothing, else rule by rule: either way the first rule that matches."""
+    from reshard_job.job.config.declarative import _parse_rules, _rule_for, _RuleFinder
+
+    parsed = _parse_rules([{"match": r, "dims": []} for r in rules], MESH)
+    for prefixes in ((), ("adam_m.", "adam_v.")):
+        find = _RuleFinder(parsed, prefixes)
+        assert (find._all is not None) == all("(" not in r or "(?:" in r for r in rules)
+        for name in NAMES:
+            assert find(name) is _rule_for(name, parsed, prefixes), (rules, name)
+
+
+def test_parameters_of_one_shape_and_rule_get_one_tensor_map_and_keep_their_own_notes():
+    params = {f"e.{i}.w": (6, 4) for i in range(5)} | {f"e.{i}.b": (3,) for i in range(3)}
+    compiled = compile_layout(_layout({"match": r".*\.w", "dims": [None, "mp"]}, {"match": r".*", "dims": []},
+                                      optimizer_shard="dp"), 4, params)
+    layouts = compiled.strategy.layouts
+    assert all(layouts[f"e.{i}.w"].tensor_map == (-1, 0) for i in range(5))
+    assert all(layouts[f"e.{i}.b"].tensor_map == (-1,) for i in range(3))
+    assert [n for n in compiled.notes if "does not divide" in n] == \
+        [f"e.{i}.b: dimension 0 (3) does not divide into 4 parts; no optimizer sharding for it" for i in range(3)]
