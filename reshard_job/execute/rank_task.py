@@ -32,6 +32,7 @@ from reshard_job.execute.small_copies import WholeCopies
 from reshard_job.execute.writer_tap import WriterTap
 
 DEFAULT_MAX_MEMORY = 32 * 1024 * 1024
+KNOWN_FACTS = 1 << 16  # distinct (plan slice, tensor kind) facts kept while a rank is written
 COPY_BLOCK = 4 * 1024 * 1024
 
 Progress = Callable[[int], None]
@@ -154,6 +155,8 @@ def _write_in_order(writer, params: ParamPlans, sources: SourceFiles, max_memory
         key = (id(piece), tensor.dtype, tensor.kind, tensor.global_shape)
         facts = known.get(key)
         if facts is None:
+            if len(known) >= KNOWN_FACTS:  # (a model of as many slices as parameters: bounded all the same)
+                known.clear()
             facts = known[key] = _facts_of(tensor, piece, tap, counted)
         extents, counts, spec = facts
         if extents is not None:

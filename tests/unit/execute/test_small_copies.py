@@ -81,9 +81,12 @@ def test_the_fingerprints_taken_while_writing_runs_are_those_of_the_file_read_ba
     in between are counted as before."""
     from reshard_job.execute.writer_tap import WriterTap, fingerprint_written
 
+    from reshard_job.execute import rank_task
+
     src = str(tmp_path / "src.ckpt")
     write_source(src)
     monkeypatch.setattr(small_copies, "RUN", run)
+    monkeypatch.setattr(rank_task, "KNOWN_FACTS", run)  # the facts kept per slice, forgotten and found again
     with SourceFiles({0: src}) as sources:
         rank_plan = Planner(Topology.unsharded(), None, {0: reader_index(sources.reader(0))}).plan().ranks[0]
     assert rank_plan.counting is not None
