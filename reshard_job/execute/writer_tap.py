@@ -195,9 +195,7 @@ class WriterTap:
     def expect(self, name: str, dtype: str, kind: str, global_shape: tuple, target_shape: tuple, origin) -> None:
         """The next tensor `name` is counted here, at `origin` of the global tensor (tensors only:
         strings and map entries have no fingerprint)."""
-        spec = self.spec_for(dtype, kind, global_shape, target_shape, origin)
-        if spec is not None:
-            self._expected[name] = spec
+        self.expect_spec(name, self.spec_for(dtype, kind, global_shape, target_shape, origin))
 
     @staticmethod
     def spec_for(dtype: str, kind: str, global_shape: tuple, target_shape: tuple, origin) -> tuple | None:
@@ -214,7 +212,7 @@ class WriterTap:
 
     def take_many(self, names: list[str], contents: list, specs: list) -> None:
         """Tensors written whole in one piece, each counted by its spec (None: not counted here),
-        without an ``expect`` each: what ``expect_spec`` and ``feed_many`` of them do."""
+        without an ``expect`` each: their bookkeeping done for all at once."""
         small = []
         for name, data, spec in zip(names, contents, specs):
             if spec is None:
@@ -246,20 +244,8 @@ class WriterTap:
 
     def feed_many(self, names: list[str], contents: list) -> None:
         """``feed(name).update(data)`` of each, for tensors written whole in one piece (a run of
-        small ones): their bookkeeping done for all at once."""
-        small = []
-        for name, data in zip(names, contents):
-            spec = self._expected.get(name)
-            if spec is not None and 0 < len(data) <= SMALL and len(data) == _box_bytes(spec[0], spec[2]):
-                del self._expected[name]
-                small.append((spec, name, bytes(data)))
-            else:
-                feed = self.feed(name)
-                if feed is not None:
-                    feed.update(data)
-        with self._lock:
-            for spec, name, data in small:
-                self._batches.add(spec, name, data)
+        small ones): those expected are taken as ``take_many`` takes them."""
+        self.take_many(names, contents, [self._expected.pop(name, None) for name in names])
 
     def take_whole(self, name: str, dtype: str, shape: tuple, data) -> bool:
         """A small tensor of a sliceable dtype, the whole of it fed at once (what ``expect`` at the

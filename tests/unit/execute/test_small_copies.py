@@ -101,3 +101,26 @@ def test_the_fingerprints_taken_while_writing_runs_are_those_of_the_file_read_ba
     names = {name for name, _, _ in tapped}
     assert {"chunked", "large", "expert.0.w", "expert.5.b", "tail.49"} <= names and "note.7" not in names
     assert len(names) == len(tapped) == 300 + 4 + 3 + 50
+
+
+def test_a_run_written_after_expectations_counts_as_a_run_given_its_specs(tmp_path):
+    """``add_alike`` without specs (its tensors ``expect``-ed one by one) and with them count the
+    same tensors the same way; an unexpected one (no spec) is not counted either way."""
+    from reshard_job.execute.writer_tap import WriterTap
+
+    names = [f"p{i}" for i in range(20)]
+    contents = [np.full(3, i, np.float32).tobytes() for i in range(20)]
+    specs = [None if i % 7 == 3 else WriterTap.spec_for("Float32", "tensor", (3,), (3,), (0,)) for i in range(20)]
+    results = []
+    for given in (False, True):
+        tap = WriterTap()
+        with CheckpointWriter(tmp_path / f"{given}.ckpt") as w:
+            w.fingerprint_tap = tap
+            if given:
+                w.add_alike(names, "Float32", (3,), contents, specs)
+            else:
+                for name, spec in zip(names, specs):
+                    tap.expect_spec(name, spec)
+                w.add_alike(names, "Float32", (3,), contents)
+        results.append(sorted(tap.result()))
+    assert results[0] == results[1] and len(results[0]) == 17
