@@ -58,7 +58,8 @@ class SegmentTable(Sequence):
     def __eq__(self, other) -> bool:
         if isinstance(other, SegmentTable):
             return np.array_equal(self._a, other._a)
-        return isinstance(other, Sequence) and len(other) == len(self) and all(map(tuple.__eq__, self, other))
+        return isinstance(other, Sequence) and len(other) == len(self) and all(
+            mine == tuple(theirs) for mine, theirs in zip(self, other))
 
     def __hash__(self) -> int:
         return hash(self._a.tobytes())

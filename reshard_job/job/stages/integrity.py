@@ -178,15 +178,8 @@ def _to_compare(identical: dict) -> dict[int, list[str]]:
     # by group first: a million replicated tensors of one group are one list, extended per rank
     by_group: dict[tuple, list[str]] = {}
     for name, groups in identical.items():
-        if len(groups) == 1:
-            group = groups[0]
-            names = by_group.get(group)
-            if names is None:
-                names = by_group[group] = []
-            names.append(name)
-        else:
-            for group in groups:
-                by_group.setdefault(group, []).append(name)
+        for group in groups:
+            by_group.setdefault(group, []).append(name)
     out: dict[int, list[str]] = {}
     for group, names in by_group.items():
         for r in group:

@@ -67,6 +67,7 @@ def test_a_table_of_ranges_reads_as_its_tuples_and_gives_the_same_crcs_and_cache
     table = SegmentTable(segments)
     assert len(table) == len(segments) and list(table) == segments and table == segments and table == tuple(segments)
     assert table[5] == segments[5] and type(table[5][0]) is int and list(table[10:20]) == segments[10:20]
+    assert table != [[off, n + 1] for off, n in segments] and table == [list(s) for s in segments]
     assert table[-1] == (0, 20_000) and hash(table) == hash(SegmentTable(tuple(segments))) and table != segments[:-1]
     assert _segments_key(table) == _segments_key(tuple(segments))
     added = [(25_000 + 16 * i, 8) for i in range(50)]
