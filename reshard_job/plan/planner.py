@@ -144,9 +144,11 @@ class Planner(RankBodies):
             hit = self._target_keys.get(key)
         if hit is None:
             T = self.dst.stage_devices
+            # a parameter no available file holds has a stand-in shape (its divisors), not its own
+            shape = ps.global_shape if ps.meta is not None else None
             hit = self._target_keys[key] = tuple(
-                (stage, Layout.from_recorded(unflatten(rec, ndim, stage_devices=T, global_shape=ps.global_shape,
-                                                       name=ps.name), ndim, T, ps.name))
+                (stage, Layout.from_recorded(unflatten(rec, ndim, stage_devices=T, global_shape=shape, name=ps.name),
+                                             ndim, T, ps.name))
                 for stage, rec in sorted(ps.dst_layouts.items()))
         return hit
 

@@ -317,6 +317,22 @@ def test_pipeline_target_from_flat_source(helpers):
                     {g: {"emb": TensorMeta("BFloat16", (2, 12) if g < 3 else (6, 4))} for g in files})
 
 
+def test_one_rank_given_its_files_when_a_multi_axis_json_layout_is_of_a_parameter_it_does_not_read(helpers):
+    """Found by the property above: the per-rank conversion of a rank of the last stage is given only
+    stage 0's file; a parameter only stage 1's file holds then has no shape to go by, and its target
+    JSON layout (a dimension over two axes, recorded flattened) was folded against a stand-in shape
+    (its divisors): "does not fold into the 1 dimension(s)", for a parameter the rank never reads."""
+    def lay(dev, tm):
+        return ParamLayout(dev, tm)
+
+    src = Side((1,), 2, {"a": {0: lay((1,), ((0,),))}, "b": {0: lay((1,), ((0,),))}, "c": {1: lay((1,), ((0,),))}})
+    dst = Side((1, 2), 2, {"a": {0: lay((1, 2), ((0, 1),))}, "b": {0: lay((1, 2), ((0, 1),)), 1: lay((1, 2), ((0, 1),))},
+                           "c": {0: lay((1, 2), ((0, 1),))}})
+    names = ("a", "b", "c")
+    convert_there_and_back(Case(src, dst, {n: (2,) for n in names}, {n: "Float32" for n in names}, seed=0, json=True),
+                           helpers)
+
+
 def test_by_rank_copies_stage_local_unmapped_parameters_from_the_same_file(tmp_path):
     """A parameter outside the strategies that only a later pipeline stage holds (e.g. a buffer that
     is not trainable, when only trainable parameters are recorded) is copied from source local rank

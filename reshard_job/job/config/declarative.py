@@ -156,18 +156,26 @@ def compile_layout(layout: Mapping[str, Any], devices: int, params: Mapping[str,
     notes: list[str] = []
     rule_of: dict[str, int] = {}
     maps: dict[tuple, tuple] = {}  # (rule, shape) -> (dims, tensor map): names of one shape and rule alike
+    # without optimizer sharding a layout follows from the rule and the shape alone: one object for
+    # all of them (a model of 600,000 parameters has a handful of layouts)
+    alike: dict[tuple, ParamLayout] | None = {} if opt_axis is None else None
     for name, shape in params.items():
         shape = tuple(map(int, shape))
         rule = find(name)
         if rule is None:
             continue
         rule_of[name] = rule.index
+        if alike is not None and (rule.index, shape) in alike:
+            layouts[name] = alike[rule.index, shape]
+            continue
         known = maps.get((rule.index, shape))
         if known is None:
             known = maps[rule.index, shape] = _tensor_map(name, shape, rule, mesh)
         dims, tensor_map = known
         step, size_k = _optimizer_shard(name, shape, dims, mesh, axes, opt_axis, notes)
         layouts[name] = ParamLayout(dev_matrix, tensor_map, step, size_k)
+        if alike is not None:
+            alike[rule.index, shape] = layouts[name]
     if not layouts:
         raise ConfigError("target.layout.rules match none of the checkpoint's parameters")
     notes.extend(_unmatched(rules, rule_of))

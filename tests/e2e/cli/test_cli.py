@@ -263,3 +263,18 @@ def test_a_strategy_file_on_the_command_line_wins_over_the_default_presets_layou
     res = app(tmp_path, f"source.checkpoints={d / 'src_checkpoints'}", f"source.strategy={d / 'src_strategy.ckpt'}",
               f"target.strategy={d / 'dst_strategy.ckpt'}", "target.layout.optimizer_shard=mp", "output.dir=out3")
     assert res.returncode != 0 and "not both" in res.stderr
+
+
+def test_one_target_device_from_the_default_preset_does_not_warn_about_its_rules(tmp_path, app):
+    """`target.devices=1` for a real checkpoint keeps the default preset's (the demo's) rules: on one
+    device every layout is the whole tensor, so rules that match nothing change nothing, and the
+    four WARNING lines saying so were noise. On more devices they mean "everything replicated"."""
+    d = GOLDEN / "S2_block_mp4dp2opt_to_mp4"
+    source = [f"source.checkpoints={d / 'src_checkpoints'}", f"source.strategy={d / 'src_strategy.ckpt'}"]
+    res = app(tmp_path, *source, "target.devices=1", "output.dir=one")
+    assert res.returncode == 0, res.stderr
+    assert "WARNING" not in res.stderr and len(list((tmp_path / "one").glob("rank_*/*.ckpt"))) == 1
+    res = app(tmp_path, *source, "target.devices=2", "output.dir=two")
+    assert res.returncode == 0, res.stderr
+    warned = [line for line in res.stderr.splitlines() if "WARNING" in line]
+    assert len(warned) == 4 and all("matches no parameter of this checkpoint" in line for line in warned), warned
