@@ -3,7 +3,6 @@ pre-imported interpreter, the ``app`` fixture, where start-up is not the point o
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import os
