@@ -1,18 +1,18 @@
 """Preparing a conversion: find and index the sources, settle the target, cross-check, plan.
 
-Shared by the batch job and the Python API. Everything here reads; nothing is written. The
-cross-checks run before any output exists, so inputs that disagree (a strategy of another
-network, rank folders that are shards of a model but come without its strategy, ranks beyond
-the strategy that hold parameters no other rank has) end the job here with one line.
+Shared by the batch job and the Python API. Everything here reads; nothing is written. The cross-checks run before
+any output exists, so inputs that disagree (a strategy of another network, rank folders that are shards of a model
+but come without its strategy, ranks beyond the strategy that hold parameters no other rank has) end the job here
+with one line.
 
-Which kind of source folder it is (MindSpore's ``rank_<r>/`` folders with a strategy file, a
-MindFormers 2.x save, an export for inference) is the reader's business (``sources.base``): here
-every kind is found, laid out and verified through one ``SourceReader``. A MindFormers save is the
-one planned before its files open: its headers were read when it was loaded.
+Which kind of source folder it is (MindSpore's ``rank_<r>/`` folders with a strategy file, a MindFormers 2.x save,
+an export for inference) is the reader's business (``sources.base``): here every kind is found, laid out and
+verified through one ``SourceReader``. A MindFormers save is the one planned before its files open: its headers
+were read when it was loaded.
 
-An export for inference (``target.format=safetensors_index``) is planned as one full target rank,
-then split into shards here (``plan.export_shards.plan_export``), so the plan report, the checks
-and the job's output bookkeeping know every shard before anything is written.
+An export for inference (``target.format=safetensors_index``) is planned as one full target rank, then split into
+shards here (``plan.export_shards.plan_export``), so the plan report, the checks and the job's output bookkeeping
+know every shard before anything is written.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from reshard_job.storage import StorageOptions, storage_for
 from reshard_job.execute.tasks import FORMAT_SAFETENSORS_INDEX
 from reshard_job.sources.open_files import files_of
 from reshard_job.text import shorten
+from reshard_job.job.stages.omissions import warn_absent, warn_omitted
 from reshard_job.job.run.progress import Progress
 from reshard_job.job.config.spec import SourceSpec, TargetSpec
 from reshard_job.job.stages.target import Target, settle_target
@@ -228,7 +229,7 @@ def _prepare_mindformers(reader: MindFormersFolder, found: RankFiles, source: So
     tgt = narrow_target(settle_target(target, strategy, index, storage), selected)
     plan, missing, one = _plan(strategy, tgt, target, index, ranks, one_device)
     export = _export_layout(target, plan)
-    _warn_omitted(plan, missing)
+    warn_omitted(plan, missing)
     record_in_plan(plan, selected)
     every_file, found = found, reader.files_read(found, under_stored_names(plan, selected))
     readers = SourceFiles(found.files, verify_crc=False, identities=found.identities, storage=storage,
@@ -251,7 +252,7 @@ def _settle_and_plan(source: SourceSpec, found: RankFiles, strategy: LoadedStrat
     record_in_plan(plan, selected)
     checks += list(plan.checks)
     export = _export_layout(target, plan)
-    _warn_omitted(plan, missing)
+    warn_omitted(plan, missing)
     return Prepared(source, found, strategy, readers, index, tgt, plan, missing, checks, export=export,
                     selected=selected, one_device=one)
 
@@ -300,7 +301,7 @@ def _plan(strategy: LoadedStrategy, tgt: Target, spec: TargetSpec, index, ranks,
     missing: dict[int, list[int]] = {}
     plan = planner.plan(list(ranks) if ranks is not None else None, missing=missing)
     # after planning: a refused plan prints its one line and nothing else
-    _warn_absent(strategy, index)  # the API's per-rank path may be given some of a rank's files only
+    warn_absent(strategy, index)  # the API's per-rank path may be given some of a rank's files only
     return plan, missing, planner.one_device() if one_device and not missing else None
 
 
@@ -319,25 +320,6 @@ def _cross_check(found: RankFiles, strategy: LoadedStrategy, source: SourceSpec,
     elif source.strategy is not None:
         checks.append("no rank folder beyond the ranks the source strategy describes")
     return checks
-
-
-def _warn_omitted(plan: Plan, missing) -> None:
-    """Whatever the outputs leave out is said once, in one line (and listed in the manifest); not
-    when missing files refuse the run anyway."""
-    if plan.omitted and not missing:
-        names = [o["name"] for o in plan.omitted]
-        reasons = sorted({o["reason"].split(";")[0] for o in plan.omitted})
-        log.warning("%d parameter(s) left out of the outputs (listed in manifest.json, plan.omitted): %s%s (%s)",
-                    len(names), ", ".join(repr(shorten(n, 60)) for n in names[:5]), ", ..." if len(names) > 5 else "",
-                    "; ".join(reasons[:3]))
-
-
-def _warn_absent(strategy: LoadedStrategy, index) -> None:
-    absent = [n for n in strategy.topology.layouts if not any(n in names for names in index.values())]
-    if absent:
-        log.warning("%d parameter(s) of the source strategy are in no source checkpoint and will not be in "
-                    "the outputs: %s%s", len(absent), ", ".join(repr(shorten(n, 60)) for n in absent[:5]),
-                    ", ..." if len(absent) > 5 else "")
 
 
 def _extra_readers(found: RankFiles, ranks: list[int], storage):
