@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import numpy as np
+import pytest
 
 from reshard_job import rank_list_for_transform, transform_checkpoint_by_rank, transform_checkpoints
+from reshard_job.errors import MissingRankError
 from reshard_job.core.strategy_model import ParamLayout, StrategyFile, StrategyItem
 from reshard_job.formats.strategy import write_strategy
 
@@ -50,3 +53,16 @@ def test_a_parameter_the_files_of_its_stage_lack_is_named(tmp_path, helpers, cap
         transform_checkpoints(tmp_path / "src", tmp_path / "out", "checkpoint_", src, dst)
     assert _absent_lines(caplog) == ["1 parameter(s) of the source strategy are in no source checkpoint and will "
                                      "not be in the outputs: 'ghost'"]
+
+
+def test_a_conversion_refused_for_missing_files_says_only_that(tmp_path, helpers, caplog):
+    """The files of stage 1 are gone: the refusal names them, and no WARNING before it says their
+    parameters 'will not be in the outputs' (the run writes nothing at all)."""
+    files, src, dst = _pipeline(tmp_path, helpers)
+    for g in (2, 3):
+        os.remove(files[g])
+        os.rmdir(os.path.dirname(files[g]))
+    with caplog.at_level(logging.WARNING, logger="reshard_job"):
+        with pytest.raises(MissingRankError, match="missing source checkpoints .*rank 2 .*rank 3"):
+            transform_checkpoints(tmp_path / "src", tmp_path / "out", "checkpoint_", src, dst)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
