@@ -106,7 +106,7 @@ def _convert(spec: JobSpec, prepared: Prepared, recorder) -> JobResult:
     out.lock()
     try:
         digests = hash_sources(prepared, use_cache=spec.run.hash_cache, progress=spec.run.progress,
-                               storage=spec.storage, taps=source_taps(spec, prepared))
+                               storage=spec.storage, make_taps=lambda: source_taps(spec, prepared))
         outputs: Outputs = convert(spec, prepared, out, digests, recorder)
     except BaseException:
         out.remove_temp_files()  # what killed workers left; the journaled files stay for a resume

@@ -152,6 +152,7 @@ def _convert_into(spec: JobSpec, prepared: Prepared, out: OutputDir, digests: So
         if reused is not None:
             return reused
         state = PARTIAL
+    digests = digests.settled()  # the sources' fingerprints, where hashing read nothing: for a conversion that runs
     resume = spec.run.resume and state == PARTIAL
     out.journal.start(fingerprint, keep=resume)
     removed = out.remove_temp_files()

@@ -207,3 +207,28 @@ def test_whole_records_added_as_a_run_are_the_records_added_one_by_one(with_empt
     assert list(as_run.tensors) == list(one_by_one.tensors) and len(as_run.tensors) == 51
     assert as_run.key == one_by_one.key
     assert list(as_run.ranges()) == list(one_by_one.ranges())
+
+
+def test_taps_are_made_only_for_a_conversion_that_runs_when_the_hash_pass_reads_nothing(tmp_path, monkeypatch):
+    """A first run reads every source: the taps ride on that read, made at once. A rerun finds every
+    digest cached and reads nothing: the taps are left to ``settled()`` (the conversion, if it runs),
+    and then give the same fingerprints, from the cache of tap states, reading nothing again."""
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "cache"))
+    source, target = _source("S2_block_mp4dp2opt_to_mp4")
+    made = []
+
+    def run():
+        with prepare(source, target) as prepared:
+            def make():
+                made.append(source_taps(JOB, prepared))
+                return made[-1]
+            digests = hash_sources(prepared, use_cache=True, progress=False, make_taps=make)
+            count = len(made)
+            settled = digests.settled()
+            return count, settled.fingerprints.digests(), settled
+
+    first = run()
+    assert first[0] == 1 and first[2].pending is None  # made at once, fed by the read
+    again = run()
+    assert again[0] == 1 and len(made) == 2  # not made by the hash pass; made once settled
+    assert again[1] == first[1] and made[-1].read_back == 0
