@@ -434,6 +434,8 @@ def _nbytes(data) -> int:
 
 
 def fingerprint_array(dtype: str | dtypes.DType, array: np.ndarray) -> str:
-    """The hex fingerprint of a whole tensor held in memory (its shape is the global shape)."""
+    """The hex fingerprint of a whole tensor held in memory (its shape is the global shape); a NumPy
+    scalar is taken as the 0-d array it stands for (an ``ml_dtypes`` scalar exports no buffer)."""
+    array = np.asarray(array)
     return Fingerprint(dtype, array.shape).add_box(tuple((0, n) for n in array.shape), array).hexdigest()
 

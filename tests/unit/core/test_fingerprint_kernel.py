@@ -376,3 +376,14 @@ def test_the_compiled_call_refuses_bad_buffers():
         c.row_sums(rows, 0, 0, *cols, *keys, bytes(16), out[1])  # read-only output
     with pytest.raises(ValueError, match="not compiled in"):
         c.use_variant("sse9")
+
+
+def test_a_numpy_scalar_is_fingerprinted_as_its_0d_array():
+    """An ``ml_dtypes.bfloat16`` scalar exports no buffer ("NumPy scalar 1.5 can only exported as a
+    buffer without format"): it is taken as the 0-d array it stands for, as a float32 scalar was."""
+    import ml_dtypes
+
+    for dtype, scalar in (("BFloat16", ml_dtypes.bfloat16(1.5)), ("Float32", np.float32(1.5))):
+        assert fingerprint_array(dtype, scalar) == fingerprint_array(dtype, np.asarray(scalar))
+    one, two = (fingerprint_array("BFloat16", ml_dtypes.bfloat16(v)) for v in (1.5, 2))
+    assert one != two
