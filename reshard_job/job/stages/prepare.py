@@ -1,18 +1,18 @@
 """Preparing a conversion: find and index the sources, settle the target, cross-check, plan.
 
-Shared by the batch job and the Python API. Everything here reads; nothing is written. The cross-checks run before
-any output exists, so inputs that disagree (a strategy of another network, rank folders that are shards of a model
-but come without its strategy, ranks beyond the strategy that hold parameters no other rank has) end the job here
-with one line.
+Shared by the batch job and the Python API. Everything here reads; nothing is written. The
+cross-checks run before any output exists, so inputs that disagree (a strategy of another
+network, rank folders that are shards of a model but come without its strategy, ranks beyond
+the strategy that hold parameters no other rank has) end the job here with one line.
 
-Which kind of source folder it is (MindSpore's ``rank_<r>/`` folders with a strategy file, a MindFormers 2.x save,
-an export for inference) is the reader's business (``sources.base``): here every kind is found, laid out and
-verified through one ``SourceReader``. A MindFormers save is the one planned before its files open: its headers
-were read when it was loaded.
+Which kind of source folder it is (MindSpore's ``rank_<r>/`` folders with a strategy file, a
+MindFormers 2.x save, an export for inference) is the reader's business (``sources.base``): here
+every kind is found, laid out and verified through one ``SourceReader``. A MindFormers save is the
+one planned before its files open: its headers were read when it was loaded.
 
-An export for inference (``target.format=safetensors_index``) is planned as one full target rank, then split into
-shards here (``plan.export_shards.plan_export``), so the plan report, the checks and the job's output bookkeeping
-know every shard before anything is written.
+An export for inference (``target.format=safetensors_index``) is planned as one full target rank,
+then split into shards here (``plan.export_shards.plan_export``), so the plan report, the checks
+and the job's output bookkeeping know every shard before anything is written.
 """
 
 from __future__ import annotations
