@@ -117,6 +117,14 @@ class FileTap:
     def ranges(self) -> list[tuple[int, int]]:
         return list(zip(self._offsets, self._lengths))
 
+    def records(self) -> tuple[array, array, array]:
+        """(offset, length, tensor index) of its records, in file order (once sealed)."""
+        return self._offsets, self._lengths, self._of
+
+    def take(self, partials: PartialFingerprints) -> None:
+        """Its result, taken by another read of the same bytes (``proof.stream_taps``)."""
+        self._result = partials
+
     def ready(self) -> bool:
         return self._result is not None
 

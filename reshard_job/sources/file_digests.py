@@ -261,6 +261,7 @@ class StreamedDigest:
     trailer_crc: int | None  # CRC32 of the bytes before a `.ckpt` CRC trailer
     content_crcs: dict[tuple[int, int], int]  # (offset, length) of a tensor's bytes -> CRC32
     all_noted: bool  # False when some content ranges came too late or were too many to keep
+    records: object = None  # what a record tap took on the way (``proof.stream_taps.StreamedRecords``)
 
 
 class DigestingReader:
@@ -284,8 +285,9 @@ class DigestingReader:
     index_window = None  # blocks are in memory: walk them like a local file (no read-through sizing)
 
     def __init__(self, raw, *, crc_end: int | None = None, block: int = STREAM_BLOCK,
-                 progress: Callable[[int], None] | None = None):
+                 progress: Callable[[int], None] | None = None, tap=None):
         self._raw = raw
+        self._tap = tap  # fed the tensor records noted and the bytes retired (``proof.stream_taps.StreamTap``)
         self.path, self.size, self.identity = raw.path, raw.size, raw.identity
         self._sha = hashlib.sha256()
         self._crc, self._crc_end = 0, crc_end
@@ -303,10 +305,14 @@ class DigestingReader:
             raise AttributeError(name)
         return getattr(self._raw, name)
 
-    def note_content(self, offset: int, length: int) -> None:
-        """Bytes [offset, offset + length) hold a tensor: take their CRC32 on the way."""
+    def note_content(self, offset: int, length: int, name: str | None = None, dtype: str | None = None,
+                     dims: tuple = ()) -> None:
+        """Bytes [offset, offset + length) hold a tensor (`name`, stored as `dtype` with `dims`,
+        where it is one): take their CRC32 on the way, and their partial fingerprint."""
         if self._finished:
             return
+        if self._tap is not None and name is not None:
+            self._tap.note(offset, length, name, dtype, dims)
         if self._all_noted and (len(self._content.segments) >= MAX_NOTED or not self._content.add(offset, length)):
             self._all_noted = False
         keep = getattr(self._raw, "keep", None)  # the object keeps small tensors' bytes for the rank tasks
@@ -362,6 +368,8 @@ class DigestingReader:
     def _retire(self, start: int, buffer: bytearray, length: int) -> None:
         """A block leaves memory: its bytes go into the CRCs of the content ranges it meets."""
         self._content.update(start, memoryview(buffer)[:length])
+        if self._tap is not None:
+            self._tap.update(start, memoryview(buffer)[:length])
         self._spare = buffer
 
     def finish(self) -> StreamedDigest:
@@ -374,7 +382,10 @@ class DigestingReader:
         self._blocks, self._spare = [], None
         digest = FileDigest(self.path, self.size, self._sha.hexdigest(), None, tuple(self.identity))
         content = dict(zip(self._content.segments, self._content.crcs)) if self._all_noted else {}
-        return StreamedDigest(digest, self._crc if self._crc_end is not None else None, content, self._all_noted)
+        records = self._tap.finish() if self._tap is not None else None
+        self._tap = None
+        return StreamedDigest(digest, self._crc if self._crc_end is not None else None, content, self._all_noted,
+                              records)
 
     def close(self) -> None:
         self._blocks, self._spare = [], None

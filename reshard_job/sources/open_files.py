@@ -4,7 +4,7 @@ through their storage, indexed, and checked against the identities the job hashe
 
 from __future__ import annotations
 
-from typing import Collection, Mapping
+from typing import Callable, Collection, Mapping
 
 from reshard_job.core.tensor_meta import TensorMeta
 from reshard_job.errors import FormatError, PlanError
@@ -39,7 +39,7 @@ class SourceFiles:
                  identities: dict[int, tuple] | None = None, storage: StorageOptions | None = None,
                  digest_ranks: Collection[int] = (), digest_progress=None, index_cache=None,
                  names: Mapping[str, str] | None = None, only_named: bool = False,
-                 parsed: Mapping[str, object] | None = None):
+                 parsed: Mapping[str, object] | None = None, record_taps: Callable[[int], object] | None = None):
         self.paths = {r: p if isinstance(p, str) else tuple(p) for r, p in paths.items()}
         self.verify_crc = verify_crc
         self.identities = dict(identities or {})
@@ -50,6 +50,8 @@ class SourceFiles:
         self.digest_ranks = frozenset(digest_ranks)
         self.digest_progress = digest_progress
         self.digests: dict[str, StreamedDigest] = {}
+        # rank -> a tap taking the partial fingerprints of its records in that read (``proof.stream_taps``)
+        self.record_taps = record_taps
         # ``index_cache.IndexCache``: local `.ckpt` files whose identity it knows are not walked
         self.index_cache = index_cache
         self._readers: dict[int, TensorReader] = {}
@@ -123,7 +125,8 @@ class SourceFiles:
         ckpt = (kind_of(path) or KIND_CKPT) == KIND_CKPT and raw.size >= CRC_TRAILER_LEN
         streams = min(OPEN_THREADS, len(self.digest_ranks))  # objects read at once (open_all)
         stream = DigestingReader(raw, crc_end=raw.size - CRC_TRAILER_LEN if ckpt else None, block=stream_block(streams),
-                                 progress=self.digest_progress.add_bytes if self.digest_progress else None)
+                                 progress=self.digest_progress.add_bytes if self.digest_progress else None,
+                                 tap=self.record_taps(rank) if self.record_taps is not None else None)
         r = open_reader(stream, verify_crc=self.verify_crc)  # closes `stream` if it fails
         try:
             digest = stream.finish()

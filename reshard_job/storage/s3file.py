@@ -197,9 +197,10 @@ class ObjectReader:
     # each target costs either a request each or, merged, the large records between them. Their
     # bytes passed through the index walk once; up to KEPT_LIMIT of them stay (forked workers
     # inherit them) and reads of them, announced or not, are answered from memory.
-    def note_content(self, offset: int, length: int) -> None:
+    def note_content(self, offset: int, length: int, *tensor) -> None:
         """A format reader walking the object found a tensor's bytes here (``DigestingReader`` and
-        the ``.ckpt`` and safetensors readers call this): a small one in the window is kept."""
+        the ``.ckpt`` and safetensors readers call this, with the tensor's name, dtype and dims):
+        a small one in the window is kept."""
         w_off, window = self._window_offset, self._window
         if 0 < length <= SMALL_CONTENT and w_off <= offset and offset + length <= w_off + len(window):
             self.keep(offset, memoryview(window)[offset - w_off:offset - w_off + length])

@@ -143,6 +143,6 @@ def _add_run(walk, window, wstart: int, found: tuple, step: int, tail: tuple) ->
     walk._rec += array("q", (starts + wstart).astype(np.int64).tobytes())
     walk._rlen += array("q", (ends - starts).astype(np.int64).tobytes())
     if walk._note is not None:
-        for offset in offsets.tolist():
-            walk._note(offset, clen)
+        for offset, name in zip(offsets.tolist(), names):
+            walk._note(offset, clen, name, dtype, shape)
     return int(ends[-1])

@@ -280,7 +280,7 @@ class RecordWalk:
             off_col.append(wstart + q + tail_len)
             len_col.append(tail_clen)
             if note is not None:
-                note(wstart + q + tail_len, tail_clen)
+                note(wstart + q + tail_len, tail_clen, name, tail_dtype, tail_shape)
             rec_col.append(pos)
             rlen_col.append(vend - pos)
             typical = (3 * typical + vend - pos) >> 2
@@ -316,7 +316,7 @@ class RecordWalk:
         self._off.append(wstart + coff)
         self._len.append(clen)
         if self._note is not None:
-            self._note(wstart + coff, clen)
+            self._note(wstart + coff, clen, tag, name, dims)
         self._rec.append(pos)
         self._rlen.append(vend - pos)
         return coff, vpos + 2 + len(raw_tag)
@@ -324,7 +324,9 @@ class RecordWalk:
     def _record(self, tag: str, kind: str, rec: Record | None, parts: list | None) -> None:
         """Add a record: to the current group when it continues the same tag, else as a new group."""
         if self._note is not None:
-            for r in (parts or ()) if kind == KIND_MAP else (rec,) if rec is not None else ():
+            if kind == KIND_TENSOR and rec is not None:
+                self._note(rec.content_offset, rec.content_len, tag, rec.dtype, rec.dims)
+            for r in (parts or ()) if kind == KIND_MAP else (rec,) if kind != KIND_TENSOR and rec is not None else ():
                 self._note(r.content_offset, r.content_len)
         last = len(self._names) - 1
         if last >= 0 and self._names[last] == tag:

@@ -70,7 +70,7 @@ def hash_sources(prepared: Prepared, *, use_cache: bool = True, progress: bool |
         if todo:
             taps = make_taps()
         else:
-            pending = partial(_fed, make_taps, cache, progress, storage)
+            pending = partial(_fed, make_taps, cache, progress, storage, known)
     if taps is not None:
         requests = tuple(replace(q, tap=taps.tap(r, i)) for (r, i), q in zip(_file_keys(parts), requests))
     bar = Progress(todo, len(parts), enabled=progress, desc="hashing sources")
@@ -89,13 +89,13 @@ def hash_sources(prepared: Prepared, *, use_cache: bool = True, progress: bool |
         cache.save()
     files = [{"rank": r, "path": d.path, "size": d.size, "sha256": d.sha256} for (r, _), d in zip(parts, digests)]
     if taps is not None:
-        _feed_taps(taps, cache, progress, storage)
+        _feed_taps(taps, cache, progress, storage, known)
     return SourceDigests(files, strategies, _identities(prepared, parts, digests), taps, pending)
 
 
-def _fed(make_taps: Callable[[], object], cache: HashCache | None, progress: bool | None, storage):
+def _fed(make_taps: Callable[[], object], cache: HashCache | None, progress: bool | None, storage, streamed):
     taps = make_taps()
-    _feed_taps(taps, cache, progress, storage)
+    _feed_taps(taps, cache, progress, storage, streamed)
     return taps
 
 
@@ -109,10 +109,13 @@ def _file_keys(parts) -> list[tuple[int, int]]:
     return keys
 
 
-def _feed_taps(taps, cache: HashCache | None, progress: bool | None, storage) -> None:
-    """The taps the hash pass did not feed: from the states the cache kept, else from their records."""
+def _feed_taps(taps, cache: HashCache | None, progress: bool | None, storage, streamed) -> None:
+    """The taps the hash pass did not feed: from what remote files gave as they were indexed
+    (`streamed`, ``proof.stream_taps``), from the states the cache kept, else from their records."""
+    from reshard_job.proof.stream_taps import serve_taps
     from reshard_job.sources.byte_taps import TapCache
 
+    serve_taps(taps, streamed)
     tap_cache = TapCache(os.path.join(cache.folder, "taps")) if cache is not None else None
     todo = taps.unfed(tap_cache)
     bar = Progress(sum(n for tap in todo for _, n in tap.ranges()), len(todo), enabled=progress if todo else False,

@@ -156,7 +156,8 @@ def _prepare_files(found: RankFiles, strategy: LoadedStrategy, source: SourceSpe
     bar = Progress(sum(found.sizes.get(r, 0) for r in digest), len(digest),
                    enabled=hashing.progress if hashing else False, desc="indexing and hashing sources", unit="files")
     readers = SourceFiles(paths, verify_crc=False, identities=found.identities, storage=storage,
-                          digest_ranks=digest, digest_progress=bar if digest else None, index_cache=index_cache)
+                          digest_ranks=digest, digest_progress=bar if digest else None, index_cache=index_cache,
+                          record_taps=_record_taps(strategy) if one_device and digest else None)
     try:
         try:
             index = readers.index()
@@ -174,6 +175,14 @@ def _prepare_files(found: RankFiles, strategy: LoadedStrategy, source: SourceSpe
 def _remote_ranks(paths: dict, storage: StorageOptions | None) -> set[int]:
     """Single-file ranks in an object store (a multi-file rank is hashed by the hash pass)."""
     return {r for r, p in paths.items() if isinstance(p, str) and storage_for(p, storage).scheme != "file"}
+
+
+def _record_taps(strategy: LoadedStrategy):
+    """rank -> a tap taking the fingerprints of its records as it is hashed while indexed (``proof.stream_taps``)."""
+    from reshard_job.proof.record_boxes import RecordBoxes
+    from reshard_job.proof.stream_taps import StreamTap
+
+    return lambda rank: StreamTap(RecordBoxes(strategy.topology, rank))
 
 
 def _ranks_to_hash_now(remote: set[int], paths: dict, strategy: LoadedStrategy, source: SourceSpec,

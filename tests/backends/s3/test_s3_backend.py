@@ -631,3 +631,35 @@ def test_small_tensors_met_while_indexing_are_read_again_without_a_request(s3_st
         offset, length = reader.entries[large[1]].pieces[0]
         assert reader.read(large[1]).tobytes() == data[offset:offset + length]
         assert raw.requests > before  # a large tensor is fetched, not kept
+
+
+def test_remote_sources_give_their_fingerprints_in_the_read_that_indexes_and_hashes_them(s3_store, s3_prefix,
+                                                                                          s3_storage_options):
+    """A conversion from a bucket reads each source object once for its index, its sha256 and the
+    converted parameters' fingerprints: no object is read again for them (``proof.stream_taps``)."""
+    from types import SimpleNamespace
+
+    from reshard_job.job.config.spec import SourceSpec, TargetSpec
+    from reshard_job.job.stages.integrity import hash_sources
+    from reshard_job.job.stages.prepare import HashWhileIndexing, prepare
+    from reshard_job.job.stages.proof import checkpoint_fingerprints, converted_names, source_taps
+
+    s2 = Path(__file__).parents[2] / "golden" / "S2_block_mp4dp2opt_to_mp4"
+    src = f"{s3_prefix}/streamed"
+    for path in sorted((s2 / "src_checkpoints").glob("rank_*/*.ckpt")):
+        s3_store.write_bytes(f"{src}/{path.parent.name}/{path.name}", path.read_bytes())
+    source = SourceSpec(src, str(s2 / "src_strategy.ckpt"))
+    target = TargetSpec(strategy=str(s2 / "dst_strategy.ckpt"))
+    job = SimpleNamespace(run=SimpleNamespace(fingerprints=True), storage=s3_storage_options)
+    with prepare(source, target, storage=s3_storage_options, one_device=True,
+                 hashing=HashWhileIndexing(use_cache=False, progress=False)) as prepared:
+        objects = {r: prepared.readers.raw_reader(r)._file for r in prepared.plan.source_ranks}
+        digests = hash_sources(prepared, use_cache=False, progress=False, storage=s3_storage_options,
+                               make_taps=lambda: source_taps(job, prepared)).settled()
+        assert all(f.bytes_fetched == f.size for f in objects.values())  # one read each, nothing after it
+        taps = digests.fingerprints
+        assert taps.read_back == 0
+        fingerprints, residual = taps.digests()
+        assert residual == set()
+        local = SourceSpec(str(s2 / "src_checkpoints"), str(s2 / "src_strategy.ckpt"))
+        assert dict(fingerprints) == checkpoint_fingerprints(local, wanted=converted_names(prepared)).digests
