@@ -316,9 +316,8 @@ class SafetensorsReader(PositionedReader):
                 self._kind[i] = self._kind_number((code, INT4_MARK, shape, n))
         note = getattr(self._file, "note_content", None)  # a file also being hashed: where tensors lie
         if note is not None:
-            kinds, names = self._kinds, self._names
-            for at, stop, name, kind in zip(begin.tolist(), end.tolist(), names, self._kind):
-                note(self.data_start + at, stop - at, name, kinds[kind][1], kinds[kind][2])
+            for at, stop, name, kind in zip(begin.tolist(), end.tolist(), self._names, self._kind):
+                note(self.data_start + at, stop - at, name, self._kinds[kind][1], self._kinds[kind][2])
 
     def _permute(self, order: np.ndarray) -> None:
         self._names = [self._names[i] for i in order.tolist()]
