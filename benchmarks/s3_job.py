@@ -163,7 +163,18 @@ def render(result: dict) -> str:
         f"read {c['bytes_read'] / MIB:.1f} MiB for {c['bytes_needed'] / MIB:.1f} MiB needed "
         f"({c['source_bytes'] / MIB:.1f} MiB of sources hashed + {c['plan_bytes_read'] / MIB:.1f} MiB of slices), "
         f"ratio {c['read_over_needed']}; wrote {c['bytes_written'] / MIB:.1f} MiB.", "",
+        *_previous_line(result),
         f"Output check: {'ok' if result['verify']['ok'] else 'FAILED ' + str(result['verify']['problems'])}.", ""])
+
+
+def _previous_line(result: dict) -> list[str]:
+    runs = [r["previous"] for r in result["rounds"] if "previous" in r]
+    if not runs:
+        return []
+    ours = statistics.median(r["job"]["wall_s"] for r in result["rounds"])
+    theirs = statistics.median(r["wall_s"] for r in runs)
+    return [f"Previous version (`--previous-repo`, run after ours in each round): median {theirs:.2f} s, "
+            f"ours {ours:.2f} s ({ours / theirs:.2f} ×); its peak {max(r['peak_rss_mib'] for r in runs):.0f} MiB.", ""]
 
 
 def _machine(m: dict) -> str:
@@ -181,6 +192,8 @@ def main(argv=None) -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--results-dir", default=os.path.join(HERE, "results"))
+    parser.add_argument("--previous-repo", default=None,
+                        help="a checkout of another version: its job runs beside ours in each round (PYTHONPATH)")
     args = parser.parse_args(argv)
 
     server = start_seaweedfs(args.start_server) if args.start_server else None
@@ -213,6 +226,12 @@ def _measure(args) -> int:
             log(f"[s3] round {i}: copy {copies['copy_s']:.2f} s, get+put {copies['get_put_s']:.2f} s, "
                 f"job {job['wall_s']:.2f} s, peak {job['peak_rss_mib']:.0f} MiB")
             rounds.append({"round": i, "copies": copies, "job": job})
+            if args.previous_repo:  # the other version's run right after, on the same server and objects
+                rounds[-1]["previous"] = previous = run_job(
+                    args.prefix, f"{args.prefix}/previous_{i}", args.workers, workdir,
+                    {**env, "PYTHONPATH": os.path.abspath(args.previous_repo)}, f"previous_{i}")
+                fs.rm(f"{args.prefix}/previous_{i}", recursive=True)
+                log(f"[s3] round {i}: previous version {previous['wall_s']:.2f} s, peak {previous['peak_rss_mib']:.0f} MiB")
         checked = verify(fs, f"{args.prefix}/out_0", meta)
         counted = counted_run(fs, args.prefix, args.workers, workdir, env, args.endpoint)
     for i in range(args.runs):

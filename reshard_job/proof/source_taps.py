@@ -8,7 +8,9 @@ each record counted is fed to a partial fingerprint (``execute.writer_tap``: the
 sums the outputs' side adds up) as its bytes pass by. A file the hash pass does not read (its
 digest was cached) is read for its counted records only, and what each file gave is kept in the
 digest cache under its identity and this tap's key (``sources.byte_taps``): a rerun over
-unchanged sources reads nothing for its fingerprints.
+unchanged sources reads nothing for its fingerprints. A remote object, hashed in the read that
+indexed it before any plan existed, gives its taps what that read took on the way
+(``proof.stream_taps``), where it took every record as the plan counts it.
 
 Taps take records that are read whole, as stored, in the file's own bytes: a tensor of a
 sliceable dtype whose counted copy is its whole stored record (one piece, or several in file

@@ -61,13 +61,15 @@ class StreamTap:
         dt = dtypes.BY_NAME.get(dtype)
         if dt is None or not dt.sliceable:
             return
-        guess = self._boxes(name, tuple(dims))
-        if guess is None:
+        try:
+            shape, box = self._boxes(name, tuple(dims)) or (None, None)
+            if box is None:
+                return
+            spec = (dtype, tuple(shape), tuple(box))
+            if _box_bytes(dtype, spec[2]) != length:
+                return  # not the whole of its box in this record (a chunk of a larger tensor, say)
+        except Exception:  # noqa: BLE001 - a forecast that fails is no forecast; the planner judges the layout
             return
-        shape, box = guess
-        spec = (dtype, tuple(shape), tuple(box))
-        if _box_bytes(dtype, spec[2]) != length:
-            return  # not the whole of its box in this record (a chunk of a larger tensor, say)
         if len(self._offsets) >= self._limit:
             self._broken = True
             return

@@ -101,7 +101,13 @@ def _no_forecast(prepared, rank):
     return lambda name, dims: None
 
 
-@pytest.mark.parametrize("forecast", [_shifted, _no_forecast])
+def _failing(prepared, rank):
+    def boxes(name, dims):
+        raise OverflowError("a layout the forecast cannot work out")
+    return boxes
+
+
+@pytest.mark.parametrize("forecast", [_shifted, _no_forecast, _failing])
 def test_a_forecast_the_plan_does_not_confirm_is_not_used(forecast):
     source, target = _source("S2_block_mp4dp2opt_to_mp4")
     served, count, digests, names = _served(source, target, forecast)
