@@ -118,12 +118,10 @@ class StreamTap:
         self._next, self._fed, self._fp = self._next + 1, 0, None
 
     def finish(self) -> "StreamedRecords | None":
-        """What was taken (None when nothing was, or the file had too many records to keep)."""
+        """What was taken (None when the file had too many records to keep)."""
         if self._broken:
             return None
         self._batches.flush()
-        if not len(self._sums):
-            return None
         return StreamedRecords(self._offsets, self._lengths, self._spec, self._specs, self._sums)
 
 
@@ -149,27 +147,44 @@ class StreamedRecords:
         (offsets, lengths, tensor of each, in file order) are one each and were all taken here as
         the tap counts them; None otherwise."""
         offsets, lengths, of = (np.frombuffer(c, np.int64, len(c)) for c in records)
-        if len(offsets) != len(tensors) or len(np.unique(of)) != len(of):
-            return None  # a tensor of several records, or one without bytes: the tap reads
+        if len(np.unique(of)) != len(of):
+            return None  # a tensor of several records: the tap reads
+        empty = _without_records(of, tensors)
+        if empty is None:
+            return None
         at = np.searchsorted(self.offsets, offsets)
         if len(at) and at.max() >= len(self.offsets):
             return None
         if not (np.array_equal(self.offsets[at], offsets) and np.array_equal(self.lengths[at], lengths)
                 and self.taken[at].all()):
             return None
-        wanted = _spec_numbers(tensors, self.specs)
-        if wanted is None or not np.array_equal(self.spec[at], wanted[of]):
+        wanted = _spec_numbers([tensors[i] for i in of.tolist()], self.specs)
+        if wanted is None or not np.array_equal(self.spec[at], wanted):
             return None
         out = PartialFingerprints()
         names = tensors.names()
         out.names = [names[i] for i in of.tolist()]
         out.lanes = bytearray(self.lanes[at].tobytes())
         out.fed = array("Q", self.fed[at].tobytes())
+        out.extend([names[i] for i in empty], bytes(_RECORD * len(empty)), 0)  # no byte: sums 0, as fed
         return out
 
 
+def _without_records(of: np.ndarray, tensors) -> list[int] | None:
+    """The tensors of `tensors` that no record holds, all of zero bytes (a zero-size dim); None
+    where one of them has bytes (the tap would find it unfed)."""
+    held = np.zeros(len(tensors), bool)
+    held[of] = True
+    empty = np.flatnonzero(~held).tolist()
+    for i in empty:
+        t = tensors[i]
+        if _box_bytes(t.dtype, full_box(t.global_shape) if t.box is None else tuple(t.box)):
+            return None
+    return empty
+
+
 def _spec_numbers(tensors, specs: list[tuple]) -> np.ndarray | None:
-    """Per tensor of `tensors`, the number of its (dtype, global shape, box) among `specs`; None
+    """Per tensor of `tensors` (``Tapped``), the number of its (dtype, global shape, box) among `specs`; None
     where one of them is not among them."""
     ids = {spec: i for i, spec in enumerate(specs)}
     numbers = np.empty(len(tensors), np.int64)
