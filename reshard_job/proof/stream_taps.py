@@ -36,19 +36,27 @@ _RECORD = 16  # bytes of lane sums per record
 
 class StreamTap:
     """Fed a file's tensor records as its format reader finds them (``note``) and its bytes in
-    increasing offset as they leave memory (``update``); ``finish`` gives what it took."""
+    increasing offset as they leave memory (``update``); ``finish`` gives what it took.
+
+    A tensor is one record, or several consecutive records of one name (a `.ckpt` cuts tensors
+    over 512 MiB into chunk records, each with the full dims): their bytes, in file order, are the
+    box's C-order bytes, fed to one partial fingerprint."""
 
     def __init__(self, boxes: Callable[[str, tuple], tuple | None], *, limit: int = MAX_RECORDS):
         self._boxes = boxes  # (name, stored dims) -> (global shape, box) or None (``RecordBoxes``)
         self._limit = limit
         self._specs: list[tuple] = []  # (dtype, global shape, box), each once
         self._spec_ids: dict[tuple, int] = {}
-        self._offsets, self._lengths, self._spec = array("q"), array("q"), array("I")
+        # per record: where it lies, its tensor, where its bytes start in the tensor's
+        self._offsets, self._lengths, self._tensor, self._at = array("q"), array("q"), array("q"), array("q")
+        self._spec, self._total, self._records = array("I"), array("q"), array("q")  # per tensor
+        self._open: tuple | None = None  # (name, dtype, dims, bytes noted) of a tensor awaiting chunks
         self._next = 0  # the first record whose bytes have not all passed
-        self._fp: Fingerprint | None = None  # the partial fingerprint of record `_next`, while its bytes pass
         self._fed = 0  # bytes of record `_next` fed
+        self._fp: Fingerprint | None = None  # the partial fingerprint of the tensor being fed
+        self._fp_of = -1  # ... and which tensor that is
         self._passed = 0  # bytes of the file that have left memory
-        self._sums = PartialFingerprints()  # per record taken: its ordinal as its name
+        self._sums = PartialFingerprints()  # per tensor taken: its ordinal as its name
         self._batches = _BoxBatches(self._sums)
         self._broken = False
 
@@ -57,29 +65,60 @@ class StreamTap:
         if self._broken or length <= 0:
             return
         if offset < self._passed or (self._offsets and offset < self._offsets[-1] + self._lengths[-1]):
+            self._open = None
             return  # its bytes went by already, or it overlaps the last one: left to the plan's taps
-        dt = dtypes.BY_NAME.get(dtype)
-        if dt is None or not dt.sliceable:
-            return
-        try:
-            shape, box = self._boxes(name, tuple(dims)) or (None, None)
-            if box is None:
-                return
-            spec = (dtype, tuple(shape), tuple(box))
-            if _box_bytes(dtype, spec[2]) != length:
-                return  # not the whole of its box in this record (a chunk of a larger tensor, say)
-        except Exception:  # noqa: BLE001 - a forecast that fails is no forecast; the planner judges the layout
-            return
         if len(self._offsets) >= self._limit:
             self._broken = True
+            return
+        dims = tuple(dims)
+        if self._open is not None and self._open[:3] == (name, dtype, dims):
+            self._chunk(offset, length)
+            return
+        self._open = None
+        spec = self._spec_of(name, dtype, dims)
+        if spec is None:
+            return
+        total = _box_bytes(*spec[::2])
+        if length > total:
             return
         number = self._spec_ids.get(spec)
         if number is None:
             number = self._spec_ids[spec] = len(self._specs)
             self._specs.append(spec)
+        self._add_record(offset, length, len(self._spec), 0)
+        self._spec.append(number)
+        self._total.append(total)
+        self._records.append(1)
+        if length < total:  # its first chunk: the others follow under the same name
+            self._open = (name, dtype, dims, length)
+
+    def _spec_of(self, name: str, dtype: str, dims: tuple) -> tuple | None:
+        """(dtype, global shape, box) foreseen for a record of `name`; None where there is none."""
+        dt = dtypes.BY_NAME.get(dtype)
+        if dt is None or not dt.sliceable:
+            return None
+        try:
+            shape, box = self._boxes(name, dims) or (None, None)
+            return None if box is None else (dtype, tuple(shape), tuple(box))
+        except Exception:  # noqa: BLE001 - a forecast that fails is no forecast; the planner judges the layout
+            return None
+
+    def _chunk(self, offset: int, length: int) -> None:
+        """Another chunk record of the open tensor (the last one noted)."""
+        name, dtype, dims, noted = self._open
+        tensor = len(self._spec) - 1
+        if noted + length > self._total[tensor]:
+            self._open = None  # more bytes than its box: never complete, so never taken
+            return
+        self._add_record(offset, length, tensor, noted)
+        self._records[tensor] += 1
+        self._open = (name, dtype, dims, noted + length) if noted + length < self._total[tensor] else None
+
+    def _add_record(self, offset: int, length: int, tensor: int, at: int) -> None:
         self._offsets.append(offset)
         self._lengths.append(length)
-        self._spec.append(number)
+        self._tensor.append(tensor)
+        self._at.append(at)
 
     def update(self, pos: int, chunk) -> None:
         """Bytes ``[pos, pos + len(chunk))`` of the file, after every byte before them."""
@@ -90,82 +129,86 @@ class StreamTap:
             start = offset + self._fed
             if start >= end:
                 break
-            if start < pos:  # bytes of it passed unseen: this record is not taken
-                self._skip()
+            if start < pos:  # bytes of it passed unseen: its tensor is not taken
+                self._next, self._fed = self._next + 1, 0
                 continue
             stop = min(offset + length, end)
             self._feed(chunk[start - pos:stop - pos], whole=self._fed == 0 and stop - start == length)
             if self._fed == length:
-                self._next, self._fed, self._fp = self._next + 1, 0, None
+                self._next, self._fed = self._next + 1, 0
         self._passed = max(self._passed, end)
 
     def _feed(self, data, *, whole: bool) -> None:
-        dtype, shape, box = self._specs[self._spec[self._next]]
-        if whole and len(data) <= SMALL:
-            self._batches.add((dtype, shape, box), self._next, bytes(data))
+        tensor = self._tensor[self._next]
+        dtype, shape, box = self._specs[self._spec[tensor]]
+        total = self._total[tensor]
+        if whole and len(data) == total <= SMALL:  # a small tensor in one record: batched
+            self._batches.add((dtype, shape, box), tensor, bytes(data))
             if self._batches.held >= HELD:
                 self._batches.flush()
             self._fed = len(data)
             return
-        if self._fp is None:
-            self._fp = Fingerprint(dtype, shape)
-        self._fp.add_box_run(box, self._fed, data)
+        if self._fp_of != tensor:
+            self._fp, self._fp_of = Fingerprint(dtype, shape), tensor
+        self._fp.add_box_run(box, self._at[self._next] + self._fed, data)
         self._fed += len(data)
-        if self._fed == self._lengths[self._next]:
-            self._sums.add(self._next, _lanes(self._fp, dtype, shape), self._fp.fed)
-
-    def _skip(self) -> None:
-        self._next, self._fed, self._fp = self._next + 1, 0, None
+        if self._fp.fed == total and self._fed == self._lengths[self._next]:
+            self._sums.add(tensor, _lanes(self._fp, dtype, shape), self._fp.fed)
+            self._fp, self._fp_of = None, -1
 
     def finish(self) -> "StreamedRecords | None":
         """What was taken (None when the file had too many records to keep)."""
         if self._broken:
             return None
         self._batches.flush()
-        return StreamedRecords(self._offsets, self._lengths, self._spec, self._specs, self._sums)
+        return StreamedRecords((self._offsets, self._lengths, self._tensor), (self._spec, self._records),
+                               self._specs, self._sums)
 
 
 class StreamedRecords:
-    """The records of one file taken whole while it streamed, and their partial fingerprints."""
+    """The tensors of one file taken whole while it streamed, their records, and their partial fingerprints."""
 
-    def __init__(self, offsets: array, lengths: array, spec: array, specs: list[tuple], sums: PartialFingerprints):
-        order = np.asarray(sums.names, dtype=np.int64)  # record ordinals, in the order they completed
-        count = len(offsets)
-        self.offsets = np.frombuffer(offsets, np.int64, count)
-        self.lengths = np.frombuffer(lengths, np.int64, count)
-        self.spec = np.frombuffer(spec, np.uint32, count)
+    def __init__(self, records: tuple[array, array, array], tensors: tuple[array, array], specs: list[tuple],
+                 sums: PartialFingerprints):
+        self.offsets, self.lengths, self.tensor = (np.frombuffer(c, np.int64, len(c)) for c in records)
+        spec, count = tensors
+        self.spec = np.frombuffer(spec, np.uint32, len(spec))
+        self.records = np.frombuffer(count, np.int64, len(count))  # records of each tensor
         self.specs = specs
-        self.taken = np.zeros(count, bool)
+        order = np.asarray(sums.names, dtype=np.int64)  # tensor ordinals, in the order they completed
+        self.taken = np.zeros(len(spec), bool)
         self.taken[order] = True
-        self.lanes = np.zeros((count, _RECORD), np.uint8)
+        self.lanes = np.zeros((len(spec), _RECORD), np.uint8)
         self.lanes[order] = np.frombuffer(bytes(sums.lanes), np.uint8).reshape(-1, _RECORD)
-        self.fed = np.zeros(count, np.uint64)
+        self.fed = np.zeros(len(spec), np.uint64)
         self.fed[order] = np.frombuffer(sums.fed, np.uint64, len(order))
 
     def serve(self, records: tuple[array, array, array], tensors) -> PartialFingerprints | None:
         """The partial fingerprints of a file tap's tensors (``TappedColumns``) whose `records`
-        (offsets, lengths, tensor of each, in file order) are one each and were all taken here as
-        the tap counts them; None otherwise."""
+        (offsets, lengths, tensor of each, in file order) are exactly those of tensors taken here,
+        each as the tap counts it (dtype, global shape, box); None otherwise."""
         offsets, lengths, of = (np.frombuffer(c, np.int64, len(c)) for c in records)
-        if len(np.unique(of)) != len(of):
-            return None  # a tensor of several records: the tap reads
-        empty = _without_records(of, tensors)
-        if empty is None:
-            return None
         at = np.searchsorted(self.offsets, offsets)
         if len(at) and at.max() >= len(self.offsets):
             return None
-        if not (np.array_equal(self.offsets[at], offsets) and np.array_equal(self.lengths[at], lengths)
-                and self.taken[at].all()):
+        if not (np.array_equal(self.offsets[at], offsets) and np.array_equal(self.lengths[at], lengths)):
             return None
-        wanted = _spec_numbers([tensors[i] for i in of.tolist()], self.specs)
-        if wanted is None or not np.array_equal(self.spec[at], wanted):
+        pairs = np.unique(np.stack([of, self.tensor[at]], axis=1), axis=0).reshape(-1, 2)
+        mine, theirs = pairs[:, 0], pairs[:, 1]
+        if len(pairs) != len(np.unique(mine)) or len(pairs) != len(np.unique(theirs)):
+            return None  # a tap tensor of records of several tensors here, or the other way round
+        if not (np.array_equal(np.bincount(of, minlength=len(tensors))[mine], self.records[theirs])
+                and self.taken[theirs].all()):
+            return None  # records of a tensor here the tap does not count, or a tensor not taken whole
+        empty = _without_records(of, tensors)
+        wanted = _spec_numbers([tensors[i] for i in mine.tolist()], self.specs)
+        if empty is None or wanted is None or not np.array_equal(self.spec[theirs], wanted):
             return None
         out = PartialFingerprints()
         names = tensors.names()
-        out.names = [names[i] for i in of.tolist()]
-        out.lanes = bytearray(self.lanes[at].tobytes())
-        out.fed = array("Q", self.fed[at].tobytes())
+        out.names = [names[i] for i in mine.tolist()]
+        out.lanes = bytearray(self.lanes[theirs].tobytes())
+        out.fed = array("Q", self.fed[theirs].tobytes())
         out.extend([names[i] for i in empty], bytes(_RECORD * len(empty)), 0)  # no byte: sums 0, as fed
         return out
 

@@ -127,18 +127,43 @@ def test_safetensors_rank_files_are_served_from_the_stream(tmp_path):
     assert dict(digests) == checkpoint_fingerprints(source, wanted=names).digests
 
 
-def test_a_tensor_of_several_records_is_left_to_the_reads(tmp_path):
-    """A tensor stored in chunk records has no whole record to take: its file's tap reads."""
+@pytest.mark.parametrize("block", [4096, 100_000, 4 * MIB])
+def test_a_tensor_of_several_chunk_records_is_fed_across_them(tmp_path, block):
+    """A tensor cut into chunk records (each with the full dims, as MindSpore writes tensors over
+    512 MiB) is one partial fingerprint fed across its records; with blocks smaller than the walk's
+    window some records pass before they are noted, and the file is then read, never wrong."""
     rng = np.random.default_rng(3)
     folder = tmp_path / "src" / "rank_0"
     folder.mkdir(parents=True)
     with CheckpointWriter(folder / "checkpoint_0.ckpt", chunk_bytes=1 << 16) as w:
         w.add("norm", rng.standard_normal(100).astype(np.float32))
         w.add("w", rng.standard_normal((300, 200)).astype(np.float32))  # 240 KB: 4 chunk records
+        w.add("v", rng.standard_normal((20, 3)).astype(np.float16))
     source = SourceSpec(str(tmp_path / "src"))
-    served, count, digests, names = _served(source, TargetSpec(devices=1), _forecast)
-    assert (served, count) == (0, 1)
+    served, count, digests, names = _served(source, TargetSpec(devices=1), _forecast, block=block)
+    assert count == 1 and (served == 1 or block < 4 * MIB)
     assert dict(digests) == checkpoint_fingerprints(source, wanted=names).digests
+
+
+def test_a_chunk_the_stream_did_not_see_leaves_the_file_to_its_reads():
+    """Records of one tensor here must be the tap's records of it, all of them."""
+    tap = StreamTap(lambda name, dims: (dims, tuple((0, n) for n in dims)))
+    tap.note(10, 8, "w", "Float32", (4,))  # the first half of a 16-byte tensor
+    tap.note(30, 8, "w", "Float32", (4,))
+    tap.update(0, memoryview(bytes(range(40))))
+    streamed = tap.finish()
+    assert streamed.taken.tolist() == [True]
+    from array import array
+    from reshard_job.proof.tapped import Tapped, TappedColumns
+    tensors = TappedColumns()
+    tensors.append(Tapped("w", "Float32", (4,), None))
+    both = (array("q", [10, 30]), array("q", [8, 8]), array("q", [0, 0]))
+    assert streamed.serve(both, tensors) is not None
+    assert streamed.serve((array("q", [10]), array("q", [8]), array("q", [0])), tensors) is None
+    other = TappedColumns()
+    other.append(Tapped("w", "Float32", (4,), None))
+    other.append(Tapped("u", "Float32", (2,), None))  # the second record as a tensor of its own
+    assert streamed.serve((array("q", [10, 30]), array("q", [8, 8]), array("q", [0, 1])), other) is None
 
 
 def test_the_forecast_is_the_box_the_one_device_plan_reads_for_each_record():
