@@ -7,7 +7,7 @@ For the common records (a parameter's slice stored whole in one record, laid out
 strategy, or not laid out and stored whole) that box follows from the strategy, the rank and the
 record's own dims, which the walk knows as the record passes: ``RecordBoxes`` works it out then,
 so that the record's partial fingerprint is taken from the bytes already streaming
-(``sources.stream_taps``). It is a forecast: the plan's own box is compared with it later, and a
+(``proof.stream_taps``). It is a forecast: the plan's own box is compared with it later, and a
 record forecast wrong is read again, never used.
 
 Pure: no I/O, no protobuf.
@@ -15,11 +15,10 @@ Pure: no I/O, no protobuf.
 
 from __future__ import annotations
 
+from reshard_job.core.boxes import Box
 from reshard_job.core.layout import Layout, unflatten
 from reshard_job.core.topology import Topology, optimizer_base
 from reshard_job.errors import ReshardError
-
-Box = tuple[tuple[int, int], ...]
 
 
 class RecordBoxes:
