@@ -817,14 +817,18 @@ def _closest(ms, case, dtype, size, workers):
     return min(cands, key=lambda m: abs(m["size_gb"] - size)) if cands else None
 
 
+# (case, size GB, wall as a multiple of the durable copy): the performance issue's targets
+WALL_TARGETS = (("8to4", 2.07, 1.5), ("8to16", 2.07, 1.5), ("8to4", 16, 1.1))
+
+
 def target_lines(ms) -> list[str]:
     out = []
-    for size, limit in ((2.07, 1.5), (16, 1.25)):
+    for case, size, limit in WALL_TARGETS:
         for w in sorted({m["workers"] for m in _ours(ms)}):
-            m = _find(_ours(ms), case="8to4", dtype="float16", size_gb=size, workers=w)
+            m = _find(_ours(ms), case=case, dtype="float16", size_gb=size, workers=w)
             if m and m.get("ratio_to_cp_fsync"):
                 ok = "met" if m["ratio_to_cp_fsync"] <= limit else "NOT met"
-                out.append(f"- 8→4 wall ≤ {limit} × `cp -r && sync` (fp16, {size:g} GB, workers {w}): "
+                out.append(f"- {case.replace('to', '→')} wall ≤ {limit} × `cp -r && sync` (fp16, {size:g} GB, workers {w}): "
                            f"{m['ratio_to_cp_fsync']:.2f}× — **{ok}** (against plain `cp -r`: {_fmt(m.get('ratio_to_cp'))}×)")
     for m in _ours(ms):
         if m["case"] in ("8to4", "8to16") and m.get("cpu_s_per_gb"):
@@ -885,7 +889,7 @@ def target_lines(ms) -> list[str]:
     return out or ["- (not enough measurements for the target checks)"]
 
 
-FIXED_COST_TARGETS = {"plan": 0.4, "noop": 0.6}  # seconds, the targets on the 2 GB case
+FIXED_COST_TARGETS = {"plan": 0.5, "noop": 0.7}  # seconds, the targets on the 2 GB case
 
 
 def fixed_cost_lines(fixed: list[dict]) -> list[str]:
