@@ -162,19 +162,19 @@ class StreamTap:
             return None
         self._batches.flush()
         return StreamedRecords((self._offsets, self._lengths, self._tensor), (self._spec, self._records),
-                               self._specs, self._sums)
+                               self._spec_ids, self._sums)
 
 
 class StreamedRecords:
     """The tensors of one file taken whole while it streamed, their records, and their partial fingerprints."""
 
-    def __init__(self, records: tuple[array, array, array], tensors: tuple[array, array], specs: list[tuple],
+    def __init__(self, records: tuple[array, array, array], tensors: tuple[array, array], spec_ids: dict[tuple, int],
                  sums: PartialFingerprints):
         self.offsets, self.lengths, self.tensor = (np.frombuffer(c, np.int64, len(c)) for c in records)
         spec, count = tensors
         self.spec = np.frombuffer(spec, np.uint32, len(spec))
         self.records = np.frombuffer(count, np.int64, len(count))  # records of each tensor
-        self.specs = specs
+        self.spec_ids = spec_ids  # (dtype, global shape, box) -> its number in `spec`
         order = np.asarray(sums.names, dtype=np.int64)  # tensor ordinals, in the order they completed
         self.taken = np.zeros(len(spec), bool)
         self.taken[order] = True
@@ -200,9 +200,12 @@ class StreamedRecords:
         if not (np.array_equal(np.bincount(of, minlength=len(tensors))[mine], self.records[theirs])
                 and self.taken[theirs].all()):
             return None  # records of a tensor here the tap does not count, or a tensor not taken whole
-        empty = _without_records(of, tensors)
-        wanted = _spec_numbers([tensors[i] for i in mine.tolist()], self.specs)
-        if empty is None or wanted is None or not np.array_equal(self.spec[theirs], wanted):
+        numbers, kinds = tensors.numbered()
+        numbers = np.frombuffer(numbers, np.uint32, len(numbers))
+        specs = [_spec(kind) for kind in kinds]  # the tap's few kinds, each as a spec here
+        wanted = np.array([self.spec_ids.get(spec, -1) for spec in specs], np.int64)[numbers[mine]]
+        empty = _without_records(of, numbers, [_box_bytes(dtype, box) for dtype, _, box in specs])
+        if empty is None or not np.array_equal(self.spec[theirs], wanted):
             return None
         out = PartialFingerprints()
         names = tensors.names()
@@ -213,31 +216,21 @@ class StreamedRecords:
         return out
 
 
-def _without_records(of: np.ndarray, tensors) -> list[int] | None:
-    """The tensors of `tensors` that no record holds, all of zero bytes (a zero-size dim); None
-    where one of them has bytes (the tap would find it unfed)."""
-    held = np.zeros(len(tensors), bool)
+def _spec(kind: tuple) -> tuple:
+    """A tap's (dtype, global shape, box or None for all of it) as (dtype, global shape, box)."""
+    dtype, shape, box = kind
+    return dtype, tuple(shape), full_box(shape) if box is None else tuple(box)
+
+
+def _without_records(of: np.ndarray, numbers: np.ndarray, kind_bytes: list[int]) -> list[int] | None:
+    """The tensors (their kind `numbers`, bytes per kind `kind_bytes`) that no record holds, all of
+    zero bytes (a zero-size dim); None where one of them has bytes (the tap would find it unfed)."""
+    held = np.zeros(len(numbers), bool)
     held[of] = True
-    empty = np.flatnonzero(~held).tolist()
-    for i in empty:
-        t = tensors[i]
-        if _box_bytes(t.dtype, full_box(t.global_shape) if t.box is None else tuple(t.box)):
-            return None
-    return empty
-
-
-def _spec_numbers(tensors, specs: list[tuple]) -> np.ndarray | None:
-    """Per tensor of `tensors` (``Tapped``), the number of its (dtype, global shape, box) among `specs`; None
-    where one of them is not among them."""
-    ids = {spec: i for i, spec in enumerate(specs)}
-    numbers = np.empty(len(tensors), np.int64)
-    for i, t in enumerate(tensors):
-        box = full_box(t.global_shape) if t.box is None else tuple(t.box)
-        number = ids.get((t.dtype, tuple(t.global_shape), box))
-        if number is None:
-            return None
-        numbers[i] = number
-    return numbers
+    empty = np.flatnonzero(~held)
+    if len(empty) and np.asarray(kind_bytes, np.int64)[numbers[empty]].any():
+        return None
+    return empty.tolist()
 
 
 def serve_taps(taps, streamed: Mapping[str, object]) -> int:

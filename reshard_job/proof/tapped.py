@@ -64,6 +64,10 @@ class TappedColumns:
         for name, number in zip(self._names, self._kind):
             yield Tapped(name, *kinds[number])
 
+    def numbered(self) -> tuple[array, list[tuple]]:
+        """(the number of each tensor's (dtype, global shape, box), those kinds in number order)."""
+        return self._kind, self._kinds
+
     def name(self, i: int) -> str:
         return self._names[i]
 
