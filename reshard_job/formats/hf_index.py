@@ -10,7 +10,7 @@ the shards' file sizes instead, headers included; both are accepted, anything el
 An index without ``metadata`` or ``total_size`` is accepted (``transformers`` reads only the
 weight map).
 
-The document is read a window at a time (``jsonchunks.JsonStream``), so a weight map of a million
+The document is read a window at a time (``json_stream.JsonStream``), so a weight map of a million
 tensors costs what is kept of it (shard names are shared), and a padded or sparse file is refused
 by its size before it is read: see ``index_size_limit``.
 """
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from reshard_job.errors import FormatError
 from reshard_job.formats.safetensors.header import header_scaled_limit
-from reshard_job.jsonchunks import JsonProblem, JsonStream
+from reshard_job.json_stream import JsonProblem, JsonStream
 
 INDEX_FILE = "model.safetensors.index.json"
 # MindSpore's name -> shard map beside unified shards: load_distributed_checkpoint(unified_safetensors_dir=...)

@@ -8,7 +8,7 @@ each shard. Checked here: every part of it (types, layouts against global shapes
 rule). Errors name the file and the parameter.
 
 A save of hundreds of thousands of parameters has a metadata.json of hundreds of megabytes
-(``json.loads`` of 200 MB held 2.2 GB): it is read with ``jsonchunks.JsonStream``, an entry at a
+(``json.loads`` of 200 MB held 2.2 GB): it is read with ``json_stream.JsonStream``, an entry at a
 time, an entry equal to a recent one not even scanned, into slotted objects that share equal
 shapes, layouts and locations. Integers of over 20 digits are refused as such, and so are dims
 no array can have (``core.sizes.shape_problem``).
@@ -20,7 +20,7 @@ import io
 import re
 import sys
 from dataclasses import dataclass, replace
-from itertools import islice
+from itertools import islice, repeat
 from math import prod
 
 import reshard_job.core.dtypes as dtypes
@@ -28,10 +28,10 @@ from reshard_job.core.boxes import Box
 from reshard_job.core.layout import coords, mixed_radix
 from reshard_job.core.sizes import shape_problem
 from reshard_job.core.strategy_model import AxisEntry
-from reshard_job.jsonchunks import JsonProblem, JsonStream
+from reshard_job.json_stream import RUN, JsonProblem, JsonStream
 from reshard_job.formats.mindformers_parsing import MindFormersFormatError, Shared, brief, int_list, is_int, short_name
 from reshard_job.formats.mindformers_storage import (ShardLocation, check_locations, parse_locations, parse_storage_key,
-                                                     with_rank_groups)
+                                                     parse_storage_keys, with_rank_groups)
 
 METADATA_FILE = "metadata.json"
 # <prefix>-model-0000003-0000008.safetensors; without a prefix the name starts at model-/opt-
@@ -161,9 +161,16 @@ def _attach_locations(params: dict[str, ParamMetadata], storage: dict, path: str
     """Every parameter's shards' locations from `storage` (emptied), checked against its layout;
     what was checked for equal objects (shared: same layout, same locations) is not checked again."""
     done: dict[tuple, ParamSpec] = {}  # ids of spec and locations -> the spec with the locations, checked
+    shards: dict[int, range] = {}  # id of a spec -> its shard indices
+    pop = storage.pop
     for name, p in params.items():
-        locations = tuple(storage.pop((name, k), None) for k in range(p.shard_count))
-        key = (id(p.spec), *map(id, locations))
+        spec = p.spec
+        indices = shards.get(id(spec)) or shards.setdefault(id(spec), range(p.shard_count))
+        if len(indices) == 1:  # most parameters: one shard (not laid out, or only replicated)
+            locations = (pop((name, 0), None),)
+        else:
+            locations = tuple(pop((name, k), None) for k in indices)
+        key = (id(spec), *map(id, locations))
         checked = done.get(key)
         if checked is None:
             missing = [k for k, locs in enumerate(locations) if locs is None][:8]
@@ -201,23 +208,47 @@ def _read_document(stream: JsonStream, path: str, shared: Shared):
             storage = {}
             seen: dict[str, tuple] = {}  # the text of a list of locations -> the locations
             # (equal texts give equal values: `seen` is also how the stream skips scanning them)
-            for skey, entries, text in stream.items(seen):
-                name, k = parse_storage_key(skey, path)
-                name = sys.intern(name)
-                where = f"parameter {short_name(name)!r} shard {k}"
-                if (name, k) in storage:
-                    raise MindFormersFormatError(path, f"{where}: storage_data has two keys for it")
+            for skey, entries, text in stream.items(seen, runs=True):
+                if entries is RUN:
+                    _add_storage_run(storage, skey, seen[text], path, shared)
+                    continue
                 locations = seen.get(text)
                 if locations is None:
+                    name, k = parse_storage_key(skey, path)
+                    where = f"parameter {short_name(name)!r} shard {k}"
+                    if (name, k) in storage:
+                        raise MindFormersFormatError(path, f"{where}: storage_data has two keys for it")
                     locations = parse_locations(entries, where, path, shared)
                     _remember(seen, text, locations)
-                storage[(name, k)] = locations
-                shared.check_count(len(storage), "storage_data places", path)
+                _place(storage, skey, locations, path, shared)
         elif key in ("state_dict_metadata", "storage_data"):
             raise MindFormersFormatError(path, f"expected {key!r} once, as an object")
         else:
             stream.value()  # something newer savers add: read past it
     return params, storage
+
+
+def _add_storage_run(storage: dict, keys: list[str], locations: tuple, path: str, shared: Shared) -> None:
+    """storage_data keys `keys` (consecutive, of one entry text) placed at `locations`, as one at a
+    time would place them (which is how a run with anything wrong in it is read)."""
+    try:
+        places = [(sys.intern(name), k) for name, k in parse_storage_keys(keys, path)]
+    except MindFormersFormatError:
+        places = None
+    if places is not None and storage.keys().isdisjoint(places) and len(set(places)) == len(places):
+        shared.check_count(len(storage) + len(places), "storage_data places", path)
+        storage.update(zip(places, repeat(locations)))
+        return
+    for key in keys:
+        _place(storage, key, locations, path, shared)
+
+
+def _place(storage: dict, key: str, locations: tuple, path: str, shared: Shared) -> None:
+    name, k = parse_storage_key(key, path)
+    if (name, k) in storage:
+        raise MindFormersFormatError(path, f"parameter {short_name(name)!r} shard {k}: storage_data has two keys for it")
+    storage[(sys.intern(name), k)] = locations
+    shared.check_count(len(storage), "storage_data places", path)
 
 
 def _remember(seen: dict, text: str, value) -> None:
@@ -229,7 +260,10 @@ def _remember(seen: dict, text: str, value) -> None:
 def _read_params(stream: JsonStream, path: str, shared: Shared) -> dict[str, ParamMetadata]:
     params: dict[str, ParamMetadata] = {}
     seen: dict[str, ParamMetadata] = {}  # the text of an entry -> what it gave (under its first name)
-    for name, obj, text in stream.items(seen):
+    for name, obj, text in stream.items(seen, runs=True):
+        if obj is RUN:
+            _add_run(params, name, seen[text].spec, path, shared)
+            continue
         shared.check_count(len(params) + 1, "state_dict_metadata describes", path)
         if name in params:
             raise MindFormersFormatError(path, f"state_dict_metadata describes parameter {short_name(name)!r} twice")
@@ -241,6 +275,20 @@ def _read_params(stream: JsonStream, path: str, shared: Shared) -> dict[str, Par
         else:
             params[name] = ParamMetadata(name, first.spec)
     return params
+
+
+def _add_run(params: dict[str, ParamMetadata], names: list[str], spec: ParamSpec, path: str, shared: Shared) -> None:
+    """Parameters `names` (consecutive, of one entry text) with `spec`, as one at a time would add them."""
+    if params.keys().isdisjoint(names) and len(set(names)) == len(names):
+        shared.check_count(len(params) + len(names), "state_dict_metadata describes", path)
+        names = list(map(sys.intern, names))
+        params.update(zip(names, map(ParamMetadata, names, repeat(spec))))
+        return
+    for name in names:  # the first name described twice, said as the careful way says it
+        shared.check_count(len(params) + 1, "state_dict_metadata describes", path)
+        if name in params:
+            raise MindFormersFormatError(path, f"state_dict_metadata describes parameter {short_name(name)!r} twice")
+        params[name] = ParamMetadata(name, spec)
 
 
 def _parse_param(name: str, obj, path: str, shared: Shared) -> ParamMetadata:

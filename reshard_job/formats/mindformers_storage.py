@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import re
 from dataclasses import dataclass
+from itertools import chain
 from typing import TYPE_CHECKING
 
 from reshard_job.formats.mindformers_parsing import MindFormersFormatError, Shared, brief, int_list, is_int, short_name
@@ -18,6 +19,7 @@ if TYPE_CHECKING:
 
 MAX_KEY_CHARS = 1 << 16  # a storage_data key read by a literal evaluator: longer is no "('<name>', (<k>,))"
 _STORAGE_KEY = re.compile(r"^\('([^'\\]*)', \((\d{1,20}),\)\)$")  # the common case, without the evaluator
+_STORAGE_KEYS = re.compile(r"\('([^'\\\0]*)', \((\d{1,20}),\)\)\0")  # the common case, keys joined by NULs
 _ABSURD_INT = re.compile(r"\d{21}")
 
 
@@ -84,6 +86,16 @@ def check_locations(p: ParamMetadata, locations: tuple, path: str) -> None:
             if loc.storage_rank not in loc.rank_group:
                 raise MindFormersFormatError(path, f"{where}: storage_rank {loc.storage_rank} is not in its rank_group "
                                                    f"{brief(list(loc.rank_group))}")
+
+
+def parse_storage_keys(keys: list[str], path: str) -> list[tuple[str, int]]:
+    """``parse_storage_key`` of each of `keys`: all at once where every one has the common form."""
+    joined = "\0".join(keys) + "\0"
+    places = _STORAGE_KEYS.findall(joined)
+    # every key wholly one match: as many matches as keys, covering as many characters
+    if len(places) == len(keys) and len(joined) == len("".join(chain.from_iterable(places))) + 10 * len(keys):
+        return [(name, int(k)) for name, k in places]
+    return [parse_storage_key(key, path) for key in keys]
 
 
 def parse_storage_key(key: str, path: str) -> tuple[str, int]:

@@ -28,7 +28,7 @@ import reshard_job.formats.proto_schema as schema
 from reshard_job.formats.strategy_wire import layout_bytes, plain_layout_items, split_layout_items, write_layout_items
 from reshard_job.storage.atomic import write_bytes_atomic
 
-from reshard_job.jsonchunks import JsonProblem, strict_int
+from reshard_job.json_stream import JsonProblem, strict_int
 from reshard_job.core.strategy_model import (FORMAT_JSON, FORMAT_PROTOBUF, JSON_SUFFIX, MAX_AXES, MAX_DEVICES,
                                              missing_stages, MAX_STAGES, ParamLayout, StrategyFile, StrategyItem)
 

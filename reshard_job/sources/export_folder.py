@@ -9,7 +9,7 @@ from reshard_job.errors import ConfigError, FormatError
 from reshard_job.formats.hf_index import (INDEX_FILE, ExportIndex, check_against_index, index_size_limit,
                                           read_index_document)
 from reshard_job.formats.multifile import MultiFileSources
-from reshard_job.jsonchunks import file_reader
+from reshard_job.json_stream import file_reader
 from reshard_job.sources.open_files import SourceFiles
 from reshard_job.sources.rank_folders import LoadedStrategy, RankFiles, check_no_iteration, load_strategy
 from reshard_job.storage import StorageError, StorageOptions, absolute, storage_for

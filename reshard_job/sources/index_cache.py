@@ -29,7 +29,7 @@ import os
 import re
 import zlib
 
-from reshard_job.jsonchunks import MAX_INT_DIGITS
+from reshard_job.json_stream import MAX_INT_DIGITS
 from reshard_job.sources.file_digests import default_cache_path
 from reshard_job.storage.cache_files import mark_used, remove_least_recently_used, write_cache_file
 

@@ -36,7 +36,7 @@ from reshard_job.formats.safetensors.header import MAX_HEADER_BYTES, header_scal
 from reshard_job.formats.index import IndexView
 from reshard_job.formats.multifile import MultiFileReader, MultiFileSources
 from reshard_job.formats.safetensors import SafetensorsReader
-from reshard_job.jsonchunks import JsonProblem, file_reader, loads_bounded
+from reshard_job.json_stream import JsonProblem, file_reader, loads_bounded
 from reshard_job.sources.mindformers_layouts import synthesize_strategy
 from reshard_job.storage import StorageError, StorageOptions, absolute, storage_for
 

@@ -21,7 +21,7 @@ PACKAGE = Path(__file__).parents[2] / "reshard_job"
 # lowest first; a room may import the rooms of any lower layer
 LAYERS = [
     ["reshard_job.text", "reshard_job.json_flat", "reshard_job.conf"],
-    ["reshard_job.errors", "reshard_job.secrets", "reshard_job.jsonchunks"],
+    ["reshard_job.errors", "reshard_job.secrets", "reshard_job.jsonchunks", "reshard_job.json_stream"],
     ["reshard_job.core"],
     ["reshard_job.storage"],
     ["reshard_job.formats", "reshard_job.plan"],

@@ -2,7 +2,7 @@
 then tensors and boxes are served by positioned reads (see the package docstring).
 
 A header may list hundreds of thousands of tensors (an expert per tensor): it is read a window
-at a time (``jsonchunks.JsonStream``) into columns (names, dtypes, shapes shared between equal
+at a time (``json_stream.JsonStream``) into columns (names, dtypes, shapes shared between equal
 ones, offsets), some 60 bytes a tensor; ``entries`` builds a tensor's ``TensorEntry`` when it is
 asked for (as the `.ckpt` reader does). ``json.loads`` of a 63 MB header took 1 GB.
 """
@@ -21,7 +21,7 @@ import numpy as np
 from reshard_job.errors import SafetensorsFormatError
 import reshard_job.core.dtypes as dtypes
 from reshard_job.core.sizes import shape_problem
-from reshard_job.jsonchunks import MATCHED, JsonProblem, JsonStream
+from reshard_job.json_stream import MATCHED, JsonProblem, JsonStream
 from reshard_job.formats.tensorfile import PositionedReader, TensorEntry
 from reshard_job.formats.crc32 import crc32_combine, hashed_as_count, scalar_crc_part
 from reshard_job.formats.safetensors.header import CRC_KEY, FORMAT_KEY, INT4_MARK, MAX_HEADER_BYTES, METADATA_KEY

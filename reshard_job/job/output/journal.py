@@ -34,7 +34,8 @@ from collections.abc import Container, Iterator
 from dataclasses import dataclass, field
 
 from reshard_job.errors import OutputError
-from reshard_job.jsonchunks import JsonProblem, JsonStream, file_reader, iter_json
+from reshard_job.jsonchunks import iter_json
+from reshard_job.json_stream import JsonProblem, JsonStream, file_reader
 from reshard_job.storage import Storage
 
 STATE_DIR = ".reshard_job"

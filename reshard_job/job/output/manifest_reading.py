@@ -5,7 +5,7 @@ A job reads a manifest it finds to decide what the directory holds: which conver
 ``run_id``), which files (``target``: ``files``, ``strategy``, ``node_manifests``). The rest (the
 configuration, the sources, the plan and, above all, the per-tensor digests, hundreds of MB for a
 model of a million tensors) is never needed there, so it is read past a value at a time and dropped
-(``jsonchunks.JsonStream``): memory follows what is kept, not the file.
+(``json_stream.JsonStream``): memory follows what is kept, not the file.
 
 The file may have become anything since it was written (truncated, replaced, a sparse 2 GiB file of
 zeros), so reading is bounded by what a manifest of the files it lists can be: before ``target``
@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import re
 
-from reshard_job.jsonchunks import JsonProblem, JsonStream, file_reader
+from reshard_job.json_stream import JsonProblem, JsonStream, file_reader
 
 HEAD_BYTES = 256 << 20  # config, sources, plan: far below this for any real conversion
 TENSORS_BYTES_PER_BYTE = 16  # per-tensor digests per byte of the files they describe (see journal)

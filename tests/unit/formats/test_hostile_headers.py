@@ -19,7 +19,7 @@ from reshard_job.formats.hf_index import ExportIndex, check_against_index, read_
 from reshard_job.formats.mindformers_metadata import MindFormersFormatError, parse_metadata
 from reshard_job.formats.multifile import MultiFileReader
 from reshard_job.formats.safetensors import SafetensorsReader
-from reshard_job.jsonchunks import REUSED, JsonProblem, JsonStream, loads_bounded
+from reshard_job.json_stream import REUSED, JsonProblem, JsonStream, loads_bounded
 
 GOLDEN = Path(__file__).resolve().parents[2] / "golden"
 M1A_METADATA = GOLDEN / "M1a_mf_llama_dp2mp2os_bf16_to_mp4" / "src_mindformers" / "iteration_00000020" / "metadata.json"

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from reshard_job.job.output.manifest_reading import ManifestDamaged, _skip_object, read_manifest_summary
-from reshard_job.jsonchunks import JsonStream
+from reshard_job.json_stream import JsonStream
 from reshard_job.storage import storage_for
 
 
