@@ -17,6 +17,7 @@ without the file: callers name it.
 from __future__ import annotations
 
 import codecs
+import functools
 import io
 import json
 import re
@@ -40,8 +41,15 @@ RECENT = 4  # recent distinct values ``JsonStream.items`` compares the next one 
 REUSED = object()  # ``JsonStream.items``: the value is the caller's, known by its text
 MATCHED = object()  # ``JsonStream.items``: the member matched the caller's pattern (the match is the third)
 RUN = object()  # ``JsonStream.items(runs=True)``: the keys (a list) of consecutive members of one known value
+MATCHED_RUN = object()  # ``JsonStream.items(runs=True, pattern=…)``: the groups of consecutive members it matched
 _PLAIN_KEYS = re.compile(r'(?:"[^"\\\x00-\x1f]*"\x00)*')  # keys without escapes (others: the careful way)
 RUN_FIRST = 4  # members a run is first looked for in (their value's length each): doubled while it lasts
+
+
+@functools.lru_cache(maxsize=8)
+def _pattern_runs(pattern: re.Pattern) -> tuple[re.Pattern, re.Pattern]:
+    """(a run of members `pattern` matches, each followed by a comma; one such member)."""
+    return re.compile(f"(?:{pattern.pattern},)+", pattern.flags), re.compile(f"{pattern.pattern},", pattern.flags)
 
 
 class JsonProblem(ValueError):
@@ -200,16 +208,23 @@ class JsonStream:
         it is yielded as ``REUSED`` with that very text. `max_value(key)`: the bound on that key's value
         (``max_value`` of the stream otherwise). `pattern`: a member in the caller's most common compact
         form, its key (without escapes) in group 1: one it matches is yielded as (key, ``MATCHED``, the match).
-        `runs`: consecutive compact members whose value is the text of the newest known one are yielded
-        together as (their keys, ``RUN``, the text), found by two regular expressions, not a call each
-        (a save of 600,000 experts' weights repeats one entry: the loop per member was most of its cost)."""
+        `runs`: consecutive compact members whose value is the text of the last one, known, are yielded
+        together as (their keys, ``RUN``, the text), and consecutive members `pattern` matches as
+        (``findall``'s groups of each, ``MATCHED_RUN``, None): found in C, not by a call each (a save of
+        600,000 experts' weights repeats one entry: the loop per member was most of its cost)."""
         self.take("{")
         if self.peek() == "}":
             self.pos += 1
             return
         recent: list[str] = []  # texts of the last values that `known` holds, newest first
         last, span = None, 0  # the text of the last member's value if known; where a run is looked for
+        pattern_span = RUN_FIRST * 256  # where a run of members `pattern` matches is looked for
         while True:
+            if runs and pattern is not None and (rows := self._matched_run(pattern, pattern_span)):
+                yield rows, MATCHED_RUN, None
+                pattern_span = min(2 * pattern_span, self.chunk)
+                continue
+            pattern_span = RUN_FIRST * 256
             m = pattern.match(self.buf, self.pos) if pattern is not None else None
             if m is not None and m.end() < len(self.buf):  # the end of the window may cut a member
                 self.pos = m.end()
@@ -251,6 +266,25 @@ class JsonStream:
         count = joined.count("\0", 0, valid)
         self.pos += valid - count + count * len(sep)
         return [key[1:-1] for key in parts[:count]]
+
+    def _matched_run(self, pattern: re.Pattern, span: int) -> list[tuple]:
+        """The groups of each member in the next `span` characters that `pattern` matches (as
+        ``Match.groups()`` gives them), each followed by a comma, all consumed; [] if none. One ``split`` finds them: where the pieces between the
+        matches are all empty, the members run on; the first that is not ends the run."""
+        whole, each = _pattern_runs(pattern)
+        if each.match(self.buf, self.pos) is None:
+            return []
+        text = self.buf[self.pos:self.pos + span]
+        parts = each.split(text)
+        width = pattern.groups + 1
+        gaps = parts[0::width]  # what lies before each match, then what follows the last
+        if not "".join(gaps[:-1]):
+            self.pos += len(text) - len(gaps[-1])
+            count = len(gaps) - 1
+        else:  # the members end before the window does: where, the run pattern says
+            count = next(i for i, gap in enumerate(gaps) if gap)
+            self.pos = whole.match(self.buf, self.pos).end()
+        return list(zip(*(parts[k:count * width:width] for k in range(1, width))))
 
     def _fast_item(self, recent: list[str], known):
         """The next member, compact or indented as ``json.dumps`` indents, wholly in the window, or

@@ -2,42 +2,26 @@
 then tensors and boxes are served by positioned reads (see the package docstring).
 
 A header may list hundreds of thousands of tensors (an expert per tensor): it is read a window
-at a time (``json_stream.JsonStream``) into columns (names, dtypes, shapes shared between equal
-ones, offsets), some 60 bytes a tensor; ``entries`` builds a tensor's ``TensorEntry`` when it is
+at a time into columns (names, dtypes, shapes shared between equal ones, offsets; see
+``header_columns``), some 60 bytes a tensor; ``entries`` builds a tensor's ``TensorEntry`` when it is
 asked for (as the `.ckpt` reader does). ``json.loads`` of a 63 MB header took 1 GB.
 """
 
 from __future__ import annotations
 
-import re
-import sys
 import zlib
 from array import array
 from collections.abc import Mapping
-from math import prod
 
 import numpy as np
 
 from reshard_job.errors import SafetensorsFormatError
 import reshard_job.core.dtypes as dtypes
-from reshard_job.core.sizes import shape_problem
-from reshard_job.json_stream import MATCHED, JsonProblem, JsonStream
+from reshard_job.json_stream import JsonProblem, JsonStream
 from reshard_job.formats.tensorfile import PositionedReader, TensorEntry
 from reshard_job.formats.crc32 import crc32_combine, hashed_as_count, scalar_crc_part
-from reshard_job.formats.safetensors.header import CRC_KEY, FORMAT_KEY, INT4_MARK, MAX_HEADER_BYTES, METADATA_KEY
-
-
-MAX_DIMS = 64  # numpy's limit on an array's dimensions (MindSpore's tensors have at most 8)
-MAX_ENTRY_CHARS = 1 << 16  # a tensor's header entry: dtype, at most MAX_DIMS dims, two offsets
-_INT = r"(?:0|[1-9][0-9]{0,17})"
-# an entry as the safetensors library writes it, its name without escapes: parsed by this alone (a third
-# of the time of the JSON scanner); anything else (other spacing or key order too) goes the careful way
-_COMPACT = re.compile(rf'"([^"\\\x00-\x1f]*)":\{{"dtype":"([A-Za-z0-9_]{{1,32}})","shape":\[((?:{_INT}(?:,{_INT}){{0,{MAX_DIMS - 1}}})?)\],"data_offsets":\[({_INT}),({_INT})\]\}}')
-
-
-def _brief(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:79] + "…"
+from reshard_job.formats.safetensors.header_columns import HeaderColumns
+from reshard_job.formats.safetensors.header import CRC_KEY, FORMAT_KEY, INT4_MARK, MAX_HEADER_BYTES
 
 
 class _Entries(Mapping):
@@ -77,7 +61,7 @@ def _unique(pairs):
     return obj
 
 
-class SafetensorsReader(PositionedReader):
+class SafetensorsReader(HeaderColumns, PositionedReader):
     """Index of a safetensors file; serves tensors and boxes of tensors by positioned reads.
 
     ``entries`` maps names to TensorEntry in data-offset order; dtypes are MindSpore names
@@ -177,120 +161,6 @@ class SafetensorsReader(PositionedReader):
             done += k
             return data
         return read
-
-    def _read_header(self, stream: JsonStream) -> None:
-        """Every tensor's name, code, shape, begin and length into the columns, in header order
-        (no row object per tensor: for 600,000 tensors those were 100 MiB at once); the metadata."""
-        first = stream.peek()
-        if first != "{":
-            raise self._error(f"header is not a JSON object (it begins with {first[:1]!r}), expected an object")
-        known, metadata = {}, False
-        pos = self._pos  # name -> header position (file position once ``_set_columns`` has run)
-        names, begins, kind_col = self._names, self._begin, self._kind
-        bound = lambda k: MAX_HEADER_BYTES if k == METADATA_KEY else MAX_ENTRY_CHARS  # noqa: E731
-        for name, info, m in stream.items(max_value=bound, pattern=_COMPACT):
-            if name in pos or (name == METADATA_KEY and metadata):
-                raise self._error(f"header has key {name[:80]!r} twice")
-            if name == METADATA_KEY:
-                self._metadata, metadata = (self._parse_metadata(_as_dict(m) if info is MATCHED else info), True)
-                continue
-            name = sys.intern(name)
-            if info is MATCHED:
-                begin, code, shape, nbytes = self._matched_tensor(name, m, known)
-            else:
-                begin, code, shape, nbytes = self._known_tensor(name, info, known) or self._parse_tensor(name, info, known)
-            pos[name] = len(names)
-            names.append(name)
-            begins.append(begin)
-            kind_col.append(self._kind_number((code, None, shape, nbytes)))
-        stream.end()
-
-    def _kind_number(self, kind: tuple) -> int:
-        number = self._kind_ids.get(kind)
-        if number is None:
-            number = self._kind_ids[kind] = len(self._kinds)
-            self._kinds.append(kind)
-        return number
-
-    def _matched_tensor(self, name: str, m: re.Match, known: dict) -> tuple:
-        """``_parse_tensor`` of an entry ``_COMPACT`` matched: its dtype and shape text parsed once."""
-        begin, end = int(m[4]), int(m[5])
-        facts = known.get((m[2], m[3]))
-        if facts is None or end - begin != facts[2]:
-            facts = known[(m[2], m[3])] = self._parse_tensor(name, _as_dict(m), known)[1:]
-        return (begin, *facts)
-
-    def _known_tensor(self, name: str, info, known: dict) -> tuple | None:
-        """``_parse_tensor`` of an entry whose dtype and shape an earlier one had (most do), or None."""
-        try:
-            shape, (begin, end) = info["shape"], info["data_offsets"]
-            code, shape, nbytes = known[(info["dtype"], tuple(shape))]
-        except (KeyError, TypeError, ValueError):
-            return None
-        if len(info) != 3 or type(begin) is not int or type(end) is not int or begin < 0 or end - begin != nbytes:
-            return None
-        self._check_text(name, "tensor name")
-        return begin, code, shape, nbytes
-
-    def _parse_metadata(self, meta) -> dict[str, str] | None:
-        if meta is None:
-            return None
-        if not isinstance(meta, dict):
-            raise self._error(f"{METADATA_KEY} is {type(meta).__name__}, expected an object of strings")
-        for k, v in meta.items():
-            if not isinstance(v, str):
-                raise self._error(f"{METADATA_KEY} value of {k!r} is {type(v).__name__}, expected a string")
-            self._check_text(k, "metadata key")
-            self._check_text(v, f"metadata value of {k!r}")
-        return meta
-
-    def _check_text(self, s: str, what: str) -> None:
-        try:
-            s.encode("utf-8")
-        except UnicodeEncodeError:  # a lone surrogate escape such as "\ud800"
-            raise self._error(f"{what} {s!r} is not valid Unicode") from None
-
-    def _parse_tensor(self, name: str, info, known: dict) -> tuple:
-        """(begin, code, shape, nbytes) of one header entry, checked."""
-        self._check_text(name, "tensor name")
-        where = f"tensor {name!r}"
-        if not isinstance(info, dict):
-            raise self._error(f"{where}: header entry is {type(info).__name__}, expected an object")
-        missing = [k for k in ("dtype", "shape", "data_offsets") if k not in info]
-        if missing:
-            raise self._error(f"{where}: header entry lacks {', '.join(missing)}")
-        code, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
-        if not isinstance(code, str):
-            raise self._error(f"{where}: dtype is {type(code).__name__}, expected a string")
-        try:
-            dt = dtypes.from_safetensors(code)
-        except KeyError:
-            raise self._error(f"{where}: unknown dtype {code[:40]!r}") from None
-        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-            raise self._error(f"{where}: shape {_brief(shape)} is not a list of non-negative integers")
-        if len(shape) > MAX_DIMS:
-            raise self._error(f"{where}: shape has {len(shape)} dims, more than the {MAX_DIMS} any array can have")
-        problem = shape_problem(shape, dt.itemsize)
-        if problem:
-            raise self._error(f"{where}: shape {_brief(shape)} cannot be kept: {problem}")
-        if (
-            not isinstance(offsets, list)
-            or len(offsets) != 2
-            or not all(type(o) is int and o >= 0 for o in offsets)
-        ):
-            raise self._error(f"{where}: data_offsets {_brief(offsets)} is not a pair of non-negative integers")
-        begin, end = offsets
-        if end < begin:
-            raise self._error(f"{where}: data_offsets [{begin}, {end}] end before they begin")
-        want = prod(shape) * dt.itemsize
-        if end - begin != want:
-            raise self._error(
-                f"{where}: data_offsets [{begin}, {end}] hold {end - begin} bytes, "
-                f"but shape {shape} of {code} needs {want}"
-            )
-        shape = tuple(shape)
-        known[(code, shape)] = (sys.intern(code), shape, want)
-        return begin, sys.intern(code), shape, want
 
     def _set_columns(self, data_size: int) -> None:
         """The columns put in file order, checked to tile the data section exactly; the dtypes."""
@@ -436,12 +306,6 @@ class SafetensorsReader(PositionedReader):
         if storage is not None:
             return storage
         return super()._storage(entry)
-
-
-def _as_dict(m: re.Match) -> dict:
-    """The header entry ``_COMPACT`` matched, as ``json`` would have made it."""
-    return {"dtype": m[2], "shape": [int(d) for d in m[3].split(",")] if m[3] else [],
-            "data_offsets": [int(m[4]), int(m[5])]}
 
 
 def _plain(dtype: str) -> bool:
