@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from json.encoder import encode_basestring, encode_basestring_ascii
 from typing import Any, Iterable, Iterator, Sequence
 
@@ -44,6 +45,18 @@ def table(headers: Sequence[str], rows: Iterable[Sequence[Any]], *, indent: str 
                   for i, cell in enumerate(row)]
         lines.append((indent + "  ".join(padded)).rstrip())
     return "\n".join(lines)
+
+
+# C0 and C1 controls, DEL, and the line and paragraph separators: what could end a line or drive a terminal
+_UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def one_line_of(text: str) -> str:
+    """`text` as one line a terminal only shows: every control character (newline, tab and ESC
+    included), written as ``\\xNN`` (a file named with ESC[2J must not clear the screen it is named on,
+    nor a newline in a name split an error in two)."""
+    return _UNPRINTABLE.sub(lambda m: f"\\x{ord(m.group()):02x}" if m.group() < "\u0100" else f"\\u{ord(m.group()):04x}",
+                            text)
 
 
 def shorten(text: object, limit: int = 96) -> str:

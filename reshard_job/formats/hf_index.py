@@ -85,6 +85,8 @@ def read_index_document(read, path: str) -> ExportIndex:
         raise FormatError(path, text if text.startswith("not valid") else f"cannot be read as JSON ({text})") from None
     if weight_map is None:
         raise FormatError(path, "expected an object with a 'weight_map' of tensor names to file names")
+    if not weight_map:
+        raise FormatError(path, "'weight_map' names no tensor (an export holds at least one)")
     return ExportIndex(weight_map, _total_size(metadata, path))
 
 

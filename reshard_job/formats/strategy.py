@@ -23,14 +23,15 @@ import os
 import sys
 
 from reshard_job.errors import StrategyFormatError
-from reshard_job.text import bounded_list, quoted, shorten
+from reshard_job.text import bounded_list, quoted
 import reshard_job.formats.proto_schema as schema
 from reshard_job.formats.strategy_wire import layout_bytes, plain_layout_items, split_layout_items, write_layout_items
 from reshard_job.storage.atomic import write_bytes_atomic
 
-from reshard_job.json_stream import JsonProblem, strict_int
-from reshard_job.core.strategy_model import (FORMAT_JSON, FORMAT_PROTOBUF, JSON_SUFFIX, MAX_AXES, MAX_DEVICES,
-                                             missing_stages, MAX_STAGES, ParamLayout, StrategyFile, StrategyItem)
+from reshard_job.formats.strategy_checks import check_stage, dev_matrix, interned, tensor_map_entries
+from reshard_job.formats.strategy_json import parse_json_strategy
+from reshard_job.core.strategy_model import (FORMAT_JSON, FORMAT_PROTOBUF, JSON_SUFFIX, missing_stages, ParamLayout,
+                                             StrategyFile, StrategyItem)
 
 
 def format_for(path: str | os.PathLike) -> str:
@@ -155,9 +156,9 @@ def _protobuf_layout(pl, path, name: str, checked: dict, shared: dict) -> ParamL
            tuple(pl.indices_offset[0].dim) if pl.indices_offset else (), int(pl.field))
     layout = checked.get(raw)
     if layout is None:
-        layout = checked[raw] = _interned(shared, ParamLayout(
-            dev_matrix=_dev_matrix(raw[0], path, name),
-            tensor_map=_tensor_map(tensor_map, path, name),
+        layout = checked[raw] = interned(shared, ParamLayout(
+            dev_matrix=dev_matrix(raw[0], path, name),
+            tensor_map=tensor_map_entries(tensor_map, path, name),
             opt_shard_step=raw[2],
             opt_shard_size=raw[3],
             param_split_shape=raw[4],
@@ -173,7 +174,7 @@ def _protobuf_items(strategy_items, path) -> list[StrategyItem]:
     if bad is not None:
         raise StrategyFormatError(path, f"operator name {quoted(bad)} is not valid UTF-8")
     for it in strategy_items:
-        _check_stage(int(it.parallel_strategys.stage), path, f"operator {quoted(it.node_name)}")
+        check_stage(int(it.parallel_strategys.stage), path, f"operator {quoted(it.node_name)}")
     return [
         StrategyItem(
             it.node_name,
@@ -182,117 +183,6 @@ def _protobuf_items(strategy_items, path) -> list[StrategyItem]:
         )
         for it in strategy_items
     ]
-
-
-def _interned(shared: dict, layout: ParamLayout) -> ParamLayout:
-    """Equal layouts as one object: a model of 300,000 parameters has a handful of layouts."""
-    return shared.setdefault(layout, layout)
-
-
-def _check_stage(stage: int, path, where: str) -> None:
-    if not 0 <= stage < MAX_STAGES:
-        raise StrategyFormatError(path, f"{where}: pipeline stage {stage} is out of range (0..{MAX_STAGES - 1})")
-
-
-def _dev_matrix(dims: tuple[int, ...], path, name) -> tuple[int, ...]:
-    where = f"parameter {quoted(name)}: dev_matrix {bounded_list(dims)}"
-    if len(dims) > MAX_AXES:
-        raise StrategyFormatError(path, f"{where} has {len(dims)} axes, more than {MAX_AXES}")
-    if any(d < 1 for d in dims):
-        raise StrategyFormatError(path, f"{where} must hold positive device counts")
-    devices = 1
-    for d in dims:
-        devices *= d
-        if devices > MAX_DEVICES:
-            raise StrategyFormatError(path, f"{where} declares more than {MAX_DEVICES} devices")
-    return dims
-
-
-def _tensor_map(entries: tuple, path, name) -> tuple:
-    if len(entries) > MAX_AXES or any(isinstance(e, tuple) and len(e) > MAX_AXES for e in entries):
-        raise StrategyFormatError(path, f"parameter {quoted(name)}: tensor_map has more than {MAX_AXES} entries")
-    return entries
-
-
-def _int_list(value, path, what) -> tuple[int, ...]:
-    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        raise StrategyFormatError(path, f"{what} must be a list of integers, got {shorten(repr(value), 80)}")
-    return tuple(value)
-
-
-def parse_json_strategy(data: bytes, path: str | None = None) -> StrategyFile:
-    try:
-        obj = json.loads(data.decode("utf-8"), parse_int=strict_int)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise StrategyFormatError(path, f"not valid JSON ({e}); a name ending in .json is read as JSON") from None
-    except JsonProblem as e:
-        raise StrategyFormatError(path, str(e)) from None
-    except RecursionError:
-        raise StrategyFormatError(path, "not a JSON strategy: nested too deeply") from None
-    if not isinstance(obj, dict):
-        raise StrategyFormatError(path, "JSON strategy must be an object with 'parallel_layout_item'")
-    raw_layouts = obj.get("parallel_layout_item", {})
-    raw_items = obj.get("parallel_strategy_item", {})
-    if not isinstance(raw_layouts, dict) or not isinstance(raw_items, dict):
-        raise StrategyFormatError(path, "'parallel_layout_item' and 'parallel_strategy_item' must be objects")
-    if not raw_layouts and not raw_items:
-        raise StrategyFormatError(path, "no parameter layouts or operator strategies: not a strategy file")
-    shared: dict[ParamLayout, ParamLayout] = {}
-    layouts = {name: _interned(shared, _json_layout(name, d, path)) for name, d in raw_layouts.items()}
-    items = [_json_item(node, d, path) for node, d in raw_items.items()]
-    stage = obj.get("current_stage", 1)
-    return StrategyFile(layouts, items, stage if isinstance(stage, int) else 1, FORMAT_JSON, path)
-
-
-def _json_layout(name: str, d, path) -> ParamLayout:
-    """One ``parallel_layout_item`` entry as a layout, validated."""
-    where = f"parameter {quoted(name)}"
-    if not isinstance(d, dict):
-        raise StrategyFormatError(path, f"{where}: layout must be an object")
-    for key in ("dev_matrix", "tensor_map", "field", "opt_weight_shard_step", "opt_weight_shard_size"):
-        if key not in d:
-            raise StrategyFormatError(path, f"{where}: layout lacks {key!r}")
-    entries = _json_tensor_map(d["tensor_map"], path, where)
-    for key in ("field", "opt_weight_shard_step", "opt_weight_shard_size"):
-        if not isinstance(d[key], int) or isinstance(d[key], bool):
-            raise StrategyFormatError(path, f"{where}: {key} must be an integer, got {shorten(repr(d[key]), 80)}")
-    return ParamLayout(
-        dev_matrix=_dev_matrix(_int_list(d["dev_matrix"], path, f"{where}: dev_matrix"), path, name),
-        tensor_map=_tensor_map(entries, path, name),
-        opt_shard_step=d["opt_weight_shard_step"],
-        opt_shard_size=d["opt_weight_shard_size"],
-        param_split_shape=_int_list(d.get("param_split_shape", []), path, f"{where}: param_split_shape"),
-        indices_offset=_int_list(d.get("indices_offset", []), path, f"{where}: indices_offset"),
-        field=d["field"],
-        tensor_shape=_int_list(d["tensor_shape"], path, f"{where}: tensor_shape") if "tensor_shape" in d else None,
-    )
-
-
-def _json_tensor_map(tm, path, where: str) -> tuple:
-    """A JSON ``tensor_map``: integers, or lists of integers for multi-axis dimensions."""
-    if not isinstance(tm, list):
-        raise StrategyFormatError(path, f"{where}: tensor_map must be a list")
-    entries: list = []
-    for e in tm:
-        if isinstance(e, list):
-            entries.append(_int_list(e, path, f"{where}: tensor_map entry"))
-        elif isinstance(e, int) and not isinstance(e, bool):
-            entries.append(e)
-        else:
-            raise StrategyFormatError(path, f"{where}: tensor_map entries must be integers, got {shorten(repr(e), 80)}")
-    return tuple(entries)
-
-
-def _json_item(node: str, d, path) -> StrategyItem:
-    """One ``parallel_strategy_item`` entry (an operator's stage and strategies), validated."""
-    stage = d.get("stage", 0) if isinstance(d, dict) else None
-    if not isinstance(stage, int) or isinstance(stage, bool):
-        raise StrategyFormatError(path, f"operator {quoted(node)}: strategy item must be an object with an integer 'stage'")
-    _check_stage(stage, path, f"operator {quoted(node)}")
-    strategies = d.get("parallel_strategy", [])
-    if not isinstance(strategies, list):
-        raise StrategyFormatError(path, f"operator {quoted(node)}: parallel_strategy must be a list")
-    return StrategyItem(node, stage, tuple(_int_list(s, path, f"operator {quoted(node)}: strategy") for s in strategies))
 
 
 # =========================================================================================== write

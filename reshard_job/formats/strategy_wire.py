@@ -60,6 +60,7 @@ def layout_bytes(data: bytes) -> list | None:
 
 
 LAYOUT_ITEM = 3  # ParallelStrategyMap.parallel_layout_item
+KNOWN_FIELDS = (1, 2)  # ParallelStrategyMap.current_stage, .parallel_strategy_item: the rest of the head
 _NAME_KEY, _LAYOUTS_KEY = 0x0A, 0x12  # ParallelLayoutItem: param_name (1), parallel_layouts (2), both LEN
 _NAME_TAG, _LAYOUTS_TAG = bytes((_NAME_KEY,)), bytes((_LAYOUTS_KEY,))
 
@@ -98,7 +99,8 @@ def split_layout_items(data: bytes) -> tuple[bytes, int] | None:
                 count += 1
                 continue
             pos = wire.skip_field(data, pos, end, key & 7)
-            head.append(view[start:pos])
+            if key >> 3 in KNOWN_FIELDS:  # fields of a newer schema: neither read nor copied (they can be large)
+                head.append(view[start:pos])
     except wire.WireError:
         return None
     return b"".join(head), count

@@ -174,7 +174,8 @@ def read_strategy_file(path: str, storage_options: StorageOptions | None = None)
 
 def read_strategy_bytes(path: str, storage_options: StorageOptions | None = None) -> tuple["StrategyFile", bytes]:
     """A strategy file's parsed content and the exact bytes it was parsed from."""
-    from reshard_job.formats.strategy import format_for, parse_json_strategy, parse_protobuf_strategy
+    from reshard_job.formats.strategy import format_for, parse_protobuf_strategy
+    from reshard_job.formats.strategy_json import parse_json_strategy
     from reshard_job.core.strategy_model import FORMAT_JSON
     from reshard_job.errors import StrategyFormatError
     from reshard_job.storage import StorageError

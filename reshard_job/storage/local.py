@@ -185,9 +185,17 @@ class LocalStorage:
         with LocalFile(path) as f:
             if f.size > limit:
                 raise StorageError(f"{path}: {f.size} bytes, more than the {limit} bytes such a file may have")
-            buf = bytearray(f.size)
-            n = f.pread_into(0, memoryview(buf))
-        return bytes(buf[:n])
+            parts, at = [], 0
+            while at < f.size:  # straight into bytes objects: a file the size of the limit is held once
+                try:
+                    part = os.pread(f.fileno(), f.size - at, at)
+                except OSError as e:
+                    raise _os_error(path, e, "read") from None
+                if not part:
+                    break
+                parts.append(part)
+                at += len(part)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
     # -- writing -----------------------------------------------------------------------------
     def create(self, path: str, *, mode: int = 0o444, large: bool = False) -> AtomicFile:

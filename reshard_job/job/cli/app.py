@@ -82,8 +82,9 @@ def _run_hydra() -> None:
             if user_full or not _is_configuration_error(e):
                 raise  # a bug, or the user asked for full errors: the traceback
             from reshard_job.job.cli.messages import one_line
+            from reshard_job.text import one_line_of
 
-            print(f"reshard_job: error: {one_line(e)}", file=sys.stderr)
+            print(f"reshard_job: error: {one_line_of(one_line(e))}", file=sys.stderr)
             sys.exit(EXIT_ERROR)
         finally:
             try:

@@ -30,9 +30,9 @@ def error_line(e: BaseException) -> str:
         e.status = "interrupted"
         return interrupted_line(str(e))
     from reshard_job.secrets import mask_url
-    from reshard_job.text import shorten
+    from reshard_job.text import one_line_of, shorten
 
-    return f"reshard_job: error: {shorten(mask_url(str(e)), 2000)}"
+    return f"reshard_job: error: {one_line_of(shorten(mask_url(str(e)), 2000))}"
 
 
 def log_to_file(line: str) -> None:

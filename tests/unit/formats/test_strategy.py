@@ -505,4 +505,5 @@ def test_a_json_strategy_with_an_integer_of_absurd_length_is_refused_as_such(tmp
     path.write_text(text)
     with pytest.raises(StrategyFormatError) as e:
         read_strategy(path)
-    assert str(e.value) == f"{path}: an integer of more than 20 digits (777777777777…): integers of absurd length are refused"
+    assert str(e.value) == (f"{path}: at key 'w': an integer of more than 20 digits (777777777777…): integers of absurd length are "
+                            f"refused (under key {where!r})")
