@@ -143,7 +143,13 @@ def create_lineage_engine(url: str | URL, *, read_only: bool = False, wait: Lock
         # an unreachable server is reported after a bounded wait, not the driver's minutes.
         kwargs["pool_pre_ping"] = True
         kwargs["connect_args"] = {"connect_timeout": POSTGRES_CONNECT_TIMEOUT_S}
-    engine = create_engine(parsed, **kwargs)
+    try:
+        engine = create_engine(parsed, **kwargs)
+    except ImportError as e:  # a database kind whose driver is not installed (mysql://: MySQLdb)
+        from reshard_job.lineage.errors import LineageError
+
+        raise LineageError(f"lineage database {_shown(parsed)}: its driver is not installed ({e}); the lineage "
+                           f"database is SQLite (sqlite:///PATH) or PostgreSQL (postgresql+psycopg://...)") from None
     if parsed.get_backend_name() == "sqlite":
         _configure_sqlite(engine, wait or LockWait(_shown(engine.url)))
     return engine

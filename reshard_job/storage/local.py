@@ -53,6 +53,12 @@ def _os_error(path: str, e: OSError, doing: str) -> StorageError:
     return StorageError(f"{path}: cannot {doing} ({e.strerror or e})")
 
 
+def _regular_lock(fd: int, path: str) -> None:
+    """A lock file that is a FIFO or a device (opened without waiting) is refused: StorageError."""
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        raise StorageError(f"{path}: is not a regular file (a FIFO or device named like the job's lock); remove it")
+
+
 class LocalFile:
     """A regular file opened read-only for positioned reads (``RandomAccess``)."""
 
@@ -260,12 +266,13 @@ class LocalStorage:
         return removed
 
     def held_by(self, folder: str) -> str | None:
+        path = os.path.join(folder, STATE_DIR, LOCK_FILE)
         try:
-            fd = os.open(os.path.join(folder, STATE_DIR, LOCK_FILE),
-                         os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0))
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0))
         except OSError:
             return None  # no lock file: never locked
         try:
+            _regular_lock(fd, path)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as e:
@@ -284,10 +291,15 @@ class LocalStorage:
         self.makedirs(state)
         path = os.path.join(state, LOCK_FILE)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0),
-                         0o644)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+                         | getattr(os, "O_NOFOLLOW", 0), 0o644)
         except OSError as e:
             raise _os_error(path, e, "create the lock file") from None
+        try:
+            _regular_lock(fd, path)
+        except StorageError:
+            os.close(fd)
+            raise
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:

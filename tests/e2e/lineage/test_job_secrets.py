@@ -43,3 +43,26 @@ def test_credentials_never_reach_disk_or_the_database(tmp_path, postgres_url, po
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert manifest["config"]["lineage"]["url"] == url.replace(PASSWORD, "***")
     assert (tmp_path / "run" / ".hydra" / "overrides.yaml").read_text().count("***") == 2
+
+
+def test_hydra_never_writes_the_configuration_itself_so_a_killed_job_leaves_no_password(tmp_path):
+    """Hydra writes ``.hydra/`` before any of the job's code runs: a job killed then (``kill -9``)
+    left the command line's passwords there. The job writes those files itself, masked, as it starts;
+    here it is stopped by SIGKILL from its first log line on, and they hold no password."""
+    import os
+    import signal
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "reshard_job", f"source.checkpoints={S2 / 'src_checkpoints'}",
+         f"source.strategy={S2 / 'src_strategy.ckpt'}", "target=strategy", f"target.strategy={S2 / 'dst_strategy.ckpt'}",
+         "output.dir=out", "lineage.enabled=false", f"+storage.options.secret={KEY}", "hydra.run.dir=run"],
+        cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        proc.stderr.readline()  # the first log line: the job's code runs
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+    saved = tmp_path / "run" / ".hydra"
+    texts = [(saved / name).read_text() for name in ("config.yaml", "hydra.yaml", "overrides.yaml")]
+    assert all("***" in text and KEY not in text for text in texts)
+    assert "output_subdir: null" in texts[1]

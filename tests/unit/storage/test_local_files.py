@@ -103,3 +103,22 @@ def test_a_second_holder_of_the_lock_waits(tmp_path):
         assert not taken.wait(0.3)  # held by the first: the second waits
     assert taken.wait(10)
     thread.join()
+
+
+def test_a_lock_file_that_is_a_fifo_is_refused_not_waited_on(tmp_path):
+    """Opening a FIFO for reading waits for a writer: the job hung on such a lock for good."""
+    import os
+    import signal
+
+    from reshard_job.storage import StorageError
+    from reshard_job.storage.local import LOCK_FILE, STATE_DIR, LocalStorage
+
+    os.makedirs(tmp_path / STATE_DIR)
+    os.mkfifo(tmp_path / STATE_DIR / LOCK_FILE)
+    signal.alarm(20)  # a wait would be ended here, failing the test rather than hanging it
+    try:
+        for ask in (lambda s: s.held_by(str(tmp_path)), lambda s: s.lock(str(tmp_path), "pid 1")):
+            with pytest.raises(StorageError, match="is not a regular file"):
+                ask(LocalStorage())
+    finally:
+        signal.alarm(0)

@@ -1,0 +1,91 @@
+"""Hostile inputs of a fourth round, as a user runs them: each ends in one line (exit 2) naming
+what is wrong, with the names it prints shown, not obeyed, and nothing left that it must not."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from reliability_helpers import app_env, copy_s1, run_app, s1_args, the_error
+
+ESC = "\x1b[2J"
+
+
+def test_control_characters_in_a_file_name_are_shown_in_the_error_and_the_log(tmp_path):
+    """A rank file named with ESC[2J and a newline: the error names it on one line, escaped; so does
+    the log line about a second file in a rank folder."""
+    ckpts, src, dst = copy_s1(tmp_path / "s1")
+    rank3 = ckpts / "rank_3" / "checkpoint_3.ckpt"
+    data = rank3.read_bytes()[:100]
+    rank3.unlink()
+    (ckpts / "rank_3" / f"checkpoint_3\nFAKE: {ESC}.ckpt").write_bytes(data)
+    (ckpts / "rank_4" / f"a{ESC}\x07.ckpt").write_bytes((ckpts / "rank_4" / "checkpoint_4.ckpt").read_bytes())
+    res = run_app(tmp_path, *s1_args(ckpts, src, dst, tmp_path / "out"), "lineage.enabled=false")
+    line = the_error(res)
+    assert "checkpoint_3\\x0aFAKE: \\x1b[2J.ckpt: record at offset 0" in line
+    assert "\x1b" not in res.stderr and "\x07" not in res.stderr
+    assert "ignoring a\\x1b[2J\\x07.ckpt" in res.stderr
+
+
+def test_an_export_index_that_maps_no_tensor_is_refused(tmp_path):
+    (tmp_path / "exp").mkdir()
+    (tmp_path / "exp" / "model.safetensors.index.json").write_text('{"metadata": {"total_size": 0}, "weight_map": {}}')
+    res = run_app(tmp_path, "source.checkpoints=exp", "target=single", "output.dir=out", "lineage.enabled=false")
+    assert "'weight_map' names no tensor" in the_error(res)
+
+
+def test_a_strategy_padded_with_hundreds_of_megabytes_is_read_once(tmp_path):
+    """A protobuf strategy with a 300 MiB field of a newer schema, a JSON one with 300 MiB of
+    spaces: converted, each within 512 MiB (a file read whole three times over took 950 MiB)."""
+    from reshard_job.formats.strategy import read_strategy, to_json_bytes
+
+    ckpts, src, dst = copy_s1(tmp_path / "s1")
+    padded = tmp_path / "padded.ckpt"
+    with open(padded, "wb") as f:
+        f.write(src.read_bytes() + bytes([(15 << 3) | 2]) + varint(300 << 20))
+    text = to_json_bytes(read_strategy(src))
+    cut = text.rindex(b"}")
+    padded_json = tmp_path / "padded.json"
+    with open(padded_json, "wb") as f:
+        f.write(text[:cut])
+    for path in (padded, padded_json):
+        with open(path, "ab") as f:
+            for _ in range(300):
+                f.write((b"\0" if path is padded else b" ") * (1 << 20))
+            if path is padded_json:
+                f.write(text[cut:])
+    for path in (padded, padded_json):
+        measured = tmp_path / f"{path.name}.rss"
+        res = subprocess.run([sys.executable, "-S", str(Path(__file__).parents[3] / "benchmarks" / "measure_child.py"),
+                              str(measured), "--", sys.executable, "-m", "reshard_job",
+                              *s1_args(ckpts, path, dst, tmp_path / f"out_{path.suffix[1:]}"), "lineage.enabled=false"],
+                             cwd=tmp_path, env=app_env(), capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stderr
+        assert json.loads(measured.read_text())["maxrss_kib"] < 512 * 1024
+
+
+def varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    return bytes(out + bytes([n]))
+
+
+def test_a_lineage_database_whose_driver_is_not_installed_is_one_line_without_its_password(tmp_path):
+    ckpts, src, dst = copy_s1(tmp_path / "s1")
+    res = run_app(tmp_path, *s1_args(ckpts, src, dst, tmp_path / "out"), "lineage.url='mysql://bob:Zpw9@127.0.0.1:1/db'",
+                  "hydra.run.dir=run")
+    line = the_error(res)
+    assert "mysql://bob:***@127.0.0.1:1/db: its driver is not installed" in line
+    assert not [p for p in tmp_path.rglob("*") if p.is_file() and "Zpw9" in p.read_text(errors="replace")]
+
+
+def test_a_hundred_thousand_character_path_is_refused_at_once(tmp_path):
+    """Masking credentials in a long value rescanned it from every position (minutes)."""
+    ckpts, src, dst = copy_s1(tmp_path / "s1")
+    res = run_app(tmp_path, *s1_args(ckpts, src, dst, tmp_path / ("a" * 100_000)), "lineage.enabled=false",
+                  timeout=60)
+    assert "File name too long" in the_error(res)
