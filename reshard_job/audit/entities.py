@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from reshard_job.lineage.hash_names import HASH_ALGO
-from reshard_job.lineage.status import RunStatus
+from reshard_job.lineage.status import RunStatus, status_of
 
 # Which way a lineage is walked: back to the original sources, or forward to what was built.
 ANCESTORS = "ancestors"
@@ -54,7 +54,7 @@ class RunInfo:
 
     @classmethod
     def from_model(cls, run) -> RunInfo:
-        return cls(id=run.id, status=RunStatus(run.status), started_at=run.started_at, ended_at=run.ended_at,
+        return cls(id=run.id, status=status_of(run.status), started_at=run.started_at, ended_at=run.ended_at,
                    source_devices=run.source_devices, target_devices=run.target_devices, output_dir=run.output_dir,
                    sweep_id=run.sweep_id, job_num=run.job_num, tool_version=run.tool_version, host=run.host,
                    pid=run.pid, user=run.user, error=run.error)
@@ -175,15 +175,22 @@ class RankMapEntry:
     source_ranks: tuple[int, ...]
     bytes_read: int | None
     bytes_written: int | None
+    unreadable: str | None = None  # the row's source ranks where they are not a list of ranks (reported)
 
     @classmethod
     def from_model(cls, row) -> RankMapEntry:
-        return cls(target_rank=row.target_rank, source_ranks=tuple(row.source_ranks or ()),
-                   bytes_read=row.bytes_read, bytes_written=row.bytes_written)
+        ranks = row.source_ranks or []
+        plain = isinstance(ranks, list) and all(type(r) is int for r in ranks)
+        return cls(target_rank=row.target_rank, source_ranks=tuple(ranks) if plain else (),
+                   bytes_read=row.bytes_read, bytes_written=row.bytes_written,
+                   unreadable=None if plain else repr(ranks)[:200])
 
     def to_json(self) -> dict[str, Any]:
-        return {"target_rank": self.target_rank, "source_ranks": list(self.source_ranks),
-                "bytes_read": self.bytes_read, "bytes_written": self.bytes_written}
+        out = {"target_rank": self.target_rank, "source_ranks": list(self.source_ranks),
+               "bytes_read": self.bytes_read, "bytes_written": self.bytes_written}
+        if self.unreadable is not None:
+            out["source_ranks_unreadable"] = self.unreadable
+        return out
 
 
 @dataclass(frozen=True)

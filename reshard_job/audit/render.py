@@ -77,6 +77,10 @@ def runs_table(runs: list[RunInfo]) -> str:
 COPY_NOTE = "  (copy of an input)"  # bytes the run copied, not made: they link no runs
 
 
+def _source_ranks(entry) -> str:
+    return rank_ranges(entry.source_ranks) if entry.unreadable is None else f"unreadable: {entry.unreadable}"
+
+
 def _files_table(files: Iterable[FileUse]) -> str:
     files = list(files)
     if not files:
@@ -130,8 +134,8 @@ def run_details(details: RunDetails, fingerprints: FingerprintSummary | None = N
     lines.append(f"rank map ({len(details.rank_map)} target ranks):")
     if details.rank_map:
         lines.append(table(["TARGET", "SOURCE RANKS", "READ", "WRITTEN"],
-                           [[r.target_rank, rank_ranges(r.source_ranks), human_size(r.bytes_read),
-                             human_size(r.bytes_written)] for r in details.rank_map], indent="  "))
+                           [[r.target_rank, _source_ranks(r), human_size(r.bytes_read), human_size(r.bytes_written)]
+                            for r in details.rank_map], indent="  "))
     else:
         lines.append("  (none)")
     return "\n".join(lines)

@@ -61,7 +61,7 @@ from sqlalchemy import (
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 from reshard_job.lineage.file_records import ARTIFACT_KINDS  # one list for the schema and the file records
-from reshard_job.lineage.status import RunStatus
+from reshard_job.lineage.status import RunStatus, status_of
 
 DIRECTIONS = ("input", "output")
 # Which checkpoint a parameter's fingerprint was read from: the run's sources or its outputs.
@@ -155,7 +155,7 @@ class RunStatusColumn(TypeDecorator[RunStatus]):
         return None if value is None else RunStatus(value).value
 
     def process_result_value(self, value: str | None, dialect) -> RunStatus | None:
-        return None if value is None else RunStatus(value)
+        return None if value is None else status_of(value)
 
 
 class Base(DeclarativeBase):

@@ -41,3 +41,28 @@ class RunStatus(str, Enum):
     def may_still_report(self) -> bool:
         """Whether the run's own process may still record inputs, a plan or an end state."""
         return self in (RunStatus.STARTED, RunStatus.ABANDONED)
+
+
+class UnknownStatus(str):
+    """A status a run's row holds that no ``RunStatus`` is (a row edited, or written by a newer
+    version): shown as it is, marked, and never taken for a state a run may still report from."""
+
+    @property
+    def value(self) -> str:
+        return f"{str.__str__(self)} (unknown status)"
+
+    def __str__(self) -> str:
+        return self.value
+
+    may_still_report = False
+
+
+def status_of(text: str) -> RunStatus | UnknownStatus:
+    """The ``RunStatus`` a row's text names, or an ``UnknownStatus`` (reported, not fatal)."""
+    if isinstance(text, UnknownStatus):
+        return text
+    try:
+        return RunStatus(text)
+    except ValueError:
+        return UnknownStatus(text)
+

@@ -593,3 +593,31 @@ def test_rows_that_do_not_parse_are_shown_not_fatal(tmp_path, capsys):
     assert '"unreadable": "{not json"' in capsys.readouterr().out
     assert main(["--db", f"sqlite:///{db}", "show", runs[2], "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["config"] == {"fine": 1}
+
+
+def test_a_status_no_version_writes_and_source_ranks_of_mixed_types_are_shown_not_fatal(tmp_path, capsys):
+    """A run's status edited past the CHECK constraint, a rank map row whose source ranks are JSON
+    of mixed types: every command that shows them says what the row holds."""
+    import sqlite3
+
+    from reshard_job.lineage import LineageStore
+
+    db = tmp_path / "damaged.db"
+    store = LineageStore(f"sqlite:///{db}")
+    store.ensure_schema()
+    run = store.start_run(config={}, overrides=[], tool_version="0.1.0", output_dir=str(tmp_path),
+                          source_devices=2, target_devices=1)
+    store.complete_run(run, outputs=[], plan={"ranks": [{"target_rank": 0, "source_ranks": [0, 1]}]})
+    store.close()
+    with sqlite3.connect(db) as con:
+        con.execute("PRAGMA ignore_check_constraints = ON")
+        con.execute("UPDATE runs SET status = 'weird' WHERE id = ?", (run,))
+        con.execute("UPDATE run_ranks SET source_ranks = '[1, \"x\"]'")
+        assert con.execute("SELECT count(*) FROM run_ranks").fetchone()[0] == 1
+    url = f"sqlite:///{db}"
+    for argv in (["runs"], ["runs", "--json"], ["show", run], ["show", run, "--json"], ["openlineage"]):
+        assert main(["--db", url, *argv]) == 0, argv
+        out = capsys.readouterr().out
+        assert "weird (unknown status)" in out or "OTHER" in out, (argv, out)
+    main(["--db", url, "show", run])
+    assert "unreadable: [1, 'x']" in capsys.readouterr().out
