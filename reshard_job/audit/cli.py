@@ -103,6 +103,25 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INTERRUPTED
 
 
+DEEP_JSON = 64  # levels of nesting printed indented; a deeper document is printed on one line
+
+
+def json_text(doc) -> str:
+    """`doc` indented by 2, as people read it; in one line where it nests deeper than ``DEEP_JSON``
+    (the ancestry of a chain of 2,000 conversions: indented, its text grew with the square of its
+    depth, 32 MB for 500)."""
+    stack = [(doc, 0)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > DEEP_JSON:
+            return json.dumps(doc)
+        if isinstance(value, dict):
+            stack.extend((v, depth + 1) for v in value.values())
+        elif isinstance(value, list):
+            stack.extend((v, depth + 1) for v in value)
+    return json.dumps(doc, indent=2)
+
+
 def _in_deep_stack(function, *args):
     """`function(*args)` in a thread whose stack and recursion limit fit a long chain of hops;
     its exception, if any, is raised here (Ctrl-C still reaches this thread's ``join``)."""
@@ -153,7 +172,7 @@ def _main(argv: list[str] | None) -> int:
             session.rollback()
             answer = {**inspect.HANDLERS, **export.HANDLERS}[args.command](session, args)
             # Built inside the session: nothing may lazy-load once it is closed.
-            text = json.dumps((answer.to_json or to_json)(answer.result), indent=2) if want_json \
+            text = json_text((answer.to_json or to_json)(answer.result)) if want_json \
                 else answer.to_text(answer.result)
         if getattr(args, "output", None):
             save(args.output, text + "\n")

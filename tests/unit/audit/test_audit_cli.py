@@ -621,3 +621,18 @@ def test_a_status_no_version_writes_and_source_ranks_of_mixed_types_are_shown_no
         assert "weird (unknown status)" in out or "OTHER" in out, (argv, out)
     main(["--db", url, "show", run])
     assert "unreadable: [1, 'x']" in capsys.readouterr().out
+
+
+def test_json_is_indented_unless_it_nests_deeper_than_people_read():
+    """The ancestry of 2,000 conversions nests 4,000 levels: indented, its text grew with the square
+    of the depth (32 MB for 500 hops, over a minute for 2,000); it is printed on one line then."""
+    from reshard_job.audit.cli import DEEP_JSON, json_text
+
+    shallow = {"a": [{"b": 1}]}
+    assert json_text(shallow) == json.dumps(shallow, indent=2)
+    deep = {"next": []}
+    for _ in range(DEEP_JSON):
+        deep = {"next": [deep]}
+    text = json_text(deep)
+    assert "\n" not in text and json.loads(text) == deep
+    assert len(text) < 20 * DEEP_JSON
