@@ -9,9 +9,12 @@ from reshard_job.job.cli.exit_codes import EXIT_PIPE
 
 
 def emit(text: str) -> None:
-    """Print to stdout; a reader that went away (``| head -1``) ends the job quietly, as Unix tools do."""
+    """Print to stdout, every line shown as a terminal only shows it (a folder named with ESC[2J is
+    named, not obeyed); a reader that went away (``| head -1``) ends the job quietly, as Unix tools do."""
+    from reshard_job.text import one_line_of
+
     try:
-        print(text, flush=True)
+        print("\n".join(map(one_line_of, text.split("\n"))), flush=True)
     except BrokenPipeError:
         quiet_exit()
 

@@ -89,3 +89,14 @@ def test_a_hundred_thousand_character_path_is_refused_at_once(tmp_path):
     res = run_app(tmp_path, *s1_args(ckpts, src, dst, tmp_path / ("a" * 100_000)), "lineage.enabled=false",
                   timeout=60)
     assert "File name too long" in the_error(res)
+
+
+def test_an_output_folder_named_with_escapes_is_named_not_obeyed_on_stdout_and_stderr(tmp_path):
+    ckpts, src, dst = copy_s1(tmp_path / "s1")
+    out = tmp_path / f"af{ESC}ile"
+    for _ in range(2):  # the conversion, then the rerun that has nothing to do
+        args = [*s1_args(ckpts, src, dst, out)[:-1], f"output.dir='{out}'", "lineage.enabled=false"]
+        res = run_app(tmp_path, *args)
+        assert res.returncode == 0, res.stderr
+        assert "\x1b" not in res.stdout + res.stderr
+        assert "af\\x1b[2Jile" in res.stdout + res.stderr
