@@ -25,6 +25,7 @@ import json
 import os
 import random
 import time
+import warnings
 from typing import Callable, TypeVar
 
 from sqlalchemy import Engine, create_engine, event
@@ -143,13 +144,18 @@ def create_lineage_engine(url: str | URL, *, read_only: bool = False, wait: Lock
         # an unreachable server is reported after a bounded wait, not the driver's minutes.
         kwargs["pool_pre_ping"] = True
         kwargs["connect_args"] = {"connect_timeout": POSTGRES_CONNECT_TIMEOUT_S}
-    try:
-        engine = create_engine(parsed, **kwargs)
-    except ImportError as e:  # a database kind whose driver is not installed (mysql://: MySQLdb)
-        from reshard_job.lineage.errors import LineageError
+    from reshard_job.lineage.errors import LineageError
 
+    try:
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            engine = create_engine(parsed, **kwargs)
+    except ImportError as e:  # a database kind whose driver is not installed (mysql://: MySQLdb)
         raise LineageError(f"lineage database {_shown(parsed)}: its driver is not installed ({e}); the lineage "
                            f"database is SQLite (sqlite:///PATH) or PostgreSQL (postgresql+psycopg://...)") from None
+    ignored = [str(w.message) for w in said if "not accepted" in str(w.message)]
+    if ignored:  # SQLAlchemy would ignore them with a warning (sqlite:///x.db?mode=ro written to all the same)
+        raise LineageError(f"lineage database {_shown(parsed)}: {ignored[0].rstrip('.')}; give the URL without them")
     if parsed.get_backend_name() == "sqlite":
         _configure_sqlite(engine, wait or LockWait(_shown(engine.url)))
     return engine
@@ -165,9 +171,10 @@ def _sqlite_read_only(database_file: str, kwargs: dict) -> Engine:
     writable = os.access(database_file, os.W_OK) and os.access(os.path.dirname(database_file) or ".", os.W_OK)
     uri = f"file:{quote(os.path.abspath(database_file))}?mode=ro" + ("" if writable else "&immutable=1")
     timeout = SQLITE_BUSY_TIMEOUT_S
-    engine = create_engine("sqlite://", creator=lambda: sqlite3.connect(uri, uri=True, timeout=timeout,
-                                                                       check_same_thread=False),
-                           future=True, json_serializer=json_text)
+    # the URL names the file in messages; the creator is what connects (read-only)
+    connect = lambda: sqlite3.connect(uri, uri=True, timeout=timeout, check_same_thread=False)  # noqa: E731
+    engine = create_engine(URL.create("sqlite", database=database_file), creator=connect, future=True,
+                           json_serializer=json_text)
 
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_connection, _record):

@@ -100,3 +100,11 @@ def test_an_output_folder_named_with_escapes_is_named_not_obeyed_on_stdout_and_s
         assert res.returncode == 0, res.stderr
         assert "\x1b" not in res.stdout + res.stderr
         assert "af\\x1b[2Jile" in res.stdout + res.stderr
+
+
+def test_sqlite_url_arguments_the_driver_would_ignore_are_refused_not_warned_about(tmp_path):
+    """``?mode=ro`` was ignored with two lines of SQLAlchemy's warning, and the database written."""
+    ckpts, src, dst = copy_s1(tmp_path / "s1")
+    res = run_app(tmp_path, *s1_args(ckpts, src, dst, tmp_path / "out"), f"lineage.url='sqlite:///{tmp_path}/x.db?mode=ro'")
+    assert "'mode' are not accepted" in the_error(res)
+    assert not (tmp_path / "x.db").exists()

@@ -636,3 +636,18 @@ def test_json_is_indented_unless_it_nests_deeper_than_people_read():
     text = json_text(deep)
     assert "\n" not in text and json.loads(text) == deep
     assert len(text) < 20 * DEEP_JSON
+
+
+def test_a_database_of_a_newer_schema_is_named_by_its_file(tmp_path, capsys):
+    import sqlite3
+
+    from reshard_job.lineage import LineageStore
+
+    db = tmp_path / "newer.db"
+    store = LineageStore(f"sqlite:///{db}")
+    store.ensure_schema()
+    store.close()
+    with sqlite3.connect(db) as con:
+        con.execute("UPDATE alembic_version SET version_num = '9999'")
+    assert main(["--db", f"sqlite:///{db}", "runs"]) == 2
+    assert f"sqlite:///{db} has schema revision 9999, newer than this tool knows" in capsys.readouterr().err
