@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from reshard_job.core.strategy_model import StrategyFile
     from reshard_job.core.topology import Topology
 
-RANK_DIR = re.compile(r"^rank_(\d{1,9})$")
+RANK_DIR = re.compile(r"^rank_([0-9]{1,250})$")  # ASCII digits (\d would take an Arabic-Indic one), any count
 STEP_NAME = re.compile(r"-(\d+)_(\d+)(?:_\d+)?\.(?:ckpt|safetensors)$")
 SELECT_LAST = "last"
 SELECT_LATEST_STEP = "latest_step"

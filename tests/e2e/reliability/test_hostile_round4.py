@@ -108,3 +108,18 @@ def test_sqlite_url_arguments_the_driver_would_ignore_are_refused_not_warned_abo
     res = run_app(tmp_path, *s1_args(ckpts, src, dst, tmp_path / "out"), f"lineage.url='sqlite:///{tmp_path}/x.db?mode=ro'")
     assert "'mode' are not accepted" in the_error(res)
     assert not (tmp_path / "x.db").exists()
+
+
+def test_rank_folders_are_ascii_numbers_of_any_length(tmp_path):
+    """rank_999999999999 is refused as lying beyond the strategy's ranks, as rank_8 is (it was
+    ignored); rank_\u0661 (an Arabic-Indic one) is no rank folder (it was taken for rank 1)."""
+    import shutil
+
+    ckpts, src, dst = copy_s1(tmp_path / "s1")
+    shutil.copytree(ckpts / "rank_0", ckpts / "rank_999999999999")
+    res = run_app(tmp_path, *s1_args(ckpts, src, dst, tmp_path / "out"), "lineage.enabled=false")
+    assert "rank folders rank_999999999999 lie beyond the 8 rank(s)" in the_error(res)
+    shutil.rmtree(ckpts / "rank_999999999999")
+    (ckpts / "rank_1").rename(ckpts / "rank_\u0661")
+    res = run_app(tmp_path, *s1_args(ckpts, src, dst, tmp_path / "out"), "lineage.enabled=false")
+    assert "missing source checkpoint" in the_error(res) and "rank 1 " in the_error(res)
