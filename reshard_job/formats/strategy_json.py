@@ -8,7 +8,7 @@ import io
 from reshard_job.core.strategy_model import FORMAT_JSON, ParamLayout, StrategyFile, StrategyItem
 from reshard_job.errors import StrategyFormatError
 from reshard_job.formats.strategy_checks import check_stage, dev_matrix, int_list, interned, tensor_map_entries
-from reshard_job.json_stream import JsonProblem, JsonStream
+from reshard_job.json_stream import REUSED, RUN, JsonProblem, JsonStream
 from reshard_job.text import quoted, shorten
 
 
@@ -28,7 +28,13 @@ def parse_json_strategy(data: bytes, path: str | None = None) -> StrategyFile:
     if not raw_layouts and not raw_items:
         raise StrategyFormatError(path, "no parameter layouts or operator strategies: not a strategy file")
     shared: dict[ParamLayout, ParamLayout] = {}
-    layouts = {name: interned(shared, _json_layout(name, d, path)) for name, d in raw_layouts.items()}
+    by_entry: dict[int, ParamLayout] = {}  # id of an entry (equal texts are one object, held) -> its layout
+    layouts = {}
+    for name, d in raw_layouts.items():
+        layout = by_entry.get(id(d))
+        if layout is None:  # (checked once per entry: the first name with it is the one an error names)
+            layout = by_entry[id(d)] = interned(shared, _json_layout(name, d, path))
+        layouts[name] = layout
     items = [_json_item(node, d, path) for node, d in raw_items.items()]
     stage = obj.get("current_stage", 1)
     return StrategyFile(layouts, items, stage if isinstance(stage, int) else 1, FORMAT_JSON, path)
@@ -53,7 +59,7 @@ def _json_members(stream: JsonStream):
     obj = {}
     for key in stream.members():
         if key in ("parallel_layout_item", "parallel_strategy_item") and stream.peek() == "{":
-            obj[key] = {name: value for name, value, _ in stream.items()}
+            obj[key] = _object_members(stream)
         elif key in ("parallel_layout_item", "parallel_strategy_item", "current_stage"):
             obj[key] = stream.value()
         else:
@@ -70,7 +76,7 @@ def _json_layout(name: str, d, path) -> ParamLayout:
     for key in ("dev_matrix", "tensor_map", "field", "opt_weight_shard_step", "opt_weight_shard_size"):
         if key not in d:
             raise StrategyFormatError(path, f"{where}: layout lacks {key!r}")
-    entries = _jsontensor_map_entries(d["tensor_map"], path, where)
+    entries = _json_tensor_map(d["tensor_map"], path, where)
     for key in ("field", "opt_weight_shard_step", "opt_weight_shard_size"):
         if not isinstance(d[key], int) or isinstance(d[key], bool):
             raise StrategyFormatError(path, f"{where}: {key} must be an integer, got {shorten(repr(d[key]), 80)}")
@@ -86,7 +92,7 @@ def _json_layout(name: str, d, path) -> ParamLayout:
     )
 
 
-def _jsontensor_map_entries(tm, path, where: str) -> tuple:
+def _json_tensor_map(tm, path, where: str) -> tuple:
     """A JSON ``tensor_map``: integers, or lists of integers for multi-axis dimensions."""
     if not isinstance(tm, list):
         raise StrategyFormatError(path, f"{where}: tensor_map must be a list")
@@ -111,3 +117,24 @@ def _json_item(node: str, d, path) -> StrategyItem:
     if not isinstance(strategies, list):
         raise StrategyFormatError(path, f"operator {quoted(node)}: parallel_strategy must be a list")
     return StrategyItem(node, stage, tuple(int_list(s, path, f"operator {quoted(node)}: strategy") for s in strategies))
+
+
+KNOWN_TEXTS = 4096  # distinct entry texts remembered (a model's layouts repeat a few)
+
+
+def _object_members(stream: JsonStream) -> dict:
+    """An object of many members as ``json.loads`` makes it (a repeated key: the last), equal entries
+    scanned once and runs of them taken together (``JsonStream.items(runs=True)``)."""
+    out: dict = {}
+    known: dict = {}  # entry text -> its value (read, never changed: shared by the names that have it)
+    for key, value, text in stream.items(known, runs=True):
+        if value is RUN:
+            out.update(dict.fromkeys(key, known[text]))
+            continue
+        if value is REUSED:
+            value = known[text]
+        elif len(known) < KNOWN_TEXTS:
+            known[text] = value
+        out[key] = value
+    return out
+

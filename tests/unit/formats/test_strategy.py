@@ -507,3 +507,21 @@ def test_a_json_strategy_with_an_integer_of_absurd_length_is_refused_as_such(tmp
         read_strategy(path)
     assert str(e.value) == (f"{path}: at key 'w': an integer of more than 20 digits (777777777777…): integers of absurd length are "
                             f"refused (under key {where!r})")
+
+
+def test_a_json_strategy_of_many_equal_layouts_is_checked_once_per_entry_and_named_by_its_first(tmp_path):
+    """Equal entries are one object (read as runs): each is checked once, so an error names the first
+    parameter that has it, as checking every one would."""
+    good = {"dev_matrix": [2], "tensor_map": [0], "field": 0, "opt_weight_shard_step": 0, "opt_weight_shard_size": 0}
+    bad = dict(good, dev_matrix=[0])
+    doc = {"parallel_layout_item": {**{f"w{i}": good for i in range(50)}, **{f"b{i}": bad for i in range(50)}}}
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps(doc, separators=(",", ":")))
+    with pytest.raises(StrategyFormatError, match="parameter 'b0': dev_matrix"):
+        read_strategy(path)
+    del doc["parallel_layout_item"]["b0"]
+    doc["parallel_layout_item"] = {k: v for k, v in doc["parallel_layout_item"].items() if v is good}
+    path.write_text(json.dumps(doc, separators=(",", ":")))
+    sf = read_strategy(path)
+    assert len(sf.layouts) == 50 and len({id(v) for v in sf.layouts.values()}) == 1
+    assert sf.layouts["w49"].dev_matrix == (2,)
