@@ -27,7 +27,7 @@ def save_masked_config(config) -> None:
     from omegaconf import OmegaConf, open_dict, read_write
 
     from reshard_job.secrets import mask_text
-    from reshard_job.storage.local_files import replace_file
+    from reshard_job.storage.local_files import make_folder, replace_file
 
     task_cfg = copy.deepcopy(config)
     with read_write(task_cfg), open_dict(task_cfg):
@@ -35,7 +35,7 @@ def save_masked_config(config) -> None:
     documents = {"config.yaml": task_cfg, "hydra.yaml": OmegaConf.masked_copy(config, "hydra"),
                  "overrides.yaml": config.hydra.overrides.task}
     folder = os.path.join(config.hydra.runtime.output_dir, SAVED_DIR)
-    os.makedirs(folder, exist_ok=True)
+    make_folder(folder)
     for name in SAVED_FILES:
         replace_file(os.path.join(folder, name), mask_text(OmegaConf.to_yaml(documents[name])).encode("utf-8"))
 

@@ -184,8 +184,9 @@ class OutputDir:
                                   f"{sources[where]}; choose another output.dir")
             for d in source_dirs:
                 if d and _under(where, d):
+                    linked = self.local and where != os.path.abspath(p)
                     raise OutputError(f"output.dir {self.path}: {rel} would be written into the source directory "
-                                      f"{d} (through a symbolic link); choose another output.dir")
+                                      f"{d}{' (through a symbolic link)' if linked else ''}; choose another output.dir")
             if self.local and not _inside(os.path.dirname(where), root):
                 raise OutputError(f"output.dir {self.path}: {rel} would be written to {where}, outside output.dir "
                                   "(a symbolic link inside it points elsewhere); remove the link or choose another "
@@ -313,6 +314,8 @@ class OutputDir:
         if manifest is not None:
             if manifest.get("fingerprint") == fingerprint:
                 return COMPLETE
+            if not manifest:  # read_manifest's word for one that cannot be read
+                return self._other("a manifest.json that cannot be read (damaged, or not a regular file)")
             return self._other(f"the outputs of a different conversion (run {manifest.get('run_id', '?')})")
         if journal_fp is not None:
             if journal_fp == fingerprint:
