@@ -169,7 +169,16 @@ def _hop_lines(hop: TraceHop, direction: str) -> list[str]:
     return lines
 
 
-def _tree(node: TraceNode, prefix: str, direction: str, out: list[str]) -> None:
+FOLD_AT = 160  # characters of indentation at most: deeper levels are drawn from the left again
+
+
+def _tree(node: TraceNode, prefix: str, direction: str, out: list[str], level: int = 1) -> None:
+    """`node`'s hops and, below each, the files they link to, `prefix` before each line. A chain of
+    thousands of conversions indented at every level took 48 MB of spaces for 2,000: past ``FOLD_AT``
+    a line says so and the levels below start again at the left margin."""
+    if len(prefix) > FOLD_AT:
+        out.append(f"┆ (level {level} of the tree: what lies below it is drawn from the left margin again)")
+        prefix = ""
     verb = "produced by " if direction == ANCESTORS else "used by "
     for h_index, hop in enumerate(node.hops):
         last_hop = h_index == len(node.hops) - 1
@@ -178,14 +187,14 @@ def _tree(node: TraceNode, prefix: str, direction: str, out: list[str]) -> None:
         inner = prefix + ("    " if last_hop else "│   ")
         for extra in hop_lines[1:]:
             out.append(inner + ("│ " if hop.next else "  ") + extra)
-        _children(hop, inner, direction, out)
+        _children(hop, inner, direction, out, level)
 
 
-def _children(hop: TraceHop, prefix: str, direction: str, out: list[str]) -> None:
+def _children(hop: TraceHop, prefix: str, direction: str, out: list[str], level: int = 0) -> None:
     for index, child in enumerate(hop.next):
         last = index == len(hop.next) - 1
         out.append(prefix + ("└── " if last else "├── ") + _node_label(child, direction))
-        _tree(child, prefix + ("    " if last else "│   "), direction, out)
+        _tree(child, prefix + ("    " if last else "│   "), direction, out, level + 1)
 
 
 def trace_tree(result: Trace) -> str:

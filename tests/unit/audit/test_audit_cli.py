@@ -487,7 +487,13 @@ def test_a_chain_of_hundreds_of_conversions_is_an_ordinary_input(chain_of_conver
     out = capsys.readouterr().out
     far_end = files[0] if "LAST" in command else files[-1]
     assert far_end.sha256 in out or os.path.basename(far_end.path) in out, out[-2000:]
+    if command[0] == "trace" and "--json" not in command:  # indented a level per hop up to a point only
+        from reshard_job.audit.render import FOLD_AT
+
+        assert max(map(len, out.splitlines())) < FOLD_AT + 300 and "drawn from the left margin again" in out
+        assert len(out) < 1000 * HOPS  # (indented at every level: 1.1 MB here, 48 MB for 2,000 hops)
     if "--json" in command:  # nested a level per hop: parsed with room for the nesting
+        assert len(out) < 4000 * HOPS and "\n" not in out.strip()  # one line: not indented 600 levels deep
         limit = sys.getrecursionlimit()
         sys.setrecursionlimit(20_000)
         try:
