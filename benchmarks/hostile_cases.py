@@ -127,6 +127,65 @@ def mindformers_600k_layoutless_params(root: Path, count: int = 600_000) -> list
 
 
 
+@case
+def mindformers_600k_refused_at_its_last_storage_entry(root: Path) -> list[str]:
+    """The 600,000-parameter save whose last storage_data entry names a rank outside its group."""
+    args = mindformers_600k_layoutless_params(root)
+    meta = next((root / "mf").rglob("metadata.json"))
+    data = meta.read_bytes()
+    at = data.rindex(b'"storage_rank":0')
+    meta.write_bytes(data[:at] + b'"storage_rank":7' + data[at + 16:])
+    return args
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    return bytes(out + bytes([n]))
+
+
+@case
+def strategy_padded_with_300mib_of_a_newer_field(root: Path) -> list[str]:
+    ckpts, src, dst = _s1(root)
+    with open(src, "ab") as f:
+        f.write(bytes([(15 << 3) | 2]) + _varint(300 << 20))
+        for _ in range(300):
+            f.write(bytes(1 << 20))
+    return _args(ckpts, src, dst, root / "out")
+
+
+@case
+def json_strategy_padded_with_300mib_of_spaces(root: Path) -> list[str]:
+    from reshard_job.formats.strategy import read_strategy, to_json_bytes
+
+    ckpts, src, dst = _s1(root)
+    text = to_json_bytes(read_strategy(src))
+    cut = text.rindex(b"}")
+    src_json = root / "src.json"
+    with open(src_json, "wb") as f:
+        f.write(text[:cut])
+        for _ in range(300):
+            f.write(b" " * (1 << 20))
+        f.write(text[cut:])
+    return _args(ckpts, src_json, dst, root / "out")
+
+
+@case
+def lock_file_that_is_a_fifo(root: Path) -> list[str]:
+    ckpts, src, dst = _s1(root)
+    (root / "out" / ".reshard_job").mkdir(parents=True)
+    os.mkfifo(root / "out" / ".reshard_job" / "lock")
+    return _args(ckpts, src, dst, root / "out")
+
+
+@case
+def output_dir_of_100000_characters(root: Path) -> list[str]:
+    ckpts, src, dst = _s1(root)
+    return _args(ckpts, src, dst, root / ("a" * 100_000))
+
+
 def _chain(root: Path, hops: int) -> tuple[str, Path, Path]:
     """A lineage database of `hops` successive conversions, each reading the last one's output."""
     from reshard_job.lineage import FileRecord, LineageStore
@@ -157,6 +216,12 @@ TIMEOUT_S = 600  # a case still running then is reported as hung
 def audit_trace_of_1000_successive_conversions(root: Path) -> list[str]:
     url, first, last = _chain(root, 1000)
     return [AUDIT, "--db", url, "trace", str(last)]
+
+
+@case
+def audit_trace_json_of_2000_successive_conversions(root: Path) -> list[str]:
+    url, first, last = _chain(root, 2000)
+    return [AUDIT, "--db", url, "trace", str(last), "--json"]
 
 
 @case
