@@ -241,6 +241,9 @@ def load_mindformers(path: str | os.PathLike, iteration: int | None = None,
         raise MindFormersFormatError(folder, f"cannot list the folder ({_why(e)})") from None
     shards = [e for e in listing if e.name.endswith(SAFETENSORS_SUFFIX) and e.is_file]
     present = {e.name for e in shards}
+    odd = {e.name for e in listing if not e.is_file and not e.is_dir}  # FIFOs, devices (links to them)
+    if METADATA_FILE in odd:
+        raise MindFormersFormatError(where.join(folder, METADATA_FILE), NOT_REGULAR)
     if not any(e.name == METADATA_FILE and e.is_file for e in listing):
         return _single_rank_save(root, folder, number, sorted(present), storage)
     params = _read_metadata(where, metadata_path, [e.size for e in shards])
@@ -254,8 +257,8 @@ def load_mindformers(path: str | os.PathLike, iteration: int | None = None,
                 if loc.file_name not in present:
                     raise MindFormersFormatError(
                         where.join(folder, loc.file_name),
-                        f"file not found; metadata.json places shard {k} of parameter {short_name(p.name)!r} "
-                        f"(rank {loc.storage_rank}) there")
+                        f"{NOT_REGULAR if loc.file_name in odd else 'file not found'}; metadata.json places shard "
+                        f"{k} of parameter {short_name(p.name)!r} (rank {loc.storage_rank}) there")
                 rank_names.setdefault(loc.storage_rank, set()).add(loc.file_name)
     named = sorted(set().union(*rank_names.values()))
     file_tensors = {where.join(folder, n): _header(where.join(folder, n), storage) for n in named}
@@ -264,6 +267,9 @@ def load_mindformers(path: str | os.PathLike, iteration: int | None = None,
     _check_no_name_twice_per_rank(rank_files, file_tensors)
     return MindFormersSource(root, folder, number, params, strategy, rank_files, file_tensors,
                              tuple(where.join(folder, n) for n in sorted(present - set(named))), storage)
+
+
+NOT_REGULAR = "is not a regular file (a FIFO or a device, or a link to one)"
 
 
 def _read_metadata(where, path: str, shard_sizes: list[int]) -> dict[str, ParamMetadata]:

@@ -123,3 +123,21 @@ def test_rank_folders_are_ascii_numbers_of_any_length(tmp_path):
     (ckpts / "rank_1").rename(ckpts / "rank_\u0661")
     res = run_app(tmp_path, *s1_args(ckpts, src, dst, tmp_path / "out"), "lineage.enabled=false")
     assert "missing source checkpoint" in the_error(res) and "rank 1 " in the_error(res)
+
+
+def test_a_mindformers_save_whose_files_are_a_fifo_or_a_device_says_so(tmp_path):
+    """A FIFO metadata.json, a shard linked to /dev/zero: refused as what they are (they were "not found")."""
+    import os
+    import shutil
+
+    m1a = Path(__file__).parents[2] / "golden" / "M1a_mf_llama_dp2mp2os_bf16_to_mp4" / "src_mindformers"
+    for case in ("fifo", "device"):
+        save = tmp_path / case
+        shutil.copytree(m1a, save)
+        folder = next(save.glob("iteration_*"))
+        target = folder / "metadata.json" if case == "fifo" else sorted(folder.glob("*-model-*.safetensors"))[0]
+        target.unlink()
+        os.mkfifo(target) if case == "fifo" else target.symlink_to("/dev/zero")
+        res = run_app(tmp_path, f"source.checkpoints={save}", "target.devices=1", f"output.dir={tmp_path / case}_out",
+                      "lineage.enabled=false", timeout=60)
+        assert the_error(res).startswith(f"{target}: is not a regular file (a FIFO or a device")
