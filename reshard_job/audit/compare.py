@@ -152,9 +152,10 @@ def compare(a: Side, b: Side, *, weights: bool = False, open_store: Callable | N
         if loc.record is not None and loc.algorithm != algorithm:
             loc.note = (f"recorded with {loc.algorithm}, the other side with {algorithm}; read again from the files")
             loc.record = None
+        found.append(_on_side(side, lambda side=side, loc=loc: _fingerprints(side, loc, wanted, progress)))
+    for side, loc in zip((a, b), located):  # told once both sides were read: a refusal is its one line alone
         if loc.note and note is not None:
             note(f"note: {side.label}: {loc.note}")
-        found.append(_on_side(side, lambda side=side, loc=loc: _fingerprints(side, loc, wanted, progress)))
     return _diff(found[0], found[1], weights, {"A": found[0].to_json(a.ref), "B": found[1].to_json(b.ref)})
 
 

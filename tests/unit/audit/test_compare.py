@@ -198,3 +198,11 @@ def test_a_folder_whose_replicas_disagree_is_refused_naming_the_parameter(audit,
     strategy = d / "src_strategy.ckpt"
     err = one_line_error(audit(copy, d / "src_checkpoints", "--a-strategy", strategy, "--b-strategy", strategy), "A")
     assert "'layer3.bias'" in err and "differs between source ranks" in err
+
+
+def test_a_side_refused_after_a_note_about_it_is_its_one_error_line(audit, tmp_path):
+    """A folder whose manifest.json is a folder (so its record is not used: a note) and that holds no
+    checkpoint: the error alone, not the note before it."""
+    (tmp_path / "odd" / "manifest.json").mkdir(parents=True)
+    _, d = golden("S5b_split_1to8")
+    one_line_error(audit(tmp_path / "odd", d / "src_checkpoints"), "A")
