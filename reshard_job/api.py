@@ -109,6 +109,24 @@ def build_plan(src_checkpoints_dir, src_strategy_file=None, dst_strategy_file=No
     return prepared.plan, prepared
 
 
+def _guard(prepared, paths: dict[int, str], out_dir: str, argument: str, folders: bool = True) -> None:
+    """The job's refusals before anything is written: no output over a source file (whatever its
+    path), none into a source folder (`folders`) or out of `out_dir` through a link or ``..``."""
+    from reshard_job.job.output.directory import OutputDir
+    from reshard_job.job.runner import source_places
+    from reshard_job.errors import OutputError
+
+    source_dirs, source_files = source_places(prepared)
+    out = OutputDir(out_dir, storage_for(out_dir), overwrite=True)
+    try:
+        if folders:
+            out.check_not_source(source_dirs, source_files)
+        out.check_planned(list(paths.values()), source_files, source_dirs if folders else [])
+    except OutputError as e:
+        text = str(e)
+        raise OutputError(argument + text[len("output.dir"):] if text.startswith("output.dir") else text) from None
+
+
 def _run(prepared, paths: dict[int, str], options: WriteOptions, workers: int = 1) -> dict[int, WrittenFile]:
     """Run the tasks; written files by target rank, or for an export by file number (index last)."""
     from reshard_job.job.stages.convert import rank_tasks, write_export_index
@@ -161,17 +179,29 @@ def transform_checkpoints(src_checkpoints_dir, dst_checkpoints_dir, ckpt_prefix,
     src_strategy_file = _one_spelling(src_strategy_file, src_strategy, "src_strategy")
     dst_strategy_file = _one_spelling(dst_strategy_file, dst_strategy, "dst_strategy")
 
-    if not isinstance(ckpt_prefix, str):
-        raise TypeError("ckpt_prefix must be a str")
+    if (not isinstance(ckpt_prefix, str) or any(c in ckpt_prefix for c in "/\\\0") or ckpt_prefix in (".", "..")
+            or not ckpt_prefix.isprintable()):
+        raise ConfigError(f"ckpt_prefix must be the start of a file name (no '/'), got {ckpt_prefix!r:.80}")
+    workers = _positive_int(process_num, "process_num")
+    _positive_int(max_memory, "max_memory")
     fmt = _check_format(output_format, dst_strategy_file)
     dst_dir = absolute(dst_checkpoints_dir)
     with _prepare(src_checkpoints_dir, src_strategy_file, dst_strategy_file, select=select, unmapped=unmapped,
                   fmt=fmt, iteration=iteration, max_shard_size=max_shard_size, include=include,
                   verify_replicas=verify_replicas, exclude=exclude, rename=rename) as prepared:
         paths = unit_paths(prepared, dst_dir, ckpt_prefix, fmt, storage_for(dst_dir))
+        _guard(prepared, paths, dst_dir, "dst_checkpoints_dir")
         if prepared.export is not None:
             storage_for(dst_dir).makedirs(dst_dir)
-        return _run(prepared, paths, WriteOptions(fmt, max_memory), max(1, int(process_num or 1)))
+        return _run(prepared, paths, WriteOptions(fmt, max_memory), workers)
+
+
+def _positive_int(value, name: str) -> int:
+    if value is None and name == "process_num":
+        return 1
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r:.80}")
+    return value
 
 
 def _one_spelling(value, alias, name: str):
@@ -200,7 +230,11 @@ def transform_checkpoint_by_rank(rank_id, checkpoint_files_map: Mapping[int, str
     fmt = kind_of(name)
     if fmt is None:
         raise ConfigError(f"save_checkpoint_file_name {name} must end with .ckpt or .safetensors")
-    files = {int(r): tuple(absolute(p) for p in files_of(ps)) for r, ps in checkpoint_files_map.items()}
+    try:
+        files = {int(r): tuple(absolute(p) for p in files_of(ps)) for r, ps in checkpoint_files_map.items()}
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"checkpoint_files_map must map source ranks to checkpoint files (a path, or a tuple of "
+                          f"paths for a MindFormers rank): {e}") from None
     for r, paths in files.items():
         for p in paths:
             info = storage_for(p).info(p)
@@ -208,6 +242,7 @@ def transform_checkpoint_by_rank(rank_id, checkpoint_files_map: Mapping[int, str
                 raise ConfigError(f"checkpoint file of source rank {r} not found: {p}")
     with _prepare_by_rank(rank_id, files, src_strategy_file, dst_strategy_file, unmapped=unmapped,
                           verify_replicas=verify_replicas) as prepared:
+        _guard(prepared, {rank_id: name}, os.path.dirname(name), "save_checkpoint_file_name's folder", folders=False)
         return _run(prepared, {rank_id: name}, WriteOptions(fmt, max_memory))[rank_id]
 
 

@@ -187,6 +187,8 @@ def _only_ranks_read(reader, found, source, target, rank_id: int, options):
     if not isinstance(reader, RankFolders) or source.strategy is None or target.rename:
         return found  # (a renamed target strategy is matched once the names are known)
     layouts = reader.layouts(source.strategy)
+    if any(r >= layouts.topology.devices for r in found.files):
+        return found  # rank folders beyond the strategy's ranks: refused by the job's cross-check, as the job does
     dst = settle_target(target, layouts, {}, options)
     needed = set(source_ranks_for(layouts.topology, dst.topology, rank_id, unmapped=target.unmapped))
     if not needed or not needed <= set(found.files):

@@ -270,10 +270,21 @@ def merge_pipeline_strategies(src_strategy_dir: str | os.PathLike, dst_strategy_
     if format_for(dst) != fmt:
         want = ".json" if fmt == FORMAT_JSON else "a name not ending in .json (e.g. .ckpt)"
         raise StrategyFormatError(dst, f"the stage files are {fmt}, so the merged file needs {want}")
+    if _same_place(os.path.dirname(dst), os.fspath(src_strategy_dir)):
+        raise StrategyFormatError(dst, "lies in the pipeline strategy directory it merges (it would replace a stage "
+                                       "file, or be read as one by the next merge); write it elsewhere")
     merged = merge_strategy_files([read_strategy(f) for f in files])
     merged.format = fmt
     write_strategy(merged, dst, mode=0o644)
     return dst
+
+
+def _same_place(a: str, b: str) -> bool:
+    """Whether two paths name one folder (by device and inode: a bind mount, a link)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
 
 
 def merge_strategy_files(files: list[StrategyFile]) -> StrategyFile:

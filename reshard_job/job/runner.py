@@ -124,14 +124,7 @@ def _open_output(spec: JobSpec, prepared: Prepared) -> OutputDir:
     """The output directory, checked before anything (the lock included) is written into it."""
     storage = storage_for(spec.output.dir, spec.storage)
     out = OutputDir(spec.output.dir, storage, overwrite=spec.output.overwrite)
-    source = prepared.source
-    source_dirs = [source.checkpoints] + ([source.strategy] if prepared.strategy.files and
-                                          source.strategy not in prepared.strategy.files else [])
-    checkpoint_files = prepared.source_files()
-    # the rank folders too: under another path (a bind mount) one is no longer inside the others
-    source_dirs += sorted({os.path.dirname(f) for f in checkpoint_files
-                           if "://" not in f and os.path.dirname(f).startswith(source.checkpoints.rstrip("/") + "/")})
-    source_files = checkpoint_files + list(prepared.strategy.files)
+    source_dirs, source_files = source_places(prepared)
     out.check_not_source(source_dirs, source_files)
     from reshard_job.job.stages.convert import unit_paths
 
@@ -142,6 +135,19 @@ def _open_output(spec: JobSpec, prepared: Prepared) -> OutputDir:
     out.check_writable()
     out.check_not_foreign()
     return out
+
+
+def source_places(prepared: Prepared) -> tuple[list[str], list[str]]:
+    """(the source folders, the source files) no output may be written into or over."""
+    source = prepared.source
+    source_dirs = [] if source.checkpoints is None else [source.checkpoints]
+    source_dirs += [source.strategy] if prepared.strategy.files and source.strategy not in prepared.strategy.files else []
+    checkpoint_files = prepared.source_files()
+    # the rank folders too: under another path (a bind mount) one is no longer inside the others
+    under = None if source.checkpoints is None else source.checkpoints.rstrip("/") + "/"
+    source_dirs += sorted({os.path.dirname(f) for f in checkpoint_files
+                           if "://" not in f and under is not None and os.path.dirname(f).startswith(under)})
+    return source_dirs, checkpoint_files + list(prepared.strategy.files)
 
 
 def _plan_json(prepared: Prepared, *, lazy: bool = False) -> dict:

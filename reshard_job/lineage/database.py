@@ -30,7 +30,7 @@ from typing import Callable, TypeVar
 
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import URL, make_url
-from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError, OperationalError
 
 from reshard_job.lineage.urls import (  # noqa: F401 - where callers found them
     DEFAULT_SQLITE_PATH, LEGACY_URL_ENV_VAR, URL_ENV_VAR, default_url, sqlite_url, url_from_environment)
@@ -51,7 +51,14 @@ def normalize_url(url: str | URL) -> URL:
     A bare ``postgresql://`` URL means psycopg 3, the driver this project installs (SQLAlchemy
     2.0 would otherwise pick psycopg2).
     """
-    parsed = make_url(url)
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        from reshard_job.lineage.errors import LineageError
+        from reshard_job.secrets import mask_url
+
+        raise LineageError(f"lineage database URL {mask_url(str(url))!r:.200} is not a database URL (sqlite:///PATH, "
+                           f"postgresql+psycopg://USER@HOST/DB)") from None
     if parsed.drivername == "postgresql":
         parsed = parsed.set(drivername="postgresql+psycopg")
     if parsed.get_backend_name() == "sqlite":
@@ -150,6 +157,9 @@ def create_lineage_engine(url: str | URL, *, read_only: bool = False, wait: Lock
         with warnings.catch_warnings(record=True) as said:
             warnings.simplefilter("always")
             engine = create_engine(parsed, **kwargs)
+    except NoSuchModuleError:  # a scheme SQLAlchemy knows no dialect of
+        raise LineageError(f"lineage database {_shown(parsed)}: no database of that kind is known; the lineage "
+                           f"database is SQLite (sqlite:///PATH) or PostgreSQL (postgresql+psycopg://...)") from None
     except ImportError as e:  # a database kind whose driver is not installed (mysql://: MySQLdb)
         raise LineageError(f"lineage database {_shown(parsed)}: its driver is not installed ({e}); the lineage "
                            f"database is SQLite (sqlite:///PATH) or PostgreSQL (postgresql+psycopg://...)") from None

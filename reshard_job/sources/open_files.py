@@ -4,6 +4,8 @@ through their storage, indexed, and checked against the identities the job hashe
 
 from __future__ import annotations
 
+import os
+
 from typing import Callable, Collection, Mapping
 
 from reshard_job.core.tensor_meta import TensorMeta
@@ -21,7 +23,7 @@ OPEN_THREADS = 8  # remote source files indexed at once (SourceFiles.open_all)
 
 def files_of(paths: str | tuple[str, ...] | list[str]) -> tuple[str, ...]:
     """The files of one source rank, whether it is one file or several."""
-    return (paths,) if isinstance(paths, str) else tuple(paths)
+    return (os.fspath(paths),) if isinstance(paths, (str, os.PathLike)) else tuple(map(os.fspath, paths))
 
 
 class SourceFiles:

@@ -1,0 +1,87 @@
+"""The Python API refuses what the job refuses, before anything is written: no output over a source
+file or into a source folder (whatever the paths say), none outside the destination, no merged
+strategy into the folder it merges, and load_rank never reads a folder with ranks beyond its strategy."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from pathlib import Path
+
+import pytest
+
+import reshard_job as rj
+from reshard_job.errors import ConfigError, OutputError, PlanError, StrategyFormatError
+
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
+S1 = GOLDEN / "S1_mlp_tutorial_8to4"
+
+
+def digests(root: Path) -> dict[str, str]:
+    return {str(p): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def s1(tmp_path) -> Path:
+    shutil.copytree(S1, tmp_path / "s1")
+    return tmp_path / "s1"
+
+
+def test_transform_checkpoints_never_writes_over_or_among_its_sources(s1, tmp_path):
+    before = digests(s1)
+    src, ss, ds = s1 / "src_checkpoints", s1 / "src_strategy.ckpt", s1 / "dst_strategy.ckpt"
+    with pytest.raises(OutputError, match="dst_checkpoints_dir .* is inside the source directory"):
+        rj.transform_checkpoints(src, src, "checkpoint_", ss, ds)
+    (tmp_path / "view").symlink_to(src)  # the same folder under another path
+    with pytest.raises(OutputError, match="inside the source directory"):
+        rj.transform_checkpoints(src, tmp_path / "view", "checkpoint_", ss, ds)
+    with pytest.raises(OutputError, match="would replace the source file"):
+        rj.transform_checkpoint_by_rank(0, {r: src / f"rank_{r}" / f"checkpoint_{r}.ckpt" for r in range(8)},
+                                        src / "rank_0" / "checkpoint_0.ckpt", ss, ds)
+    assert digests(s1) == before
+
+
+def test_a_prefix_is_the_start_of_a_file_name_and_counts_are_positive(s1, tmp_path):
+    src, ss, ds = s1 / "src_checkpoints", s1 / "src_strategy.ckpt", s1 / "dst_strategy.ckpt"
+    for prefix in ("../../evil_", "a/b", ".."):
+        with pytest.raises(ConfigError, match="ckpt_prefix must be the start of a file name"):
+            rj.transform_checkpoints(src, tmp_path / "out", prefix, ss, ds)
+    for bad in (0, -4, 2.5, "two"):
+        with pytest.raises(ConfigError, match="process_num must be a positive integer"):
+            rj.transform_checkpoints(src, tmp_path / "out", "c_", ss, ds, bad)
+    with pytest.raises(ConfigError, match="max_memory must be a positive integer"):
+        rj.transform_checkpoints(src, tmp_path / "out", "c_", ss, ds, max_memory=0)
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob("evil*"))
+
+
+def test_a_merged_strategy_is_not_written_into_the_folder_it_merges(tmp_path):
+    folder = tmp_path / "stages"
+    shutil.copytree(GOLDEN / "S3_pipeline2x4opt_to_4" / "src_strategy_dir", folder)
+    before = digests(folder)
+    first = sorted(folder.iterdir())[0]
+    for dst in (first, folder / "merged.ckpt"):
+        with pytest.raises(StrategyFormatError, match="lies in the pipeline strategy directory it merges"):
+            rj.merge_pipeline_strategies(folder, dst)
+    assert digests(folder) == before
+
+
+def test_load_rank_refuses_rank_folders_beyond_its_strategy_as_the_job_does(s1):
+    """With the 4-rank strategy for an 8-rank folder, the first ranks' shapes fit it: the tensors
+    came back wrong (3136 rows for 784) without a word."""
+    src = s1 / "src_checkpoints"
+    for target in (None, s1 / "src_strategy.ckpt"):
+        with pytest.raises(PlanError, match="rank folders rank_4, rank_5, rank_6, rank_7 lie beyond the 4 rank"):
+            rj.load_rank(0, src, s1 / "dst_strategy.ckpt", target)
+        with pytest.raises(PlanError, match="lie beyond"):
+            list(rj.iter_rank(0, src, s1 / "dst_strategy.ckpt", target))
+    assert rj.load_rank(0, src, s1 / "src_strategy.ckpt", None)["layer1.weight"].shape == (784, 32)
+
+
+def test_load_rank_with_a_lineage_url_that_is_no_database_url_is_one_lineage_error(s1):
+    from reshard_job.lineage.errors import LineageError
+
+    args = (1, s1 / "src_checkpoints", s1 / "src_strategy.ckpt", s1 / "dst_strategy.ckpt")
+    with pytest.raises(LineageError, match="is not a database URL"):
+        rj.load_rank(*args, lineage_url="notaurl")
+    with pytest.raises(LineageError, match="no database of that kind is known"):
+        rj.load_rank(*args, lineage_url="notaurl://x")
