@@ -147,6 +147,13 @@ def _prepared(rank_id: int, src_checkpoints, src_strategy_file, dst_strategy_fil
         raise ConfigError(f"rank_id must be a target rank (an integer >= 0), got {rank_id!r}")
     if verify not in VERIFY_LEVELS:
         raise ConfigError(f"verify must be {' or '.join(map(repr, VERIFY_LEVELS))}, got {verify!r}")
+    for what, value in (("src_checkpoints", src_checkpoints), ("src_strategy_file", src_strategy_file),
+                        ("dst_strategy_file", dst_strategy_file)):
+        if not (isinstance(value, (str, os.PathLike)) or (value is None and what != "src_checkpoints")):
+            raise ConfigError(f"{what} must be a path (a str or os.PathLike), got {type(value).__name__} "
+                              f"{value!r:.80}")
+    if not (storage_options is None or isinstance(storage_options, (dict, StorageOptions))):
+        raise ConfigError(f"storage_options must be a dict of storage settings, got {storage_options!r:.80}")
     options = StorageOptions(**(storage_options or {})) if isinstance(storage_options, dict) else storage_options
     source = SourceSpec(absolute(src_checkpoints), absolute(src_strategy_file))
     target = TargetSpec(strategy=absolute(dst_strategy_file), unmapped=unmapped, **_selection_spec(selection))
@@ -296,6 +303,10 @@ def load_rank(rank_id: int, src_checkpoints, src_strategy_file=None, dst_strateg
     `include`, `exclude`, `rename`: part of the model, or new names, as ``transform_checkpoints``'s."""
     from reshard_job.lineage.database import url_from_environment
 
+    if consumer is not None and not isinstance(consumer, str):
+        from reshard_job.errors import ConfigError
+
+        raise ConfigError(f"consumer must be a name (a str), got {consumer!r:.80}")
     url = lineage_url or url_from_environment()
     if url is None:
         return dict(iter_rank(rank_id, src_checkpoints, src_strategy_file, dst_strategy_file,

@@ -85,3 +85,16 @@ def test_load_rank_with_a_lineage_url_that_is_no_database_url_is_one_lineage_err
         rj.load_rank(*args, lineage_url="notaurl")
     with pytest.raises(LineageError, match="no database of that kind is known"):
         rj.load_rank(*args, lineage_url="notaurl://x")
+
+
+@pytest.mark.parametrize("args,kwargs,needle", [
+    ((1, 5), {}, "src_checkpoints must be a path"),
+    ((1, ["ckpts"]), {}, "src_checkpoints must be a path"),
+    ((1, b"ckpts"), {}, "src_checkpoints must be a path"),
+    ((1, "ckpts", 7), {}, "src_strategy_file must be a path"),
+    ((1, "ckpts"), {"storage_options": 5}, "storage_options must be a dict"),
+    ((1, "ckpts"), {"consumer": 5}, "consumer must be a name"),
+])
+def test_load_rank_arguments_of_the_wrong_kind_are_one_config_error(args, kwargs, needle):
+    with pytest.raises(ConfigError, match=needle):
+        rj.load_rank(*args, **kwargs)
