@@ -138,19 +138,14 @@ def mindformers_600k_refused_at_its_last_storage_entry(root: Path) -> list[str]:
     return args
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append(n & 0x7F | 0x80)
-        n >>= 7
-    return bytes(out + bytes([n]))
-
 
 @case
 def strategy_padded_with_300mib_of_a_newer_field(root: Path) -> list[str]:
+    from reshard_job.formats.wire import encode_varint
+
     ckpts, src, dst = _s1(root)
     with open(src, "ab") as f:
-        f.write(bytes([(15 << 3) | 2]) + _varint(300 << 20))
+        f.write(bytes([(15 << 3) | 2]) + encode_varint(300 << 20))
         for _ in range(300):
             f.write(bytes(1 << 20))
     return _args(ckpts, src, dst, root / "out")

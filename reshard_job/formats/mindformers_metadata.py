@@ -212,15 +212,12 @@ def _read_document(stream: JsonStream, path: str, shared: Shared):
                 if entries is RUN:
                     _add_storage_run(storage, skey, seen[text], path, shared)
                     continue
+                name, k = _unplaced(storage, skey, path)
                 locations = seen.get(text)
                 if locations is None:
-                    name, k = parse_storage_key(skey, path)
-                    where = f"parameter {short_name(name)!r} shard {k}"
-                    if (name, k) in storage:
-                        raise MindFormersFormatError(path, f"{where}: storage_data has two keys for it")
-                    locations = parse_locations(entries, where, path, shared)
+                    locations = parse_locations(entries, f"parameter {short_name(name)!r} shard {k}", path, shared)
                     _remember(seen, text, locations)
-                _place(storage, skey, locations, path, shared)
+                _place(storage, name, k, locations, path, shared)
         elif key in ("state_dict_metadata", "storage_data"):
             raise MindFormersFormatError(path, f"expected {key!r} once, as an object")
         else:
@@ -240,13 +237,18 @@ def _add_storage_run(storage: dict, keys: list[str], locations: tuple, path: str
         storage.update(zip(places, repeat(locations)))
         return
     for key in keys:
-        _place(storage, key, locations, path, shared)
+        _place(storage, *_unplaced(storage, key, path), locations, path, shared)
 
 
-def _place(storage: dict, key: str, locations: tuple, path: str, shared: Shared) -> None:
+def _unplaced(storage: dict, key: str, path: str) -> tuple[str, int]:
+    """The (name, shard) a storage_data key names, refused if an earlier key named it too."""
     name, k = parse_storage_key(key, path)
     if (name, k) in storage:
         raise MindFormersFormatError(path, f"parameter {short_name(name)!r} shard {k}: storage_data has two keys for it")
+    return name, k
+
+
+def _place(storage: dict, name: str, k: int, locations: tuple, path: str, shared: Shared) -> None:
     storage[(sys.intern(name), k)] = locations
     shared.check_count(len(storage), "storage_data places", path)
 
@@ -264,10 +266,7 @@ def _read_params(stream: JsonStream, path: str, shared: Shared) -> dict[str, Par
         if obj is RUN:
             _add_run(params, name, seen[text].spec, path, shared)
             continue
-        shared.check_count(len(params) + 1, "state_dict_metadata describes", path)
-        if name in params:
-            raise MindFormersFormatError(path, f"state_dict_metadata describes parameter {short_name(name)!r} twice")
-        name = sys.intern(name)
+        name = sys.intern(_new_param(params, name, path, shared))
         first = seen.get(text)
         if first is None:
             first = params[name] = _parse_param(name, obj, path, shared)
@@ -285,10 +284,15 @@ def _add_run(params: dict[str, ParamMetadata], names: list[str], spec: ParamSpec
         params.update(zip(names, map(ParamMetadata, names, repeat(spec))))
         return
     for name in names:  # the first name described twice, said as the careful way says it
-        shared.check_count(len(params) + 1, "state_dict_metadata describes", path)
-        if name in params:
-            raise MindFormersFormatError(path, f"state_dict_metadata describes parameter {short_name(name)!r} twice")
-        params[name] = ParamMetadata(name, spec)
+        params[name] = ParamMetadata(_new_param(params, name, path, shared), spec)
+
+
+def _new_param(params: dict, name: str, path: str, shared: Shared) -> str:
+    """`name`, refused if one more parameter is more than the files can hold, or it was described."""
+    shared.check_count(len(params) + 1, "state_dict_metadata describes", path)
+    if name in params:
+        raise MindFormersFormatError(path, f"state_dict_metadata describes parameter {short_name(name)!r} twice")
+    return name
 
 
 def _parse_param(name: str, obj, path: str, shared: Shared) -> ParamMetadata:

@@ -2,7 +2,8 @@
 its credentials masked: Hydra writes those files before any of the job's code runs, so a password
 given on the command line stayed on disk when a job was killed (``kill -9``) before it could mask
 them. ``hydra.output_subdir`` is null (``conf/config.yaml``) and ``MaskedSavedConfig``, a callback
-run as the job starts, writes the same three files, masked from the first byte.
+run as the job starts, writes the same three files, masked from the first byte (over Hydra's own,
+where a user's ``hydra.output_subdir=…`` brought them back).
 """
 
 from __future__ import annotations
@@ -34,25 +35,7 @@ def save_masked_config(config) -> None:
         del task_cfg["hydra"]
     documents = {"config.yaml": task_cfg, "hydra.yaml": OmegaConf.masked_copy(config, "hydra"),
                  "overrides.yaml": config.hydra.overrides.task}
-    folder = os.path.join(config.hydra.runtime.output_dir, SAVED_DIR)
+    folder = os.path.join(config.hydra.runtime.output_dir, config.hydra.output_subdir or SAVED_DIR)
     make_folder(folder)
     for name in SAVED_FILES:
         replace_file(os.path.join(folder, name), mask_text(OmegaConf.to_yaml(documents[name])).encode("utf-8"))
-
-
-def scrub_saved_config(run_dir: str) -> None:
-    """Mask credentials in ``.hydra/`` files a run directory holds (one saved by an older version)."""
-    from reshard_job.secrets import mask_text
-    from reshard_job.storage.local_files import replace_file
-
-    folder = os.path.join(run_dir, SAVED_DIR)
-    for name in SAVED_FILES:
-        path = os.path.join(folder, name)
-        try:
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
-            masked = mask_text(text)
-            if masked != text:
-                replace_file(path, masked.encode("utf-8"))
-        except OSError:
-            continue

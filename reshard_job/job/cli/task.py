@@ -26,7 +26,6 @@ def run_task(cfg) -> None:
     from reshard_job.job.cli import startup_gc
     from reshard_job.job.cli.refusal import USER_FULL_ERROR, user_errors
     from reshard_job.job.cli.result_file import write_result
-    from reshard_job.job.cli.saved_config import scrub_saved_config
 
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
@@ -36,13 +35,11 @@ def run_task(cfg) -> None:
         startup_gc.collect_from_now_on()
         result = run_job(settle(cfg, ctx), emit=emit)
     except user_errors() as e:
-        scrub_saved_config(ctx.run_dir)
         if os.environ.get(USER_FULL_ERROR) == "1":
             raise
         _refused(e, ctx, multirun)
         return
     ignore()  # the conversion is committed: a late Ctrl-C has nothing left to stop
-    scrub_saved_config(ctx.run_dir)
     write_result(ctx, result)
     emit(run_summary(result))
 

@@ -66,3 +66,14 @@ def test_hydra_never_writes_the_configuration_itself_so_a_killed_job_leaves_no_p
     texts = [(saved / name).read_text() for name in ("config.yaml", "hydra.yaml", "overrides.yaml")]
     assert all("***" in text and KEY not in text for text in texts)
     assert "output_subdir: null" in texts[1]
+
+
+def test_a_saved_configuration_folder_the_user_names_is_masked_too(tmp_path):
+    res = subprocess.run(
+        [sys.executable, "-m", "reshard_job", f"source.checkpoints={S2 / 'src_checkpoints'}",
+         f"source.strategy={S2 / 'src_strategy.ckpt'}", "target=strategy", f"target.strategy={S2 / 'dst_strategy.ckpt'}",
+         "output.dir=out", "lineage.enabled=false", f"+storage.options.secret={KEY}", "hydra.run.dir=run",
+         "hydra.output_subdir=cfg"], cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    texts = [(tmp_path / "run" / "cfg" / name).read_text() for name in ("config.yaml", "hydra.yaml", "overrides.yaml")]
+    assert all("***" in text and KEY not in text for text in texts)

@@ -40,11 +40,12 @@ def test_a_strategy_padded_with_hundreds_of_megabytes_is_read_once(tmp_path):
     """A protobuf strategy with a 300 MiB field of a newer schema, a JSON one with 300 MiB of
     spaces: converted, each within 512 MiB (a file read whole three times over took 950 MiB)."""
     from reshard_job.formats.strategy import read_strategy, to_json_bytes
+    from reshard_job.formats.wire import encode_varint
 
     ckpts, src, dst = copy_s1(tmp_path / "s1")
     padded = tmp_path / "padded.ckpt"
     with open(padded, "wb") as f:
-        f.write(src.read_bytes() + bytes([(15 << 3) | 2]) + varint(300 << 20))
+        f.write(src.read_bytes() + bytes([(15 << 3) | 2]) + encode_varint(300 << 20))
     text = to_json_bytes(read_strategy(src))
     cut = text.rindex(b"}")
     padded_json = tmp_path / "padded.json"
@@ -65,13 +66,6 @@ def test_a_strategy_padded_with_hundreds_of_megabytes_is_read_once(tmp_path):
         assert res.returncode == 0, res.stderr
         assert json.loads(measured.read_text())["maxrss_kib"] < 512 * 1024
 
-
-def varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append(n & 0x7F | 0x80)
-        n >>= 7
-    return bytes(out + bytes([n]))
 
 
 def test_a_lineage_database_whose_driver_is_not_installed_is_one_line_without_its_password(tmp_path):
