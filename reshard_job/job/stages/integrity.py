@@ -95,7 +95,8 @@ def hash_sources(prepared: Prepared, *, use_cache: bool = True, progress: bool |
 
 def _fed(make_taps: Callable[[], object], cache: HashCache | None, progress: bool | None, storage, streamed):
     taps = make_taps()
-    _feed_taps(taps, cache, progress, storage, streamed)
+    if taps is not None:  # None: no fingerprints asked for (``job.fingerprints=false``)
+        _feed_taps(taps, cache, progress, storage, streamed)
     return taps
 
 

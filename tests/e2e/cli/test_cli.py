@@ -112,6 +112,24 @@ def test_golden_scenario_through_the_cli_matches_mindspore(tmp_path, app, scenar
     assert (tmp_path / "out" / "strategy.ckpt").read_bytes() == (d / dst).read_bytes()
 
 
+def test_without_fingerprints_a_second_job_on_sources_whose_digests_are_kept_converts(tmp_path, app):
+    # the second job reads no source to hash it (its digests are kept): the fingerprints' taps are
+    # made only for a conversion that runs, and with job.fingerprints=false there are none to make
+    d = GOLDEN / "S1_mlp_tutorial_8to4"
+    args = [f"source.checkpoints={d / 'src_checkpoints'}", f"source.strategy={d / 'src_strategy.ckpt'}",
+            "target=strategy", f"target.strategy={d / 'dst_strategy.ckpt'}", "job.fingerprints=false"]
+    for out in ("first", "second"):
+        res = app(tmp_path, *args, f"output.dir={out}")
+        assert res.returncode == 0, res.stderr
+        manifest = json.loads((tmp_path / out / "manifest.json").read_text())
+        assert "fingerprints" not in manifest
+    golden = json.loads((d / "manifest.json").read_text())
+    got = tensors_of(tmp_path / "second" / "rank_0" / "checkpoint_0.ckpt")
+    for name, info in golden["expected"]["0"].items():
+        if name in got:
+            assert hashlib.sha256(got[name]).hexdigest() == info["sha256"], name
+
+
 @pytest.mark.slow  # four conversions and four merges; sweeps are also run by tests/e2e/lineage
 def test_sweep_over_four_card_counts_merges_back_to_the_source(tmp_path):
     res = run_app(tmp_path, "-m", "target.devices=1,2,4,8", "hydra.sweep.dir=sweep", timeout=300)
