@@ -33,6 +33,8 @@ from __future__ import annotations
 import os
 from typing import Mapping
 
+import numpy as np
+
 from reshard_job.errors import ConfigError, MissingRankError, PlanError
 from reshard_job.execute.rank_task import DEFAULT_MAX_MEMORY
 from reshard_job.plan.export_shards import DEFAULT_MAX_SHARD_SIZE, parse_shard_size
@@ -73,7 +75,7 @@ def _specs(src_strategy_file, dst_strategy_file, *, src_dir=None, select="latest
 
     source = SourceSpec(None if src_dir is None else absolute(src_dir),
                         None if src_strategy_file is None else absolute(src_strategy_file), select, iteration=iteration,
-                        verify_replicas=bool(verify_replicas))
+                        verify_replicas=_flag(verify_replicas, "verify_replicas"))
     target = TargetSpec(strategy=None if dst_strategy_file is None else absolute(dst_strategy_file), format=fmt,
                         unmapped=unmapped, max_shard_size=parse_shard_size(max_shard_size),
                         include=None if include is None else include_value(include),
@@ -196,6 +198,13 @@ def transform_checkpoints(src_checkpoints_dir, dst_checkpoints_dir, ckpt_prefix,
         return _run(prepared, paths, WriteOptions(fmt, max_memory), workers)
 
 
+def _flag(value, name: str) -> bool:
+    """True or False as given: a string such as 'no' is not taken as true (what ``bool()`` would do)."""
+    if isinstance(value, (bool, np.bool_)) or (isinstance(value, int) and value in (0, 1)):
+        return bool(value)
+    raise ConfigError(f"{name} must be True or False, got {value!r:.80}")
+
+
 def _positive_int(value, name: str) -> int:
     if value is None and name == "process_num":
         return 1
@@ -290,6 +299,7 @@ def rank_list_for_transform(rank_id, src_strategy_file=None, dst_strategy_file=N
     """
     if not isinstance(rank_id, int) or isinstance(rank_id, bool):
         raise TypeError("rank_id must be an int")
+    minimal = _flag(minimal, "minimal")
     if src_strategy_file is None and src_checkpoints_dir is None:
         return [0]
     src_topology, mf_folder = (None, None) if src_strategy_file is None else _source_topology(absolute(src_strategy_file))

@@ -54,6 +54,17 @@ def test_a_prefix_is_the_start_of_a_file_name_and_counts_are_positive(s1, tmp_pa
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob("evil*"))
 
 
+def test_flags_are_true_or_false_a_string_such_as_no_is_refused_not_taken_as_true(s1, tmp_path):
+    src, ss, ds = s1 / "src_checkpoints", s1 / "src_strategy.ckpt", s1 / "dst_strategy.ckpt"
+    for bad in ("no", "false", None, 2, [False]):
+        with pytest.raises(ConfigError, match="verify_replicas must be True or False"):
+            rj.transform_checkpoints(src, tmp_path / "out", "c_", ss, ds, verify_replicas=bad)
+        with pytest.raises(ConfigError, match="minimal must be True or False"):
+            rj.rank_list_for_transform(0, ss, ds, minimal=bad)
+    assert not (tmp_path / "out").exists()
+    assert rj.rank_list_for_transform(0, ss, ds, minimal=0) == rj.rank_list_for_transform(0, ss, ds, minimal=False)
+
+
 def test_a_merged_strategy_is_not_written_into_the_folder_it_merges(tmp_path):
     folder = tmp_path / "stages"
     shutil.copytree(GOLDEN / "S3_pipeline2x4opt_to_4" / "src_strategy_dir", folder)
