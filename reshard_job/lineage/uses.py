@@ -29,6 +29,8 @@ from typing import Iterable, Sequence
 
 from reshard_job.errors import ConfigError
 from reshard_job.lineage.file_records import FileRecord
+from reshard_job.lineage.errors import LineageError, driver_detail
+from reshard_job.secrets import mask_url
 
 _RANK_FOLDER = re.compile(r"^rank_(\d+)$")
 INPUT = "input"
@@ -55,15 +57,21 @@ def record_run(url: str, use: UseRun) -> str:
     from reshard_job import __version__
     from reshard_job.lineage.store import LineageStore
 
+    from sqlalchemy.exc import SQLAlchemyError
+
     where = use.where or _common_folder([f.path for f in use.outputs]) or f"(read by {use.consumer})"
-    with LineageStore(url) as store:
-        store.ensure_schema()
-        run_id = store.start_run(config=use.details, overrides=[], tool_version=__version__, output_dir=where,
-                                 source_devices=use.source_devices, target_devices=use.target_devices)
-        store.record_inputs(run_id, use.inputs)
-        if use.shares is not None:
-            store.record_load_shares(run_id, use.shares)
-        store.complete_run(run_id, outputs=use.outputs, plan=use.plan or {"consumer": use.consumer, "ranks": []})
+    try:
+        with LineageStore(url) as store:
+            store.ensure_schema()
+            run_id = store.start_run(config=use.details, overrides=[], tool_version=__version__, output_dir=where,
+                                     source_devices=use.source_devices, target_devices=use.target_devices)
+            store.record_inputs(run_id, use.inputs)
+            if use.shares is not None:
+                store.record_load_shares(run_id, use.shares)
+            store.complete_run(run_id, outputs=use.outputs, plan=use.plan or {"consumer": use.consumer, "ranks": []})
+    except SQLAlchemyError as exc:  # unreachable, refused, full: the driver's first line, no password
+        raise LineageError(f"cannot record in the lineage database {mask_url(url)}: "
+                           f"{mask_url(driver_detail(exc))}") from None
     return run_id
 
 

@@ -98,6 +98,21 @@ def test_load_rank_with_a_lineage_url_that_is_no_database_url_is_one_lineage_err
         rj.load_rank(*args, lineage_url="notaurl://x")
 
 
+def test_an_unreachable_lineage_database_is_one_lineage_error_naming_it_without_its_password(s1):
+    pytest.importorskip("psycopg")  # the postgres extra's driver: with it, nothing listens on port 1
+    from reshard_job.lineage.errors import LineageError
+
+    url = "postgresql+psycopg://bob:s3cret@127.0.0.1:1/lineage"
+    for call in (lambda: rj.load_rank(1, s1 / "src_checkpoints", s1 / "src_strategy.ckpt", s1 / "dst_strategy.ckpt",
+                                      lineage_url=url),
+                 lambda: rj.record_use("trainer", [s1 / "src_strategy.ckpt"], lineage_url=url)):
+        with pytest.raises(LineageError, match=r"cannot record in the lineage database "
+                                               r"postgresql\+psycopg://bob:\*\*\*@127\.0\.0\.1:1/lineage: "
+                                               r".*(refused|failed)") as got:
+            call()
+        assert "s3cret" not in str(got.value) and "\n" not in str(got.value)
+
+
 @pytest.mark.parametrize("args,kwargs,needle", [
     ((1, 5), {}, "src_checkpoints must be a path"),
     ((1, ["ckpts"]), {}, "src_checkpoints must be a path"),
