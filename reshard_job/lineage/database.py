@@ -139,7 +139,13 @@ def create_lineage_engine(url: str | URL, *, read_only: bool = False, wait: Lock
     """An engine for `url` with the per-backend settings described in the module docstring;
     `read_only` opens an SQLite file without writing to it (see ``_sqlite_read_only``); `wait`: the
     lock-wait budget its connections share (``waiting``)."""
+    from reshard_job.lineage.errors import LineageError
+    from reshard_job.lineage.urls import IN_MEMORY, in_memory_sqlite
+
     parsed = normalize_url(url)
+    if parsed.get_backend_name() == "sqlite" and in_memory_sqlite(
+            "sqlite:///" + (parsed.database or "") + "?" + "&".join(f"{k}={v}" for k, v in parsed.query.items())):
+        raise LineageError(f"lineage database {_shown(parsed)}: {IN_MEMORY}")
     kwargs: dict = {"future": True, "json_serializer": json_text}
     if parsed.get_backend_name() == "sqlite":
         database_file = sqlite_file(parsed)
@@ -151,8 +157,6 @@ def create_lineage_engine(url: str | URL, *, read_only: bool = False, wait: Lock
         # an unreachable server is reported after a bounded wait, not the driver's minutes.
         kwargs["pool_pre_ping"] = True
         kwargs["connect_args"] = {"connect_timeout": POSTGRES_CONNECT_TIMEOUT_S}
-    from reshard_job.lineage.errors import LineageError
-
     try:
         with warnings.catch_warnings(record=True) as said:
             warnings.simplefilter("always")

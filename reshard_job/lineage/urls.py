@@ -8,6 +8,7 @@ third of a second of its fixed cost was that import.
 from __future__ import annotations
 
 import os
+from urllib.parse import unquote
 
 URL_ENV_VAR = "RESHARD_JOB_LINEAGE_URL"
 LEGACY_URL_ENV_VAR = "RESHARD_LINEAGE_URL"  # the name earlier versions read; still honoured after URL_ENV_VAR
@@ -35,3 +36,18 @@ def url_from_environment() -> str | None:
 
 def sqlite_url(path: str | os.PathLike) -> str:
     return f"sqlite:///{os.fspath(path)}"
+
+
+IN_MEMORY = ("an in-memory SQLite database keeps nothing once the process ends, and each connection gets "
+             "its own; give a file (sqlite:///runs/lineage.db)")
+
+
+def in_memory_sqlite(url: str) -> bool:
+    """Whether `url` names an in-memory SQLite database (``sqlite://``, ``sqlite:///:memory:``,
+    ``sqlite:///file::memory:``, ``...?mode=memory``): nothing recorded there would outlive the job."""
+    scheme, sep, rest = str(url).partition("://")
+    if not sep or scheme.split("+")[0].lower() != "sqlite":
+        return False
+    database, _, query = unquote(rest[1:] if rest.startswith("/") else rest).partition("?")
+    return (database in ("", ":memory:") or database.startswith("file::memory:")
+            or "mode=memory" in query or "mode=memory" in database)

@@ -319,7 +319,7 @@ def _max_memory(value: Any) -> int:
 
 
 def _lineage(lin: schema.LineageConfig, ctx: JobContext) -> LineageSpec:
-    from reshard_job.lineage.urls import url_from_environment
+    from reshard_job.lineage.urls import IN_MEMORY, in_memory_sqlite, url_from_environment
 
     url = lin.url or url_from_environment() or "sqlite:///" + os.path.join(ctx.launch_dir, "runs", "lineage.db")
     if isinstance(url, str) and url and "://" not in url:  # a path, as people type it: the SQLite file there
@@ -330,6 +330,8 @@ def _lineage(lin: schema.LineageConfig, ctx: JobContext) -> LineageSpec:
         rel = url[len("sqlite:///"):]
         if rel and rel != ":memory:" and not is_url(rel):
             url = "sqlite:///" + absolute(rel, ctx.launch_dir)
+    if lin.enabled and in_memory_sqlite(url):
+        raise ConfigError(f"lineage.url={_show(url)}: {IN_MEMORY}, or lineage.enabled=false")
     return LineageSpec(bool(lin.enabled), url)
 
 

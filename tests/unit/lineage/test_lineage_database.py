@@ -89,3 +89,18 @@ def test_store_works_on_the_real_postgres_server(postgres_url):
         with store.engine.connect() as connection:
             assert connection.execute(text("SELECT 1")).scalar() == 1
         assert store.engine.dialect.name == "postgresql" and store.engine.dialect.driver == "psycopg"
+
+
+def test_in_memory_sqlite_urls_are_known_and_refused_by_the_engine():
+    from reshard_job.lineage.database import create_lineage_engine
+    from reshard_job.lineage.errors import LineageError
+    from reshard_job.lineage.urls import in_memory_sqlite
+
+    for url in ("sqlite://", "sqlite:///:memory:", "sqlite+pysqlite://", "sqlite:///file::memory:?cache=shared",
+                "sqlite:///file:x?mode=memory&cache=shared"):
+        assert in_memory_sqlite(url), url
+        with pytest.raises(LineageError, match="an in-memory SQLite database keeps nothing"):
+            create_lineage_engine(url)
+    for url in ("sqlite:///x.db", "sqlite:////tmp/memory.db", "sqlite:///file:x.db?mode=ro", "postgresql://h/db",
+                "postgresql+psycopg://u@h/:memory:"):
+        assert not in_memory_sqlite(url), url
