@@ -102,9 +102,11 @@ class TargetConfig:
     strategy: Optional[str] = setting(
         MISSING, "target strategy file (MindSpore's); null together with target.layout, or with "
                  "target.devices=1 for one full checkpoint")
+    # An empty layout (no mesh) is none; a node, not null, so that `target.layout={mesh: ...}` on the
+    # command line merges into it (OmegaConf cannot merge a dict into a typed node that is null).
     layout: Optional[LayoutConfig] = setting(
-        None, "a declarative target layout (a named device mesh and per-parameter rules) instead of "
-              "a strategy file")
+        meaning="a declarative target layout (a named device mesh and per-parameter rules) instead of "
+                "a strategy file", factory=LayoutConfig)
     prefix: str = setting("checkpoint_", "file name prefix of the outputs: rank_<r>/<prefix><r>.ckpt")
     format: str = setting(
         "ckpt", "ckpt | safetensors | safetensors_index (the full model as size-bounded safetensors "
@@ -196,5 +198,13 @@ def register() -> None:
     # One schema for the whole tree: the primary config lists it first in its defaults, so every
     # group's YAML preset is merged onto (and validated by) the typed dataclasses above.
     from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
 
-    ConfigStore.instance().store(name="reshard_schema", node=ReshardConfig)
+    node = OmegaConf.structured(ReshardConfig)
+    for open_dict in OPEN_DICTS:  # their keys are the user's: Hydra's struct mode would refuse every new one
+        OmegaConf.set_struct(OmegaConf.select(node, open_dict), False)
+    ConfigStore.instance().store(name="reshard_schema", node=node)
+
+
+# Dictionaries whose keys the user names (`target.layout={mesh: {dp: 2, mp: 4}}`, `storage.options={...}`).
+OPEN_DICTS = ("target.layout.mesh", "storage.options")

@@ -20,3 +20,38 @@ def test_an_in_memory_lineage_database_is_refused_before_anything_runs(tmp_path,
     assert line.startswith(f"lineage.url='{url}': an in-memory SQLite database keeps nothing"), line
     assert res.stderr.count("\n") == 1, res.stderr  # not even a log line before it
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("preset", ["strategy", "single"])
+def test_a_declarative_layout_given_on_the_command_line_of_a_preset_without_one_converts(tmp_path, preset):
+    """`target.layout={...}` on a preset whose layout was null: OmegaConf cannot merge a dict into a
+    null typed node, and the job died in a 61-line traceback (only demo_mlp, which has a layout, worked)."""
+    import hashlib
+    import json
+
+    from reliability_helpers import GOLDEN
+    from reshard_job.formats.ckpt import CheckpointReader
+
+    d = GOLDEN / "S5a_merge_8to1"
+    res = run_app(tmp_path, "source=checkpoints", f"source.checkpoints={d / 'src_checkpoints'}",
+                  f"source.strategy={d / 'src_strategy.ckpt'}", f"target={preset}", "target.strategy=null",
+                  "target.devices=4", "target.layout={mesh: {dp: 1, mp: 4}, rules: [{match: '.*', dims: []}]}",
+                  "output.dir=out", "lineage.enabled=false")
+    assert res.returncode == 0, res.stderr
+    want = json.loads((d / "manifest.json").read_text())["expected"]["0"]  # the whole model, merged
+    for rank in range(4):  # every rank holds it whole (dims [] replicate every parameter)
+        with CheckpointReader(tmp_path / "out" / f"rank_{rank}" / f"checkpoint_{rank}.ckpt") as r:
+            got = {n: hashlib.sha256(r.read_raw(n)).hexdigest() for n in r.names()}
+        assert {n: got.get(n) for n in want} == {n: info["sha256"] for n, info in want.items()}
+
+
+def test_storage_options_given_as_a_dict_are_taken(tmp_path):
+    """`storage.options={...}`: the key is documented as a dict, but every key was refused as
+    'not in struct' (only `+storage.options.k=v` worked)."""
+    res = run_app(tmp_path, "storage.options={anon: true, client_kwargs: {region_name: x}}", "job.mode=plan",
+                  "hydra.run.dir=run")
+    assert res.returncode == 0, res.stderr
+    import yaml
+
+    saved = yaml.safe_load((tmp_path / "run" / ".hydra" / "config.yaml").read_text())
+    assert saved["storage"]["options"] == {"anon": True, "client_kwargs": {"region_name": "x"}}
