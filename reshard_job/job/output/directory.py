@@ -29,67 +29,14 @@ from reshard_job.sources.file_digests import digest_file
 from reshard_job.jsonchunks import iter_json, plain
 from reshard_job.storage import LockedError, Storage
 from reshard_job.storage.s3errors import StoreUnresponsiveError
+from reshard_job.text import one_line_of
 from reshard_job.job.output.journal import STATE_DIR, TENSORS_DIR, Journal, JournalEntry
 from reshard_job.job.output.manifest_reading import read_manifest_summary
+from reshard_job.job.output.places import inside, place, places, self_and_ancestors, source_folder_around, under, url_key
 
 FRESH = "fresh"
 PARTIAL = "partial"
 COMPLETE = "complete"
-
-
-def _inside(path: str, parent: str) -> bool:
-    path, parent = os.path.realpath(path), os.path.realpath(parent)
-    return path == parent or path.startswith(parent.rstrip(os.sep) + os.sep)
-
-
-def _place(path: str) -> tuple[int, int] | None:
-    """(device, inode) of what `path` names now, following links; None where nothing is."""
-    try:
-        st = os.stat(path)
-    except (OSError, ValueError):
-        return None
-    return st.st_dev, st.st_ino
-
-
-def _self_and_ancestors(path: str):
-    """`path` made absolute, then each folder above it up to the root."""
-    path = os.path.abspath(path)
-    while True:
-        yield path
-        parent = os.path.dirname(path)
-        if parent == path:
-            return
-        path = parent
-
-
-def _places(paths) -> dict[tuple[int, int], str]:
-    """(device, inode) -> the path that named it, for the local paths that exist."""
-    out = {}
-    for p in paths:
-        if p and "://" not in p:
-            key = _place(p)
-            if key is not None:
-                out.setdefault(key, p)
-    return out
-
-
-def _source_folder_around(path: str, source_dirs: dict[tuple[int, int], str], seen: dict) -> str | None:
-    """The source folder that is `path` or holds it, as its device and inode say (any other name).
-    `seen` keeps the answers for folders already walked (the rank folders share their parents)."""
-    walked = []
-    found = None
-    for p in _self_and_ancestors(path):
-        if p in seen:
-            found = seen[p]
-            break
-        walked.append(p)
-        key = _place(p)
-        if key in source_dirs:
-            found = source_dirs[key]
-            break
-    for p in walked:
-        seen[p] = found
-    return found
 
 
 def still_holds(storage: Storage, path: str, size: int, sha256: str, identity: tuple) -> bool:
@@ -106,21 +53,6 @@ def still_holds(storage: Storage, path: str, size: int, sha256: str, identity: t
         return False
 
 
-def _url_key(url: str) -> str:
-    """A URL as a place: s3:// and s3a:// name one bucket, case of the scheme and end slashes do not count."""
-    scheme, _, rest = url.partition("://")
-    scheme = scheme.lower()
-    return f"{'s3' if scheme == 's3a' else scheme}://{rest.strip('/')}"
-
-
-def _under(path: str, parent: str) -> bool:
-    """`path` is `parent` or below it, for URLs or local paths (local ones resolved)."""
-    if "://" in path or "://" in parent:
-        path, parent = _url_key(path), _url_key(parent)
-        return path == parent or path.startswith(parent + "/")
-    return _inside(path, parent)
-
-
 class OutputDir:
     def __init__(self, path: str, storage: Storage, *, overwrite: bool = False):
         self.path = path
@@ -132,15 +64,16 @@ class OutputDir:
         self.journal = Journal(storage, path)
         self._lock = None
         self._manifest_seen: tuple[tuple, dict] | None = None  # (identity, summary) of the last read
+        self._manifest_problem = "a manifest.json that cannot be read"  # why the last read gave {}
 
     # ------------------------------------------------------------------------------ guards
     def check_not_source(self, source_dirs: list[str], source_files: list[str]) -> None:
         """Refuse an output directory that is, or lies inside, a source directory, or is a source file."""
         for f in source_files:
-            if _under(self.path, f) and (not self.local or os.path.realpath(f) == os.path.realpath(self.path)):
+            if under(self.path, f) and (not self.local or os.path.realpath(f) == os.path.realpath(self.path)):
                 raise OutputError(f"output.dir {self.path} is a source file; choose a new directory")
         for d in source_dirs:
-            if d and _under(self.path, d):
+            if d and under(self.path, d):
                 raise OutputError(
                     f"output.dir {self.path} is inside the source directory {d}; outputs must not be written "
                     "among the sources (choose a directory outside it)"
@@ -154,9 +87,9 @@ class OutputDir:
     def _check_not_source_place(self, source_dirs: list[str], source_files: list[str]) -> None:
         """The same refusals by device and inode: output.dir, or a folder above it, is a source under
         another path."""
-        files, dirs = _places(source_files), _places(source_dirs)
-        for p in _self_and_ancestors(self.path):
-            key = _place(p)
+        files, dirs = places(source_files), places(source_dirs)
+        for p in self_and_ancestors(self.path):
+            key = place(p)
             if key in files:
                 raise OutputError(f"output.dir {self.path} is the source file {files[key]} under another path; "
                                   "choose a new directory")
@@ -173,21 +106,21 @@ class OutputDir:
         A source strategy file kept next to its checkpoints as ``strategy.ckpt`` is the usual way to
         meet the first: writing the target strategy into that directory would replace it.
         """
-        sources = {os.path.realpath(f) if self.local else _url_key(f): f for f in source_files}
+        sources = {os.path.realpath(f) if self.local else url_key(f): f for f in source_files}
         root = os.path.realpath(self.path) if self.local else self.path
         for p in planned:
             rel = self.relative(p)
             where = (os.path.join(os.path.realpath(os.path.dirname(p)), os.path.basename(p)) if self.local
-                     else _url_key(p))
+                     else url_key(p))
             if where in sources:
                 raise OutputError(f"output.dir {self.path}: writing {rel} would replace the source file "
                                   f"{sources[where]}; choose another output.dir")
             for d in source_dirs:
-                if d and _under(where, d):
+                if d and under(where, d):
                     linked = self.local and where != os.path.abspath(p)
                     raise OutputError(f"output.dir {self.path}: {rel} would be written into the source directory "
                                       f"{d}{' (through a symbolic link)' if linked else ''}; choose another output.dir")
-            if self.local and not _inside(os.path.dirname(where), root):
+            if self.local and not inside(os.path.dirname(where), root):
                 raise OutputError(f"output.dir {self.path}: {rel} would be written to {where}, outside output.dir "
                                   "(a symbolic link inside it points elsewhere); remove the link or choose another "
                                   "output.dir")
@@ -197,15 +130,15 @@ class OutputDir:
     def _check_planned_places(self, planned: list[str], source_files: list[str], source_dirs) -> None:
         """No planned file is a source file (a bind mount, a hard link) or lands in a source folder,
         as devices and inodes say."""
-        files, dirs = _places(source_files), _places(source_dirs)
+        files, dirs = places(source_files), places(source_dirs)
         seen: dict[str, str | None] = {}
         for p in planned:
             rel = self.relative(p)
-            key = _place(p)
+            key = place(p)
             if key in files:
                 raise OutputError(f"output.dir {self.path}: writing {rel} would replace the source file "
                                   f"{files[key]} (the same file under another path); choose another output.dir")
-            holder = _source_folder_around(os.path.dirname(p), dirs, seen)
+            holder = source_folder_around(os.path.dirname(p), dirs, seen)
             if holder is not None:
                 raise OutputError(f"output.dir {self.path}: {rel} would be written into the source directory "
                                   f"{holder} (the same folder under another path); choose another output.dir")
@@ -230,7 +163,10 @@ class OutputDir:
         """
         if self.overwrite or not self._is_dir():
             return
-        if self.read_manifest() is not None or self.journal.fingerprint() is not None:
+        manifest = self.read_manifest()
+        if manifest == {}:  # one this tool did not write, or damaged: refused before the lock is written
+            self._other(self._manifest_problem)
+        if manifest is not None or self.journal.fingerprint() is not None:
             return
         if self._foreign_entries():
             self._other(self._foreign_description())
@@ -292,15 +228,21 @@ class OutputDir:
         except StoreUnresponsiveError:
             raise
         except Exception:  # noqa: BLE001 - a FIFO, a folder, no permission: not ours to trust
+            self._manifest_problem = "a manifest.json that cannot be read (not a regular file, or no permission)"
             return {}
         try:
-            return read_manifest_summary(f)[0]
+            summary = read_manifest_summary(f)[0]
         except StoreUnresponsiveError:
             raise
-        except Exception:  # noqa: BLE001 - damaged (ManifestDamaged), or a storage error reading it
+        except Exception as e:  # noqa: BLE001 - damaged (ManifestDamaged), or a storage error reading it
+            self._manifest_problem = f"a manifest.json that cannot be read ({one_line_of(str(e))[:160]})"
             return {}
         finally:
             f.close()
+        if "fingerprint" not in summary:
+            self._manifest_problem = "a manifest.json this tool did not write (it has no 'fingerprint')"
+            return {}
+        return summary
 
     def _foreign_entries(self) -> list[str]:
         if not self._is_dir():
@@ -314,8 +256,8 @@ class OutputDir:
         if manifest is not None:
             if manifest.get("fingerprint") == fingerprint:
                 return COMPLETE
-            if not manifest:  # read_manifest's word for one that cannot be read
-                return self._other("a manifest.json that cannot be read (damaged, or not a regular file)")
+            if not manifest:  # read_manifest's word for one that cannot be read, or is not ours
+                return self._other(self._manifest_problem)
             return self._other(f"the outputs of a different conversion (run {manifest.get('run_id', '?')})")
         if journal_fp is not None:
             if journal_fp == fingerprint:
@@ -339,7 +281,7 @@ class OutputDir:
 
     def _remove_inside(self, path: str) -> None:
         """Delete a file only where it really lies inside the directory (never through a link out of it)."""
-        if self.local and not _inside(os.path.dirname(path), self.path):
+        if self.local and not inside(os.path.dirname(path), self.path):
             return
         try:
             self.storage.remove(path)

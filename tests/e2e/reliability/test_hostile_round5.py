@@ -55,3 +55,16 @@ def test_storage_options_given_as_a_dict_are_taken(tmp_path):
 
     saved = yaml.safe_load((tmp_path / "run" / ".hydra" / "config.yaml").read_text())
     assert saved["storage"]["options"] == {"anon": True, "client_kwargs": {"region_name": "x"}}
+
+
+def test_a_manifest_json_of_someone_else_in_output_dir_is_refused_before_the_lock_is_written(tmp_path):
+    """It was called one that 'cannot be read (damaged...)', after `.reshard_job/lock` had been
+    written into the folder: a golden scenario's folder given as output.dir kept a lock file."""
+    ckpts, src, dst = copy_s1(tmp_path / "s1")
+    out = tmp_path / "theirs"
+    out.mkdir()
+    (out / "manifest.json").write_text('{"scenario": "S1", "expected": {}}')
+    res = run_app(tmp_path, *s1_args(ckpts, src, dst, out), "lineage.enabled=false")
+    assert the_error(res) == (f"output.dir {out} holds a manifest.json this tool did not write (it has no "
+                              "'fingerprint'); choose another output.dir or set output.overwrite=true")
+    assert sorted(p.name for p in out.rglob("*")) == ["manifest.json"]
