@@ -26,19 +26,25 @@ def run_task(cfg) -> None:
     from reshard_job.job.cli import startup_gc
     from reshard_job.job.cli.refusal import USER_FULL_ERROR, user_errors
     from reshard_job.job.cli.result_file import write_result
+    from reshard_job.job.run import held_logs
 
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
     ctx = _context(hc, multirun)
+    held_logs.hold()  # a refusal is its one line alone (the log file keeps every line)
     try:
         raise_pending()  # a Ctrl-C while starting up stops the job here, before anything is done
         startup_gc.collect_from_now_on()
         result = run_job(settle(cfg, ctx), emit=emit)
     except user_errors() as e:
         if os.environ.get(USER_FULL_ERROR) == "1":
+            held_logs.release()
             raise
+        held_logs.drop()
         _refused(e, ctx, multirun)
         return
+    finally:
+        held_logs.release()  # a plan, a no-op, a bug's traceback: what was logged is printed (dropped: nothing)
     ignore()  # the conversion is committed: a late Ctrl-C has nothing left to stop
     write_result(ctx, result)
     emit(run_summary(result))

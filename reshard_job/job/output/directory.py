@@ -258,7 +258,7 @@ class OutputDir:
                 return COMPLETE
             if not manifest:  # read_manifest's word for one that cannot be read, or is not ours
                 return self._other(self._manifest_problem)
-            return self._other(f"the outputs of a different conversion (run {manifest.get('run_id', '?')})")
+            return self._other(f"the outputs of a different conversion (run {manifest.get('run_id') or 'not recorded'})")
         if journal_fp is not None:
             if journal_fp == fingerprint:
                 return PARTIAL

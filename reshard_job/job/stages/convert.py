@@ -41,6 +41,7 @@ from reshard_job.job.output.node_outputs import node_manifest_records
 from reshard_job.job.output.directory import COMPLETE, FRESH, PARTIAL, OutputDir
 from reshard_job.job.stages.prepare import Prepared
 from reshard_job.job.stages.select_names import export_include
+from reshard_job.job.run import held_logs
 from reshard_job.job.run.progress import Progress
 from reshard_job.job.stages.proof import prove
 from reshard_job.job.stages.record import LineageRecorder, NoRecorder
@@ -293,7 +294,12 @@ def _run_ranks(spec: JobSpec, prepared: Prepared, out: OutputDir, digests: Sourc
 
     tapped = TargetSums()
 
+    def on_bytes(n: int) -> None:
+        held_logs.release()  # the ranks run (a cluster answered): the job has accepted its inputs
+        bar.add_bytes(n)
+
     def on_done(result: RankResult) -> None:
+        held_logs.release()
         key = result.part if result.part is not None else result.target_rank
         _journal(out, written, key, result.path, result.size, result.sha256, result.tensors,
                  choice.files.identity(result))
@@ -302,7 +308,7 @@ def _run_ranks(spec: JobSpec, prepared: Prepared, out: OutputDir, digests: Sourc
         bar.rank_done(result.target_rank, result.size, note="" if result.part is None else out.relative(result.path))
 
     try:
-        executor.run(tasks, on_bytes=bar.add_bytes, on_done=on_done)
+        executor.run(tasks, on_bytes=on_bytes, on_done=on_done)
     finally:
         bar.close()
     return tapped

@@ -68,3 +68,20 @@ def test_a_manifest_json_of_someone_else_in_output_dir_is_refused_before_the_loc
     assert the_error(res) == (f"output.dir {out} holds a manifest.json this tool did not write (it has no "
                               "'fingerprint'); choose another output.dir or set output.overwrite=true")
     assert sorted(p.name for p in out.rglob("*")) == ["manifest.json"]
+
+
+def test_a_refusal_after_log_lines_is_its_one_line_alone_and_the_log_file_keeps_them(tmp_path):
+    """A selection's INFO line, then the refusal: two lines on the console (a rerun with another
+    selection into a finished output.dir, a rename the target strategy does not know)."""
+    ckpts, src, dst = copy_s1(tmp_path / "s1")
+    args = s1_args(ckpts, src, dst, tmp_path / "out")
+    assert run_app(tmp_path, *args, "lineage.enabled=false").returncode == 0
+    res = run_app(tmp_path, *args, "lineage.enabled=false", "target.exclude=[layer1.*]", "hydra.run.dir=run2")
+    line = the_error(res)
+    assert line.startswith(f"output.dir {tmp_path / 'out'} holds the outputs of a different conversion (run not "
+                           "recorded)"), line
+    assert res.stderr.count("\n") == 1, res.stderr
+    log = (tmp_path / "run2" / "reshard_job.log").read_text()
+    assert "[INFO] - selection: include=all exclude=" in log and "holds the outputs of a different" in log
+    res = run_app(tmp_path, *args[:-1], f"output.dir={tmp_path / 'out2'}", "lineage.enabled=false")
+    assert res.returncode == 0 and "[INFO] - converting 4 target rank(s)" in res.stderr  # a run that goes on: shown
