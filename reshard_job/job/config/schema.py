@@ -111,7 +111,8 @@ class TargetConfig:
     format: str = setting(
         "ckpt", "ckpt | safetensors | safetensors_index (the full model as size-bounded safetensors "
                 "shards plus model.safetensors.index.json, for inference: see target=hf_export)")
-    unmapped: str = setting("omit", "parameters in the source strategy but not the target one: omit | full")
+    unmapped: str = setting("omit", "parameters in the source strategy but not the target one: omit (leave out "
+                                    "accu_grads.*, refuse others) | full (keep them whole) | drop (leave them out)")
     crc: bool = setting(False, "append MindSpore's CRC32 trailer to .ckpt outputs")
     max_shard_size: Any = setting(
         "5GB", "safetensors_index only: bound on one shard's tensor bytes (5GB = 5e9 bytes, "
