@@ -17,20 +17,18 @@ and the job's output bookkeeping know every shard before anything is written.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import operator
 from dataclasses import dataclass, field
 
 from reshard_job.sources.demo import ensure_demo
-from reshard_job.errors import ConfigError, PlanError, ReshardError
+from reshard_job.errors import ConfigError, ReshardError
 from reshard_job.sources.open_files import SourceFiles
 from reshard_job.formats.hf_index import INDEX_FILE
 from reshard_job.plan.export_shards import ExportLayout, plan_export
 from reshard_job.sources.mindformers import MindFormersFolder
 from reshard_job.sources.mindformers_save import MindFormersSource
-from reshard_job.formats.tensorfile import KIND_TENSOR
 from reshard_job.sources.file_digests import HashCache, default_cache_path
 from reshard_job.sources.index_cache import IndexCache
 from reshard_job.plan.model import Plan, RankPlan
@@ -43,7 +41,7 @@ from reshard_job.sources.rank_folders import LoadedStrategy, RankFiles
 from reshard_job.storage import StorageOptions, storage_for
 from reshard_job.execute.tasks import FORMAT_SAFETENSORS_INDEX
 from reshard_job.sources.open_files import files_of
-from reshard_job.text import shorten
+from reshard_job.job.stages.extra_ranks import cross_check, tensor_digest
 from reshard_job.job.stages.omissions import warn_absent, warn_omitted
 from reshard_job.job.run.progress import Progress
 from reshard_job.job.config.spec import SourceSpec, TargetSpec
@@ -54,7 +52,6 @@ from reshard_job.job.stages.select_names import (apply_selection, export_include
 from reshard_job.plan.selection import Selected
 
 log = logging.getLogger("reshard_job")
-SAMPLE_BYTES = 4096  # per probe when telling shards from copies
 
 
 @dataclass
@@ -163,7 +160,7 @@ def _prepare_files(found: RankFiles, strategy: LoadedStrategy, source: SourceSpe
             index = readers.index()
         finally:
             bar.close()
-        checks = _cross_check(found, strategy, source, index, storage)
+        checks = cross_check(found, strategy, source, index, storage)
         strategy, index, selected = apply_selection(selection, strategy, readers, index)
         return _settle_and_plan(source, found, strategy, readers, index, target, ranks, storage, checks,
                                 settled=settled, selected=selected, one_device=one_device)
@@ -314,93 +311,6 @@ def _plan(strategy: LoadedStrategy, tgt: Target, spec: TargetSpec, index, ranks,
     return plan, missing, planner.one_device() if one_device and not missing else None
 
 
-# ================================================================================ cross-checks
-def _cross_check(found: RankFiles, strategy: LoadedStrategy, source: SourceSpec, index, storage) -> list[str]:
-    checks = []
-    extra = sorted(r for r in found.files if r >= strategy.topology.devices)
-    if source.strategy is None and extra and not source.unsharded:
-        _refuse_shards_without_strategy(found, index, extra, storage)
-        checks.append("rank folders without a strategy hold copies of one model (sampled)")
-    elif extra and source.strategy is None:
-        log.info("source.unsharded=true: rank_%d is the model; rank folders %s are taken as copies of it",
-                 min(index), ", ".join(f"rank_{r}" for r in extra[:8]))
-    elif extra:
-        _check_extra_ranks(found, strategy, source, index, extra, storage)  # raises
-    elif source.strategy is not None:
-        checks.append("no rank folder beyond the ranks the source strategy describes")
-    return checks
-
-
-def _extra_readers(found: RankFiles, ranks: list[int], storage):
-    return SourceFiles({r: found.files[r] for r in ranks}, verify_crc=False, identities=found.identities,
-                       storage=storage)
-
-
-def _check_extra_ranks(found, strategy, source, index, extra, storage) -> None:
-    """Ignoring rank directories beyond the strategy's devices is safe only when they hold nothing
-    the others lack; otherwise (a pipeline strategy directory missing its last stage, the strategy
-    of another run) their parameters would silently be missing from the outputs."""
-    known = set().union(*index.values()) if index else set()
-    with _extra_readers(found, extra, storage) as readers:
-        for r in extra:
-            try:
-                unknown = [n for n in readers.reader(r).names() if n not in known]
-            except ReshardError as e:
-                log.warning("rank_%d is ignored and cannot be read either: %s", r, e)
-                continue
-            if not unknown:
-                continue
-            is_dir = storage_for(source.strategy, storage).info(source.strategy)
-            hint = (f"is a pipeline stage's strategy file missing from {source.strategy}?" if is_dir and is_dir.is_dir
-                    else "was source.strategy saved with these checkpoints?")
-            raise PlanError(
-                f"{found.files[r]}: rank {r} lies beyond the {strategy.topology.devices} rank(s) the source strategy "
-                f"describes, but holds {len(unknown)} parameter(s) that no rank within it holds "
-                f"(e.g. {shorten(unknown[0], 80)!r}); {hint}"
-            )
-    # A strategy describes every rank of the run it was saved with: more rank folders mean another
-    # run's strategy (whose layouts may still fit the first ranks' shapes) or another save's leftovers.
-    names = ", ".join(f"rank_{r}" for r in extra[:8]) + (", ..." if len(extra) > 8 else "")
-    raise PlanError(f"{found.root}: rank folders {names} lie beyond the {strategy.topology.devices} rank(s) the "
-                    f"source strategy describes; a strategy describes every rank of the run it was saved with, so "
-                    "either it belongs to another run (use the one saved with these checkpoints) or these folders "
-                    "are leftovers of another save (move them away)")
-
-
-def _refuse_shards_without_strategy(found: RankFiles, index, extra: list[int], storage) -> None:
-    """Without source.strategy the source is one whole model (rank_0). Several rank folders are
-    fine when they are copies (pure data parallel); when they differ they are shards, and rank 0's
-    shard written out as "the model" would be wrong: refuse, naming the remedy."""
-    first = index[min(index)]
-    with _extra_readers(found, extra, storage) as readers, _extra_readers(found, [min(index)], storage) as base:
-        for r in extra:
-            reader = readers.reader(r)
-            for name, meta in first.items():
-                other = reader.entries.get(name)
-                differs = other is None or other.dtype != meta.dtype or tuple(other.shape) != meta.shape
-                if not differs and meta.kind == KIND_TENSOR:
-                    differs = _sample(base.reader(min(index)), name) != _sample(reader, name)
-                if differs:
-                    raise PlanError(
-                        f"{found.root}: source.strategy is not set, but the {len(found.files)} rank folders hold "
-                        f"different tensors (e.g. {shorten(name, 80)!r} differs between rank_{min(index)} and "
-                        f"rank_{r}): they look like shards of one model; set source.strategy to the strategy file "
-                        "saved with them, or source.unsharded=true if each rank folder is a whole copy")
-
-
-def _sample(reader, name: str) -> str:
-    """A digest of a tensor's first, middle and last bytes: enough to tell shards from copies."""
-    entry = reader.entries[name]
-    size = entry.stored_bytes
-    h = hashlib.sha256()
-    for start in sorted({0, max(0, size // 2 - SAMPLE_BYTES // 2), max(0, size - SAMPLE_BYTES)}):
-        n = min(SAMPLE_BYTES, size - start)
-        buf = bytearray(n)
-        reader.read_logical(entry, start, memoryview(buf))
-        h.update(buf)
-    return h.hexdigest()
-
-
 IDENTICAL_CHECKED = "tensors that must be identical across source ranks compared by content"
 
 
@@ -428,14 +338,7 @@ def check_identical(prepared: Prepared) -> None:
         return
     for name, groups in identical.items():
         for group in groups:
-            digests = {r: _tensor_digest(prepared.readers.reader(r), name) for r in group}
+            digests = {r: tensor_digest(prepared.readers.reader(r), name) for r in group}
             if len(set(digests.values())) > 1:
                 raise identical_mismatch(name, group, prepared.source.strategy)
     prepared.checks.append(IDENTICAL_CHECKED)
-
-
-def _tensor_digest(reader, name: str) -> str:
-    h = hashlib.sha256()
-    for block in reader.iter_content(name):
-        h.update(block)
-    return h.hexdigest()

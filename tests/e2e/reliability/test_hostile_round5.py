@@ -85,3 +85,32 @@ def test_a_refusal_after_log_lines_is_its_one_line_alone_and_the_log_file_keeps_
     assert "[INFO] - selection: include=all exclude=" in log and "holds the outputs of a different" in log
     res = run_app(tmp_path, *args[:-1], f"output.dir={tmp_path / 'out2'}", "lineage.enabled=false")
     assert res.returncode == 0 and "[INFO] - converting 4 target rank(s)" in res.stderr  # a run that goes on: shown
+
+
+def test_rank_folders_declared_copies_are_compared_by_content_unless_told_not_to(tmp_path):
+    """source.unsharded=true took rank_0 as the model and never read the others: a copy with one
+    bit flipped, or S2's shards declared copies, converted with exit 0."""
+    import shutil
+
+    from reliability_helpers import GOLDEN
+
+    s5b = GOLDEN / "S5b_split_1to8"
+    src = tmp_path / "copies"
+    for r in range(3):
+        shutil.copytree(s5b / "src_checkpoints" / "rank_0", src / f"rank_{r}")
+    args = ["source=checkpoints", f"source.checkpoints={src}", "source.unsharded=true", "target=strategy",
+            f"target.strategy={s5b / 'dst_strategy.ckpt'}", "lineage.enabled=false"]
+    assert run_app(tmp_path, *args, "output.dir=same").returncode == 0  # true copies: converted
+    flipped = next((src / "rank_2").glob("*.ckpt"))
+    data = bytearray(flipped.read_bytes())
+    data[len(data) // 2] ^= 1
+    flipped.write_bytes(bytes(data))
+    line = the_error(run_app(tmp_path, *args, "output.dir=out"))
+    assert line.startswith(f"{flipped}: source.unsharded=true says each rank folder is a copy of rank_0's whole "
+                           "model, but '"), line
+    assert "rank_2 holds other values" in line and not (tmp_path / "out").exists()
+    assert run_app(tmp_path, *args, "output.dir=out", "source.verify_replicas=false").returncode == 0
+    s2 = GOLDEN / "S2_block_mp4dp2opt_to_mp4" / "src_checkpoints"
+    line = the_error(run_app(tmp_path, "source=checkpoints", f"source.checkpoints={s2}", "source.strategy=null",
+                             "source.unsharded=true", "target=single", "output.dir=s2", "lineage.enabled=false"))
+    assert "is a copy of rank_0's whole model, but 'embedding_table': rank_1 holds other values" in line

@@ -59,8 +59,13 @@ def test_sharded_rank_folders_without_a_strategy_are_refused(tmp_path, s1, app):
     assert error.endswith("they look like shards of one model; set source.strategy to the strategy file saved with "
                           "them, or source.unsharded=true if each rank folder is a whole copy")
     assert_nothing_recorded(out, _db(tmp_path), error)
-    # the user says they are whole copies: rank 0 is the model, as asked
-    res = app(tmp_path, f"source.checkpoints={ckpts}", "source.unsharded=true", "target=single", f"output.dir={out}")
+    # the user says they are whole copies: compared by content, they are not
+    error = the_error(app(tmp_path, f"source.checkpoints={ckpts}", "source.unsharded=true", "target=single",
+                          f"output.dir={out}"))
+    assert "source.unsharded=true says each rank folder is a copy of rank_0's whole model, but" in error
+    # and told not to compare: rank 0 is the model, as asked
+    res = app(tmp_path, f"source.checkpoints={ckpts}", "source.unsharded=true", "source.verify_replicas=false",
+              "target=single", f"output.dir={out}")
     assert res.returncode == 0, res.stderr
 
 
