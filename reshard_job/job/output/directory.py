@@ -61,6 +61,7 @@ class OutputDir:
         self.overwrite = overwrite
         self.state_dir = storage.join(path, STATE_DIR)
         self.manifest_path = storage.join(path, MANIFEST_FILE)
+        self.seal_path = storage.join(self.state_dir, "manifest.sha256")
         self.journal = Journal(storage, path)
         self._lock = None
         self._manifest_seen: tuple[tuple, dict] | None = None  # (identity, summary) of the last read
@@ -313,11 +314,15 @@ class OutputDir:
         """The target files a complete directory's manifest lists, with their journaled identities."""
         files = manifest.get("target", {}).get("files", [])
         keys = {f["part"] if isinstance(f.get("part"), int) else f["rank"] for f in files}
-        identities = {e.rank: e.identity for e in self.journal.read(keys)[1]}
+        # a journaled identity vouches for a file only where the journal says what the manifest says
+        journaled = {e.rank: e for e in self.journal.read(keys)[1]}
         out = []
         for f in files:
             key = f["part"] if isinstance(f.get("part"), int) else f["rank"]  # an export's files: their number
-            out.append(JournalEntry(key, self._rel_listed(f), f["size"], f["sha256"], identities.get(key, ())))
+            j = journaled.get(key)
+            same = j is not None and (j.size, j.sha256) == (f["size"], f["sha256"])
+            out.append(JournalEntry(key, self._rel_listed(f), f["size"], f["sha256"], j.identity if same else (),
+                                    tensors_sha256=j.tensors_sha256 if same else ""))
         return out
 
     def uncommit(self, fingerprint: str, entries: list[JournalEntry]) -> None:
@@ -329,6 +334,22 @@ class OutputDir:
         """
         self.journal.rewrite(fingerprint, entries)
         removing(self.storage, self.manifest_path)
+        removing(self.storage, self.seal_path)
+
+    # ------------------------------------------------------------------------------ seal
+    def seal_manifest(self, size: int, sha256: str) -> None:
+        """Record the manifest just committed (size and sha256) beside the journal: a later run
+        takes it for this tool's own only while it is still that file (an edited manifest was
+        adopted by a rerun, its digests trusted and recorded)."""
+        self.storage.write_bytes(self.seal_path, f"{size} {sha256}\n".encode("ascii"), mode=0o644)
+
+    def manifest_sealed(self, size: int, sha256: str) -> bool:
+        """Whether the manifest of `size` bytes and `sha256` is the one this tool committed here."""
+        try:
+            return self.storage.read_bytes(self.seal_path, 200).decode("ascii", "replace").split() == \
+                [str(size), sha256]
+        except Exception:  # noqa: BLE001 - absent (a run killed just after the manifest, an older version)
+            return False
 
     # ------------------------------------------------------------------------------ verification
     def verify(self, entry: JournalEntry) -> bool:

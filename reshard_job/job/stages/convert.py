@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from reshard_job import __version__
 from reshard_job.sources.open_files import current_identity, same_identity
@@ -45,25 +45,11 @@ from reshard_job.job.run import held_logs
 from reshard_job.job.run.progress import Progress
 from reshard_job.job.stages.proof import prove
 from reshard_job.job.stages.record import LineageRecorder, NoRecorder
+from reshard_job.job.stages.reuse import STATUS_COMPLETED, Outputs, reuse_if_intact  # noqa: F401 (Outputs re-exported)
 from reshard_job.core.placement import PLACEMENT_PER_NODE
 from reshard_job.job.config.spec import JobSpec
 
 log = logging.getLogger("reshard_job")
-
-STATUS_COMPLETED = "completed"
-STATUS_REUSED = "completed (already done)"
-
-
-@dataclass
-class Outputs:
-    status: str
-    out_dir: str
-    manifest_path: str
-    manifest_sha256: str  # of the file, as sha256sum prints it
-    run_id: str | None = None
-    files: list[dict] = field(default_factory=list)
-    nodes: list[dict] | None = None  # per Ray node: ranks, bytes, seconds (job.executor=ray)
-
 
 def output_paths(plan: Plan, out_dir: str, prefix: str, fmt: str, storage) -> dict[int, str]:
     """``<out>/rank_<r>/<prefix><r>.<fmt>`` for every planned target rank (MindSpore's naming)."""
@@ -149,7 +135,7 @@ def _convert_into(spec: JobSpec, prepared: Prepared, out: OutputDir, digests: So
                   fingerprint: str, choice: ExecutorChoice) -> Outputs:
     state = out.state(fingerprint)
     if state == COMPLETE:
-        reused = _reuse_if_intact(spec, out, fingerprint, recorder, choice.files, prepared.target.strategy_copied)
+        reused = reuse_if_intact(spec, out, fingerprint, recorder, choice.files, prepared.target.strategy_copied)
         if reused is not None:
             return reused
         state = PARTIAL
@@ -219,49 +205,6 @@ def _copied_target_strategy(prepared: Prepared) -> FileRecord | None:
     if not t.strategy_copied or t.strategy is None:
         return None
     return FileRecord(t.strategy_from, t.strategy.sha256, t.strategy.size, "strategy")
-
-
-def _reuse_if_intact(spec: JobSpec, out: OutputDir, fingerprint: str, recorder, files,
-                     strategy_copied: bool) -> Outputs | None:
-    """A complete directory of this very job: nothing to do if every listed file still verifies
-    (same identity as journaled, else re-hashed; on its node for per-node outputs); otherwise back
-    to partial, keeping what verifies."""
-    manifest = out.read_manifest() or {}
-    listed = out.listed_outputs(manifest)
-    damaged, whole = files.verify_complete(listed, manifest)
-    if spec.run.resume and not damaged and whole:
-        log.info("nothing to do: %s already holds this conversion (run %s)", out.path, manifest.get("run_id"))
-        return _record_reuse(out, manifest, listed, recorder, strategy_copied)
-    if spec.run.resume:
-        log.warning("%s: %d file(s) listed in its manifest are missing or changed (%s); redoing them",
-                    out.path, len(damaged), ", ".join(e.path for e in damaged[:8]))
-    else:
-        log.info("job.resume=false: redoing the conversion already complete in %s", out.path)
-    for e in listed:
-        e.tensors = manifest.get("tensors", {}).get(str(e.rank), {})
-    out.uncommit(fingerprint, [e for e in listed if e not in damaged] if spec.run.resume else [])
-    return None
-
-
-def _record_reuse(out: OutputDir, manifest: dict, listed: list[JournalEntry], recorder,
-                  strategy_copied: bool) -> Outputs:
-    from reshard_job.sources.file_digests import digest_file
-
-    m = digest_file(out.manifest_path)
-    # the target rank of each file, as its manifest entry says (an export's files are all rank 0's)
-    ranks = [f.get("rank", e.rank) for f, e in zip(manifest.get("target", {}).get("files", []), listed)]
-    outputs = [FileRecord(out.storage.join(out.path, e.path), e.sha256, e.size, "target_checkpoint", rank)
-               for e, rank in zip(listed, ranks)]
-    strat = (manifest.get("target") or {}).get("strategy")
-    if strat:
-        path = out.storage.join(out.path, out.storage.basename(strat["path"]))
-        outputs.append(FileRecord(path, strat["sha256"], strat["size"], "strategy", copied=strategy_copied))
-    outputs += node_manifest_records(manifest.get("target") or {})
-    outputs.append(FileRecord(out.manifest_path, m.sha256, m.size, "manifest"))
-    run_id = recorder.complete(outputs)
-    return Outputs(STATUS_REUSED, out.path, out.manifest_path, m.sha256, run_id,
-                   [{"rank": rank, "path": out.storage.join(out.path, e.path), "size": e.size, "sha256": e.sha256}
-                    for e, rank in zip(listed, ranks)])
 
 
 def _write_target_strategy(out: OutputDir, prepared: Prepared) -> dict | None:
@@ -378,6 +321,7 @@ def _finish(spec: JobSpec, prepared: Prepared, out: OutputDir, digests: SourceDi
     tensors = {str(r): written[r]["tensors"] for r in sorted(written)}
     target.update(files.publish(build, target, tensors, prepared.target.strategy_bytes))  # on the nodes, first
     m_size, m_sha = out.write_manifest(build(target=target, tensors=tensors))
+    out.seal_manifest(m_size, m_sha)
     outputs = [FileRecord(f["path"], f["sha256"], f["size"], "target_checkpoint", f["rank"]) for f in target_files]
     if strategy_out is not None:
         outputs.append(FileRecord(strategy_out["path"], strategy_out["sha256"], strategy_out["size"], "strategy",

@@ -192,7 +192,8 @@ def _rerun_and_repair(cwd: Path, capsys, app, args: list[str], out: Path, nodes:
     res = app(cwd, *args)
     assert res.returncode == 0, res.stderr[-3000:]
     logs = "\n".join(log_lines(res.stderr))
-    assert "1 file(s) listed in its manifest are missing or changed (rank_3/checkpoint_3.ckpt); redoing them" in logs
+    assert ("1 file(s) listed in its manifest are missing or changed (rank_3/checkpoint_3.ckpt); redoing what does not "
+            "verify") in logs
     assert "resuming: keeping 3 target file(s) that verify: ranks [0, 1, 2]" in logs
     assert {p: os.stat(p).st_ino for p in nodes[0].rglob("rank_*/*")} == kept
     res = audit(cwd, capsys, "verify", str(nodes[1]))

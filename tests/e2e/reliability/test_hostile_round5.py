@@ -114,3 +114,74 @@ def test_rank_folders_declared_copies_are_compared_by_content_unless_told_not_to
     line = the_error(run_app(tmp_path, "source=checkpoints", f"source.checkpoints={s2}", "source.strategy=null",
                              "source.unsharded=true", "target=single", "output.dir=s2", "lineage.enabled=false"))
     assert "is a copy of rank_0's whole model, but 'embedding_table': rank_1 holds other values" in line
+
+
+def _completed(tmp_path) -> tuple[Path, list[str]]:
+    ckpts, src, dst = copy_s1(tmp_path / "s1")
+    out = tmp_path / "out"
+    args = [*s1_args(ckpts, src, dst, out), f"lineage.url=sqlite:///{tmp_path / 'lin.db'}"]
+    assert run_app(tmp_path, *args).returncode == 0
+    return out, args
+
+
+def _edit_manifest(out: Path, edit) -> None:
+    import json
+    import os
+
+    path = out / "manifest.json"
+    manifest = json.loads(path.read_text())
+    edit(manifest)
+    os.chmod(path, 0o644)
+    path.write_text(json.dumps(manifest, indent=2) + "\n")
+
+
+def _audit_verify(tmp_path, out: Path) -> str:
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-m", "reshard_job.audit", "--db", f"sqlite:///{tmp_path / 'lin.db'}",
+                          "verify", str(out)], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return res.stdout
+
+
+def _tensor_digests_hold(out: Path) -> None:
+    import hashlib
+    import json
+
+    from reshard_job.formats.ckpt import CheckpointReader
+
+    manifest = json.loads((out / "manifest.json").read_text())
+    for f in manifest["target"]["files"]:
+        assert hashlib.sha256(Path(f["path"]).read_bytes()).hexdigest() == f["sha256"]
+        with CheckpointReader(f["path"]) as r:
+            got = {n: hashlib.sha256(r.read_raw(n)).hexdigest() for n in r.names()}
+        assert got == manifest["tensors"][str(f["rank"])]
+
+
+@pytest.mark.parametrize("damage", ["strategy flipped", "strategy removed", "file sha256 edited",
+                                    "tensor digest edited"])
+def test_a_rerun_into_a_complete_directory_damaged_outside_its_rank_files_repairs_it(tmp_path, damage):
+    """'nothing to do' was said over a damaged strategy.ckpt and over a manifest whose digests had
+    been edited (adopted, recorded in the lineage database, and kept)."""
+    out, args = _completed(tmp_path)
+    strategy = out / "strategy.ckpt"
+    want = strategy.read_bytes()
+    if damage.startswith("strategy"):
+        strategy.chmod(0o644)
+        if damage == "strategy removed":
+            strategy.unlink()
+        else:
+            strategy.write_bytes(want[:1000] + bytes([want[1000] ^ 1]) + want[1001:])
+    elif damage == "file sha256 edited":
+        _edit_manifest(out, lambda m: m["target"]["files"][0].update(sha256="0" * 64))
+    else:
+        _edit_manifest(out, lambda m: m["tensors"]["0"].update({next(iter(m["tensors"]["0"])): "0" * 64}))
+    res = run_app(tmp_path, *args)
+    assert res.returncode == 0, res.stderr
+    assert "already done" not in res.stdout and "redoing what does not verify" in res.stderr
+    assert strategy.read_bytes() == want
+    _tensor_digests_hold(out)
+    assert "all 6 files intact" in _audit_verify(tmp_path, out)
+    again = run_app(tmp_path, *args)
+    assert again.returncode == 0 and "completed (already done)" in again.stdout

@@ -23,7 +23,8 @@ from reshard_job.formats.ckpt import CheckpointReader
 from reshard_job.formats.manifest_file import MANIFEST_FILE
 from reshard_job.job.config.spec import JobContext, JobSpec, LineageSpec, OutputSpec, RunSpec, SourceSpec, TargetSpec
 from reshard_job.job.output.manifest import manifest_digest
-from reshard_job.job.stages.convert import STATUS_COMPLETED, STATUS_REUSED, unit_paths
+from reshard_job.job.stages.convert import STATUS_COMPLETED, unit_paths
+from reshard_job.job.stages.reuse import STATUS_REUSED
 from reshard_job.job.stages.prepare import prepare
 from reshard_job.job.stages.record import LineageRecorder
 from reshard_job.lineage import LineageStore
