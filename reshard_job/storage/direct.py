@@ -79,6 +79,9 @@ class DirectFile:
         self._closed = False
         self._written = 0  # bytes passed to write so far
         self._taps: deque = deque()  # [start, end, hasher]: file ranges whose bytes feed hasher too
+        # the caller extends the last range while a hash thread feeds and drops the first: the same
+        # list can be both, and a range dropped as done while being extended lost its next bytes
+        self._taps_lock = threading.Lock()
 
     def fileno(self) -> int:
         return self._fd
@@ -120,11 +123,12 @@ class DirectFile:
     def _account(self, n: int, tap) -> None:
         """The next `n` bytes of the file, fed to `tap` too (if any): extend its last range or add one."""
         if tap is not None and n:
-            last = self._taps[-1] if self._taps else None
-            if last is not None and last[2] is tap and last[1] == self._written:
-                last[1] += n
-            else:
-                self._taps.append([self._written, self._written + n, tap])
+            with self._taps_lock:
+                last = self._taps[-1] if self._taps else None
+                if last is not None and last[2] is tap and last[1] == self._written:
+                    last[1] += n
+                else:
+                    self._taps.append([self._written, self._written + n, tap])
         self._written += n
 
     def _hand_over(self, length: int, padded: int) -> None:
@@ -161,13 +165,18 @@ class DirectFile:
         time, in order, so each digest still sees its bytes in order)."""
         end = start + len(view)
         taps = self._taps
-        while taps and taps[0][0] < end:
-            t0, t1, hasher = taps[0]
-            lo, hi = max(t0, start), min(t1, end)
+        while True:
+            with self._taps_lock:  # what is fed from here is decided at once: extended later, it is not dropped
+                if not taps or taps[0][0] >= end:
+                    return
+                t0, t1, hasher = taps[0]
+                lo, hi = max(t0, start), min(t1, end)
+                done = t1 <= end
+                if done:
+                    taps.popleft()
             hasher.update(view[lo - start:hi - start])
-            if t1 > end:
-                break  # continues in the next block
-            taps.popleft()
+            if not done:
+                return  # continues in the next block
 
     def flush(self) -> None:
         """Write everything staged (the last block padded) and cut the file to its real length."""

@@ -48,8 +48,8 @@ def test_golden_from_the_bucket_to_the_bucket_is_byte_identical(bucket, runner):
                      "target=strategy", f"target.strategy={src}/dst_strategy.ckpt", f"output.dir={out}/")
     assert completed(res) == out  # the prefix as given, without the trailing slash
     # the layout mirrors a local output directory; the lock and unfinished uploads are gone
-    assert bucket.keys(out) == [".reshard_job/journal.jsonl"] + [f".reshard_job/tensors/rank_{r}.json"
-                                                                   for r in range(4)] + \
+    assert bucket.keys(out) == [".reshard_job/journal.jsonl", ".reshard_job/manifest.sha256"] + \
+        [f".reshard_job/tensors/rank_{r}.json" for r in range(4)] + \
         ["manifest.json"] + [f"rank_{r}/checkpoint_{r}.ckpt" for r in range(4)] + ["strategy.ckpt"]
     assert bucket.uploads(out) == []
     for rel, want in expected_files(S1, range(4)).items():

@@ -126,3 +126,41 @@ def test_a_folder_that_cannot_be_made_durable_fails_the_write(tmp_path, monkeypa
     else:
         atomic_module.write_bytes_atomic(target, b"{}\n")
     assert target.read_bytes() == b"{}\n"
+
+
+def test_a_digest_range_extended_while_its_block_is_being_hashed_keeps_every_byte(tmp_path):
+    """The writer's hash thread fed a tensor's bytes up to the end of a block and then dropped its
+    range as done, while the caller had extended that very range with the next block's bytes: the
+    tensor's sha256 missed them (a property test failed now and then, under load)."""
+    import hashlib
+    import time
+
+    from reshard_job.storage.direct import DirectFile, open_direct
+
+    fd = open_direct(str(tmp_path / "f"))
+    if fd is None:
+        pytest.skip("this file system refuses O_DIRECT")
+
+    class SlowDigest:
+        def __init__(self):
+            self.h, self.calls = hashlib.sha256(), 0
+
+        def update(self, data):
+            self.calls += 1
+            if self.calls == 1:
+                time.sleep(0.3)  # the caller writes on meanwhile, extending the same range
+            self.h.update(data)
+
+    block = 16384
+    data = os.urandom(block * 3 + 100)
+    tap = SlowDigest()
+    f = DirectFile(fd, hashlib.sha256(), block)
+    try:
+        f.write(data[:block], tap)  # a whole block: handed over, its hashing starts
+        time.sleep(0.1)  # the hash thread has taken the range (ending with the block) and is feeding it
+        f.write(data[block:], tap)
+        f.flush()
+    finally:
+        f.close()
+    assert tap.h.hexdigest() == hashlib.sha256(data).hexdigest()
+    assert (tmp_path / "f").read_bytes() == data
