@@ -140,11 +140,11 @@ def create_lineage_engine(url: str | URL, *, read_only: bool = False, wait: Lock
     `read_only` opens an SQLite file without writing to it (see ``_sqlite_read_only``); `wait`: the
     lock-wait budget its connections share (``waiting``)."""
     from reshard_job.lineage.errors import LineageError
-    from reshard_job.lineage.urls import IN_MEMORY, in_memory_sqlite
+    from reshard_job.lineage.urls import IN_MEMORY, in_memory_database
 
     parsed = normalize_url(url)
-    if parsed.get_backend_name() == "sqlite" and in_memory_sqlite(
-            "sqlite:///" + (parsed.database or "") + "?" + "&".join(f"{k}={v}" for k, v in parsed.query.items())):
+    if parsed.get_backend_name() == "sqlite" and in_memory_database(
+            parsed.database, "&".join(f"{k}={v}" for k, v in parsed.query.items())):
         raise LineageError(f"lineage database {_shown(parsed)}: {IN_MEMORY}")
     kwargs: dict = {"future": True, "json_serializer": json_text}
     if parsed.get_backend_name() == "sqlite":

@@ -49,5 +49,11 @@ def in_memory_sqlite(url: str) -> bool:
     if not sep or scheme.split("+")[0].lower() != "sqlite":
         return False
     database, _, query = unquote(rest[1:] if rest.startswith("/") else rest).partition("?")
+    return in_memory_database(database, query)
+
+
+def in_memory_database(database: str | None, query: str) -> bool:
+    """Whether an SQLite URL's database part and query (``a=1&b=2``) name an in-memory database."""
+    database = database or ""
     return (database in ("", ":memory:") or database.startswith("file::memory:")
             or "mode=memory" in query or "mode=memory" in database)

@@ -33,9 +33,9 @@ def hold() -> None:
     with _lock:
         for handler in logging.getLogger().handlers:
             if not isinstance(handler, logging.FileHandler) and not any(h is handler for h, _ in _held):
-                hold = _Hold()
-                handler.addFilter(hold)
-                _held.append((handler, hold))
+                keeper = _Hold()
+                handler.addFilter(keeper)
+                _held.append((handler, keeper))
 
 
 def release() -> None:
@@ -43,16 +43,16 @@ def release() -> None:
     with _lock:
         taken = list(_held)
         _held.clear()
-        for handler, hold in taken:
-            handler.removeFilter(hold)
-    for handler, hold in taken:
-        for record in hold.records:
+        for handler, keeper in taken:
+            handler.removeFilter(keeper)
+    for handler, keeper in taken:
+        for record in keeper.records:
             handler.handle(record)
 
 
 def drop() -> None:
     """Stop holding and forget what was held: the job is refused (its one line says why)."""
     with _lock:
-        for handler, hold in _held:
-            handler.removeFilter(hold)
+        for handler, keeper in _held:
+            handler.removeFilter(keeper)
         _held.clear()
