@@ -114,6 +114,7 @@ def _compare_copies(found: RankFiles, index, extra: list[int], storage) -> None:
     first = min(index)
     with _extra_readers(found, extra, storage) as readers, _extra_readers(found, [first], storage) as base:
         model = base.reader(first)
+        model_digests: dict[str, str] = {}  # rank 0's, read once however many copies are compared
         for r in extra:
             reader = readers.reader(r)
             names = set(reader.entries)
@@ -123,7 +124,8 @@ def _compare_copies(found: RankFiles, index, extra: list[int], storage) -> None:
                     why = "lacks it"
                 elif other.dtype != meta.dtype or tuple(other.shape) != tuple(meta.shape):
                     why = f"holds it as {other.dtype} {list(other.shape)}, not {meta.dtype} {list(meta.shape)}"
-                elif meta.kind == KIND_TENSOR and tensor_digest(model, name) != tensor_digest(reader, name):
+                elif meta.kind == KIND_TENSOR and tensor_digest(reader, name) != (
+                        model_digests.get(name) or model_digests.setdefault(name, tensor_digest(model, name))):
                     why = "holds other values"
                 else:
                     continue

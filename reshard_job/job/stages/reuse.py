@@ -61,13 +61,18 @@ def reuse_if_intact(spec: JobSpec, out: OutputDir, fingerprint: str, recorder, f
     return None
 
 
-def _strategy_intact(out: OutputDir, manifest: dict) -> bool:
-    """Whether the target strategy the manifest lists (a copy written beside the ranks) still holds it."""
+def _listed_strategy(out: OutputDir, manifest: dict) -> tuple[str, dict] | None:
+    """(where it lies now, its manifest entry) of the target strategy written beside the ranks, if any."""
     strat = (manifest.get("target") or {}).get("strategy")
     if not strat:
-        return True
-    path = out.storage.join(out.path, out.storage.basename(str(strat.get("path", ""))))
-    return still_holds(out.storage, path, strat.get("size"), strat.get("sha256"), ())
+        return None
+    return out.storage.join(out.path, out.storage.basename(str(strat.get("path", "")))), strat
+
+
+def _strategy_intact(out: OutputDir, manifest: dict) -> bool:
+    """Whether the target strategy the manifest lists still holds what it lists."""
+    listed = _listed_strategy(out, manifest)
+    return listed is None or still_holds(out.storage, listed[0], listed[1].get("size"), listed[1].get("sha256"), ())
 
 
 def _record_reuse(out: OutputDir, manifest: dict, listed: list[JournalEntry], recorder,
@@ -76,9 +81,9 @@ def _record_reuse(out: OutputDir, manifest: dict, listed: list[JournalEntry], re
     ranks = [f.get("rank", e.rank) for f, e in zip(manifest.get("target", {}).get("files", []), listed)]
     outputs = [FileRecord(out.storage.join(out.path, e.path), e.sha256, e.size, "target_checkpoint", rank)
                for e, rank in zip(listed, ranks)]
-    strat = (manifest.get("target") or {}).get("strategy")
-    if strat:
-        path = out.storage.join(out.path, out.storage.basename(strat["path"]))
+    listed_strategy = _listed_strategy(out, manifest)
+    if listed_strategy is not None:
+        path, strat = listed_strategy
         outputs.append(FileRecord(path, strat["sha256"], strat["size"], "strategy", copied=strategy_copied))
     outputs += node_manifest_records(manifest.get("target") or {})
     outputs.append(FileRecord(out.manifest_path, m.sha256, m.size, "manifest"))
