@@ -20,6 +20,7 @@ file system shows the same folder under another path, which no path comparison c
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 
@@ -341,7 +342,11 @@ class OutputDir:
         """Record the manifest just committed (size and sha256) beside the journal: a later run
         takes it for this tool's own only while it is still that file (an edited manifest was
         adopted by a rerun, its digests trusted and recorded)."""
-        self.storage.write_bytes(self.seal_path, f"{size} {sha256}\n".encode("ascii"), mode=0o644)
+        try:
+            self.storage.write_bytes(self.seal_path, f"{size} {sha256}\n".encode("ascii"), mode=0o644)
+        except Exception as e:  # noqa: BLE001 - the outputs are committed: unsealed, a rerun rewrites the manifest
+            logging.getLogger("reshard_job").warning("%s: not sealed (%s); a rerun writes the manifest again",
+                                                     self.manifest_path, e)
 
     def manifest_sealed(self, size: int, sha256: str) -> bool:
         """Whether the manifest of `size` bytes and `sha256` is the one this tool committed here."""
