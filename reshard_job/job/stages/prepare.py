@@ -308,7 +308,19 @@ def _plan(strategy: LoadedStrategy, tgt: Target, spec: TargetSpec, index, ranks,
     plan = planner.plan(list(ranks) if ranks is not None else None, missing=missing)
     # after planning: a refused plan prints its one line and nothing else
     warn_absent(strategy, index)  # the API's per-rank path may be given some of a rank's files only
-    return plan, missing, planner.one_device() if one_device and not missing else None
+    if not one_device or missing:
+        return plan, missing, None
+    return plan, missing, _own_plan_if_one_device(plan, tgt) or planner.one_device()
+
+
+def _own_plan_if_one_device(plan: Plan, tgt: Target) -> RankPlan | None:
+    """The conversion's own plan of rank 0 where the target is one device: it already puts every
+    converted parameter whole onto that device, from the same records (a second plan of 600,000
+    parameters cost 2 s and 60 MiB). The fingerprints only look at the converted parameters."""
+    devices = 1 if tgt.topology is None else tgt.topology.devices
+    if devices != 1 or len(plan.ranks) != 1 or plan.ranks[0].target_rank != 0:
+        return None
+    return plan.ranks[0]
 
 
 IDENTICAL_CHECKED = "tensors that must be identical across source ranks compared by content"

@@ -1,6 +1,7 @@
 """The one-device plan of the sources made with the conversion's plan (``Planner.one_device``,
 ``prepare(one_device=True)``) is the plan ``single_device_plan`` makes on its own, on every golden
-source and whatever the conversion's target leaves out."""
+source and whatever the conversion's target leaves out; where the target is one device, the
+conversion's own plan serves, and reads every converted parameter as that plan does."""
 
 from __future__ import annotations
 
@@ -14,11 +15,13 @@ from reshard_job.plan.model import UNMAPPED_FULL
 from reshard_job.proof.collect import single_device_plan
 
 GOLDEN = Path(__file__).parents[2] / "golden"
+# a compiled strategy of one device that lays out every parameter
+ONE_DEVICE_LAYOUT = {"mesh": {"dp": 1, "mp": 1}, "rules": [{"match": ".*", "dims": []}]}
 SCENARIOS = sorted(p.name for p in GOLDEN.iterdir() if (p / "manifest.json").is_file())
 
 
 def _targets(d: Path) -> list[TargetSpec]:
-    out = [TargetSpec(devices=1), TargetSpec(devices=3)]
+    out = [TargetSpec(devices=1), TargetSpec(devices=3), TargetSpec(devices=1, layout=ONE_DEVICE_LAYOUT)]
     if (d / "dst_strategy.ckpt").exists():
         out += [TargetSpec(strategy=str(d / "dst_strategy.ckpt"), unmapped=u) for u in ("omit", "drop", "full")]
     return out
@@ -45,11 +48,31 @@ def test_the_one_device_plan_made_with_the_conversions_is_the_one_made_alone(nam
         with prepared:
             assert prepared.one_device is not None
             alone = single_device_plan(prepared.strategy, prepared.index, unmapped=UNMAPPED_FULL)
-            assert prepared.one_device.to_json() == alone.to_json()
+            if prepared.one_device is prepared.plan.ranks[0]:  # a one-device target: its own plan
+                assert prepared.target.topology is None or prepared.target.topology.devices == 1
+                assert _reads(prepared.one_device, converted=prepared.plan) == _reads(alone, converted=prepared.plan)
+            else:
+                assert prepared.one_device.to_json() == alone.to_json()
             compared += 1
     assert compared >= 1
     with prepare(_source(d), TargetSpec(devices=1)) as prepared:
         assert prepared.one_device is None  # only when asked for
+
+
+def _reads(rank_plan, converted) -> dict[str, tuple]:
+    """What the fingerprints' taps take of each converted tensor: its facts and its copies."""
+    names = {p.name for rp in converted.ranks for p in rp.params}
+    return {p.name: (p.tensor.dtype, p.tensor.kind, tuple(p.tensor.global_shape), p.copies)
+            for p in rank_plan.params if p.name in names}
+
+
+def test_a_one_device_target_serves_as_its_own_one_device_plan():
+    d = GOLDEN / "S1_mlp_tutorial_8to4"
+    for target in (TargetSpec(devices=1), TargetSpec(devices=1, layout=ONE_DEVICE_LAYOUT)):
+        with prepare(_source(d), target, one_device=True) as prepared:
+            assert prepared.one_device is prepared.plan.ranks[0]
+    with prepare(_source(d), TargetSpec(devices=2, layout={"mesh": {"mp": 2}, "rules": [{"match": ".*", "dims": []}]}), one_device=True) as prepared:
+        assert prepared.one_device not in prepared.plan.ranks
 
 
 def _facts(plan_ranks) -> dict[str, object]:
