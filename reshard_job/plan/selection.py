@@ -109,18 +109,32 @@ def _matcher(patterns: Sequence[str]):
     return re.compile("|".join(f"(?:{fnmatch.translate(p)})" for p in patterns)).match
 
 
+def kept(selection: Selection, names: Iterable[str]) -> list[str]:
+    """The `names` that `selection` keeps, in their order (``select`` without its refusals)."""
+    keeps = _keeps(selection)
+    return [name for name in names if keeps(name, selection.new_name(name))]
+
+
+def _keeps(selection: Selection):
+    """keeps(name, new name) -> whether `selection` keeps that parameter."""
+    patterns = () if isinstance(selection.include, str) else selection.include
+    include = _matcher(patterns) if patterns else None
+    exclude = _matcher(selection.exclude) if selection.exclude else None
+    return lambda name, new: _included(selection, name, new, include) and not (
+        exclude is not None and (exclude(name) or exclude(new)))
+
+
 def select(selection: Selection, names: Iterable[str]) -> Selected:
     """Apply `selection` to the source's parameter names (module docstring); PlanError when nothing
     is left or two parameters would share a name."""
     names = list(dict.fromkeys(names))  # the source's order: the outputs keep it
     patterns = () if isinstance(selection.include, str) else selection.include
-    include = _matcher(patterns) if patterns else None
-    exclude = _matcher(selection.exclude) if selection.exclude else None
+    keeps = _keeps(selection)
     stored: dict[str, str] = {}
     left_out: list[str] = []
     for name in names:
         new = selection.new_name(name)
-        if not _included(selection, name, new, include) or (exclude is not None and (exclude(name) or exclude(new))):
+        if not keeps(name, new):
             left_out.append(name)
             continue
         other = stored.get(new)

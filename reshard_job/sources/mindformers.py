@@ -74,11 +74,12 @@ def is_mindformers_source(src_dir: str | None, storage_options: StorageOptions |
     return looks_like_mindformers(listing) and not any(RANK_DIR.match(e.name) and e.is_dir for e in listing)
 
 
-def discover_mindformers(src_dir: str, iteration: int | None = None,
-                         storage_options: StorageOptions | None = None) -> tuple[RankFiles, MindFormersSource]:
+def discover_mindformers(src_dir: str, iteration: int | None = None, storage_options: StorageOptions | None = None,
+                         *, absent_files_ok: bool = False) -> tuple[RankFiles, MindFormersSource]:
     """One iteration of a MindFormers save: every storage rank's files (model file, opt file), with
-    their identities, and the parsed save (layouts from metadata.json, every file's header checked)."""
-    source = load_mindformers(absolute(src_dir), iteration, storage_options)
+    their identities, and the parsed save (layouts from metadata.json, every file's header checked;
+    `absent_files_ok`: see ``load_mindformers``)."""
+    source = load_mindformers(absolute(src_dir), iteration, storage_options, absent_files_ok=absent_files_ok)
     storage = storage_for(source.folder, storage_options)
     files: dict[int, str | tuple[str, ...]] = {}
     identities: dict[int, tuple] = {}
@@ -119,6 +120,9 @@ class MindFormersFolder:
         self.storage = storage
         self.given = given
         self.save: MindFormersSource | None = None  # loaded by discover()
+        # files metadata.json places may be absent: their parameters are then ``save.unavailable``, and
+        # whoever plans a conversion refuses one that needs them (``job.stages.prepare``)
+        self.absent_files_ok = False
 
     @classmethod
     def detect(cls, path: str | None, storage: StorageOptions | None = None) -> bool:
@@ -131,7 +135,8 @@ class MindFormersFolder:
 
     def discover(self, source) -> RankFiles:
         """Every rank of the iteration (``source.iteration``, else the latest), or the given files."""
-        found, self.save = discover_mindformers(self.root, source.iteration, self.storage)
+        found, self.save = discover_mindformers(self.root, source.iteration, self.storage,
+                                                absent_files_ok=self.absent_files_ok)
         return found if self.given is None else self._given_files(found)
 
     def _given_files(self, found: RankFiles) -> RankFiles:
@@ -196,7 +201,8 @@ class MindFormersFolder:
         save = self.save
         where = f"iteration {save.iteration}" if save.iteration is not None else "the folder itself"
         log.info("MindFormers checkpoint: %s (%s), %d rank(s), %d parameter(s) in metadata.json%s", save.folder,
-                 where, len(save.rank_files), len(save.params), ", redundancy removed" if save.deduplicated else "")
+                 where, len(save.rank_files), len(save.params) + len(save.unavailable),
+                 ", redundancy removed" if save.deduplicated else "")
         extras = save.extras()
         if extras:
             log.info("tensors outside metadata.json, copied whole as MindSpore does: %s",

@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from reshard_job.core.tensor_meta import TensorMeta
 from reshard_job.core.topology import Topology
@@ -37,6 +37,7 @@ from reshard_job.formats.index import IndexView
 from reshard_job.formats.multifile import MultiFileReader, MultiFileSources
 from reshard_job.formats.safetensors import SafetensorsReader
 from reshard_job.json_stream import JsonProblem, file_reader, loads_bounded
+from reshard_job.sources.mindformers_absent import NOT_REGULAR, without_absent_files
 from reshard_job.sources.mindformers_layouts import synthesize_strategy
 from reshard_job.storage import StorageError, StorageOptions, absolute, storage_for
 
@@ -144,6 +145,9 @@ class MindFormersSource:
     file_tensors: dict[str, Mapping[str, TensorMeta]]  # file -> what its header lists
     unreferenced: tuple[str, ...] = ()  # .safetensors files in the folder that storage_data never names
     storage: StorageOptions | None = None  # how the folder is reached (a bucket's endpoint and options)
+    # parameters left out of `params` because their files are absent -> (the file, why) (``absent_files_ok``)
+    unavailable: dict[str, tuple[str, str]] = field(default_factory=dict)
+    absent_files: tuple[str, ...] = ()  # the files metadata.json places that are not there
 
     @property
     def parsed(self) -> dict[str, SafetensorsReader]:
@@ -228,9 +232,15 @@ class MindFormersSource:
 
 
 def load_mindformers(path: str | os.PathLike, iteration: int | None = None,
-                     storage: StorageOptions | None = None) -> MindFormersSource:
+                     storage: StorageOptions | None = None, *, absent_files_ok: bool = False) -> MindFormersSource:
     """Read one iteration of a MindFormers save (a folder, or a prefix in a bucket): metadata,
-    layouts, and every file's header, all checked."""
+    layouts, and every file's header, all checked.
+
+    `absent_files_ok`: files metadata.json places that are not there (a save whose ``opt-`` files
+    were deleted) leave their parameters out, listed in ``unavailable``, where every shard of each
+    such parameter lies in absent files; the caller then refuses a conversion that needs one of
+    them (``unavailable_error``). Otherwise, and for a parameter some present file holds part of,
+    an absent file is refused here."""
     root = absolute(path)
     folder, number = resolve_iteration(root, iteration, storage)
     where = storage_for(folder, storage)
@@ -248,28 +258,22 @@ def load_mindformers(path: str | os.PathLike, iteration: int | None = None,
         return _single_rank_save(root, folder, number, sorted(present), storage)
     params = _read_metadata(where, metadata_path, [e.size for e in shards])
     _check_files(params, metadata_path)
+    params, unavailable, absent = without_absent_files(params, present, odd, absent_files_ok, where, folder)
     strategy = synthesize_strategy(params, metadata_path)
 
     rank_names: dict[int, set[str]] = {}
     for p in params.values():
-        for k, locs in enumerate(p.locations):
+        for locs in p.locations:
             for loc in locs:
-                if loc.file_name not in present:
-                    raise MindFormersFormatError(
-                        where.join(folder, loc.file_name),
-                        f"{NOT_REGULAR if loc.file_name in odd else 'file not found'}; metadata.json places shard "
-                        f"{k} of parameter {short_name(p.name)!r} (rank {loc.storage_rank}) there")
                 rank_names.setdefault(loc.storage_rank, set()).add(loc.file_name)
     named = sorted(set().union(*rank_names.values()))
     file_tensors = {where.join(folder, n): _header(where.join(folder, n), storage) for n in named}
-    _check_files_against_metadata(params, folder, file_tensors, where)
+    _check_files_against_metadata(params, folder, file_tensors, where, unavailable)
     rank_files = {r: tuple(where.join(folder, n) for n in sorted(names)) for r, names in sorted(rank_names.items())}
     _check_no_name_twice_per_rank(rank_files, file_tensors)
     return MindFormersSource(root, folder, number, params, strategy, rank_files, file_tensors,
-                             tuple(where.join(folder, n) for n in sorted(present - set(named))), storage)
-
-
-NOT_REGULAR = "is not a regular file (a FIFO or a device, or a link to one)"
+                             tuple(where.join(folder, n) for n in sorted(present - set(named))), storage,
+                             unavailable, absent)
 
 
 def _read_metadata(where, path: str, shard_sizes: list[int]) -> dict[str, ParamMetadata]:
@@ -318,7 +322,8 @@ def _header(path: str, storage: StorageOptions | None = None) -> Mapping[str, Te
 
 
 def _check_files_against_metadata(params: dict[str, ParamMetadata], folder: str,
-                                  file_tensors: dict[str, dict[str, TensorMeta]], where) -> None:
+                                  file_tensors: dict[str, dict[str, TensorMeta]], where,
+                                  unavailable: Mapping[str, tuple] = {}) -> None:
     """Every shard in the file metadata.json places it in, with its dtype and shape, and no file
     holding a parameter none of whose shards metadata.json places there. Nothing is kept per
     parameter: the files a parameter's shards lie in are worked out once per distinct locations."""
@@ -343,6 +348,10 @@ def _check_files_against_metadata(params: dict[str, ParamMetadata], folder: str,
         for name in tensors:
             p = params.get(name)
             if p is None:
+                if name in unavailable:  # all its shards are placed in absent files
+                    raise MindFormersFormatError(
+                        path, f"holds parameter {short_name(name)!r}, but metadata.json places none of its shards "
+                              f"in this file")
                 continue
             files = placed.get(id(p.locations))
             if files is None:

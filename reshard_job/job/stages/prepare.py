@@ -46,7 +46,8 @@ from reshard_job.job.stages.omissions import warn_absent, warn_omitted
 from reshard_job.job.run.progress import Progress
 from reshard_job.job.config.spec import SourceSpec, TargetSpec
 from reshard_job.job.stages.target import Target, settle_target
-from reshard_job.job.stages.select_names import (apply_selection, export_include, narrow_target,
+from reshard_job.job.stages.select_names import (apply_selection, export_include, leave_out_unavailable,
+                                                 narrow_target,
                                                  optimizer_prefixes, record_in_plan, renamed_strategy, select_index,
                                                  selection_of, under_stored_names)
 from reshard_job.plan.selection import Selected
@@ -116,6 +117,8 @@ def prepare(source: SourceSpec, target: TargetSpec, *, ranks: tuple[int, ...] | 
     source = _with_demo(source, demo_root)
     reader = reader_for(source, storage)
     reader.check(source)
+    if isinstance(reader, MindFormersFolder):  # absent files are refused here if the conversion needs them
+        reader.absent_files_ok = True
     return prepare_from(reader, reader.discover(source), source, target, ranks=ranks, storage=storage,
                         hashing=hashing, index_cache=index_cache, one_device=one_device)
 
@@ -230,11 +233,14 @@ def _prepare_mindformers(reader: MindFormersFolder, found: RankFiles, source: So
     target without optimizer states reads, hashes and records no opt file).
     """
     reader.log_found()
-    strategy, index, selected = select_index(selection_of(target, optimizer_prefixes(target)), reader.layouts(),
-                                             reader.index(found))
+    selection = selection_of(target, optimizer_prefixes(target))
+    absent, not_exported = leave_out_unavailable(reader.save, target, selection)
+    strategy, index, selected = select_index(selection, reader.layouts(), reader.index(found), absent)
     tgt = narrow_target(settle_target(target, strategy, index, storage), selected)
     plan, missing, one = _plan(strategy, tgt, target, index, ranks, one_device)
     export = _export_layout(target, plan)
+    plan.omitted.extend({"name": n, "reason": "not exported: training state, in a file absent from the save"}
+                        for n in not_exported)  # listed as the export's other omissions are
     warn_omitted(plan, missing)
     record_in_plan(plan, selected)
     every_file, found = found, reader.files_read(found, under_stored_names(plan, selected))

@@ -10,13 +10,15 @@ it, on the files' own names.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import replace
 
 from reshard_job.core.topology import Topology
 from reshard_job.execute.tasks import FORMAT_SAFETENSORS_INDEX
 from reshard_job.job.config.spec import TargetSpec
-from reshard_job.plan.export_shards import INCLUDE_ALL, INCLUDE_WEIGHTS
-from reshard_job.plan.selection import Selected, Selection, select
+from reshard_job.plan.export_shards import INCLUDE_ALL, INCLUDE_WEIGHTS, is_training_state
+from reshard_job.plan.selection import Selected, Selection, kept, select
+from reshard_job.sources.mindformers_absent import unavailable_error
 from reshard_job.sources.rank_folders import LoadedStrategy
 
 log = logging.getLogger("reshard_job")
@@ -83,11 +85,12 @@ def apply_selection(selection: Selection | None, strategy: LoadedStrategy, reade
     return _with_layouts(strategy, layouts), readers.index(), selected
 
 
-def select_index(selection: Selection | None, strategy: LoadedStrategy, index):
-    """Like ``apply_selection``, for an index known before any file is open (a MindFormers save)."""
+def select_index(selection: Selection | None, strategy: LoadedStrategy, index, absent: list[str] = ()):
+    """Like ``apply_selection``, for an index known before any file is open (a MindFormers save);
+    `absent`: parameters of files absent from the save, which the selection leaves out."""
     if selection is None:
         return strategy, index, None
-    selected = _select_all(selection, index)
+    selected = _select_all(selection, index, absent)
     stored = selected.stored
     view = {r: {new: held[old] for new, old in stored.items() if old in held} for r, held in index.items()}
     layouts = {n: lay for n, lay in renamed_strategy(strategy, selection).topology.layouts.items() if n in stored}
@@ -107,11 +110,12 @@ def narrow_target(target, selected: Selected | None):
                                                                        if n not in gone}))
 
 
-def _select_all(selection: Selection, index) -> Selected:
-    """`selection` over every rank's names (in the order the source holds them), said in the log."""
+def _select_all(selection: Selection, index, absent: list[str] = ()) -> Selected:
+    """`selection` over every rank's names (in the order the source holds them) and `absent`, said in the log."""
     names: dict[str, None] = {}
     for held in index.values():
         names.update(dict.fromkeys(held))
+    names.update(dict.fromkeys(absent))
     selected = select(selection, names)
     for pattern in selected.unmatched:
         log.warning("target.include/target.exclude pattern %r matches no parameter of the source", pattern)
@@ -130,3 +134,29 @@ def record_in_plan(plan, selected: Selected | None) -> None:
         return
     plan.notes.append(selected.note())
     plan.selection = selected.summary()
+
+
+def leave_out_unavailable(save, target: TargetSpec, selection: Selection | None) -> tuple[list[str], list[str]]:
+    """The parameters of a MindFormers save whose files are absent (``save.unavailable``): refused
+    in one line when the conversion needs any of them, else (those the selection leaves out, those
+    an export's ``weights`` leaves out)."""
+    names = list(save.unavailable)
+    if not names:
+        return [], []
+    wanted = names if selection is None else kept(selection, names)
+    by_selection = [n for n in names if n not in set(wanted)]
+    prefixes = selection.optimizer_prefixes if selection is not None else Selection().optimizer_prefixes
+    by_export = []
+    if target.format == FORMAT_SAFETENSORS_INDEX and export_include(target) == INCLUDE_WEIGHTS:
+        by_export = [n for n in wanted if is_training_state(n, prefixes)]
+        wanted = [n for n in wanted if not is_training_state(n, prefixes)]
+    if wanted:
+        hint = ""
+        if include_of(target) == INCLUDE_ALL and all(is_training_state(n, prefixes) for n in wanted):
+            hint = "; target.include=weights converts the weights without them"
+        raise unavailable_error(save, wanted, hint)
+    files = save.absent_files
+    log.warning("%d file(s) of the save are absent (%s%s): their %d parameter(s) are left out, as %s leaves them out "
+                "anyway", len(files), ", ".join(os.path.basename(f) for f in files[:3]), ", …" if len(files) > 3 else "",
+                len(names), "the export's include=weights" if by_export else "target.include/exclude")
+    return by_selection, by_export
