@@ -32,6 +32,8 @@ class IndexView(Mapping):
     def __init__(self, reader: TensorReader):
         self._reader = reader
         self._describe = getattr(reader, "describe", None) or self._from_entry
+        # the reader's own shared metas where it keeps them (a lookup, no key made per call)
+        self._meta = getattr(reader, "meta", None) or (lambda name: shared_meta(self._describe(name)))
 
     @property
     def reader(self) -> TensorReader:
@@ -42,7 +44,7 @@ class IndexView(Mapping):
         return e.dtype, tuple(e.shape), e.kind, e.nbytes
 
     def __getitem__(self, name: str) -> TensorMeta:
-        return shared_meta(self._describe(name))
+        return self._meta(name)
 
     def same_entries(self, other) -> bool:
         """Whether `other` holds exactly the names and (dtype, shape, kind, size) this one does:

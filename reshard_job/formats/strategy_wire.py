@@ -136,10 +136,15 @@ def write_layout_items(layouts, write) -> None:
     """Each (name, layout) of `layouts` as an encoded layout item, handed to `write`; a layout's
     encoding is made once per distinct layout, through protobuf."""
     encoded: dict = {}
+    by_id: dict[int, bytes] = {}  # the same object again (layouts are shared): not even hashed
     for name, lay in layouts.items():
-        body = encoded.get(lay)
+        body = by_id.get(id(lay))
         if body is None:
-            body = encoded[lay] = _layout_message(lay).SerializeToString()
+            body = encoded.get(lay)
+            if body is None:
+                body = encoded[lay] = _layout_message(lay).SerializeToString()
+            if len(by_id) < 65536:
+                by_id[id(lay)] = body
         write(layout_item(name.encode("utf-8"), body))
 
 

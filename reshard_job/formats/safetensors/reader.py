@@ -18,6 +18,8 @@ import numpy as np
 from reshard_job.errors import SafetensorsFormatError
 import reshard_job.core.dtypes as dtypes
 from reshard_job.json_stream import JsonProblem, JsonStream
+from reshard_job.core.tensor_meta import TensorMeta
+from reshard_job.formats.index import shared_meta
 from reshard_job.formats.tensorfile import PositionedReader, TensorEntry
 from reshard_job.formats.crc32 import crc32_combine, hashed_as_count, scalar_crc_part
 from reshard_job.formats.safetensors.header_columns import HeaderColumns
@@ -81,6 +83,7 @@ class SafetensorsReader(HeaderColumns, PositionedReader):
         self._kind = array("I")
         self._kinds: list[tuple] = []
         self._kind_ids: dict[tuple, int] = {}
+        self._metas: dict[int, object] = {}  # kind number -> its TensorMeta (``meta``)
         try:
             if not self._take_header(parsed):
                 self._index()
@@ -247,6 +250,15 @@ class SafetensorsReader(HeaderColumns, PositionedReader):
         start = self.data_start
         return [(dtype, shape, start + begin, nbytes) for (_, dtype, shape, nbytes), begin in
                 zip(kinds, map(self._begin.__getitem__, at))]
+
+    def meta(self, name: str) -> TensorMeta:
+        """``describe`` as the shared ``TensorMeta``, made once per kind of tensor: the planner asks
+        for every tensor's several times (600,000 tensors of a few kinds)."""
+        kind = self._kind[self._pos[name]]
+        meta = self._metas.get(kind)
+        if meta is None:
+            meta = self._metas[kind] = shared_meta(self.describe(name))
+        return meta
 
     def describe(self, name: str) -> tuple[str, tuple[int, ...], str, int]:
         """(dtype, shape, kind, nbytes) of a tensor, from the columns (no entry built)."""
