@@ -253,8 +253,10 @@ class SharedOutputs:
     def file_entry(self, entry: dict) -> dict:
         return entry
 
-    def publish(self, build: Callable[..., dict], target: dict, tensors: dict, strategy: bytes | None) -> dict:
-        """Extra keys of the manifest's ``target`` section (none: the directory is the one place)."""
+    def publish(self, build: Callable[..., dict], target: dict, tensors: dict,
+                strategy: Callable[[], bytes | None]) -> dict:
+        """Extra keys of the manifest's ``target`` section (none: the directory is the one place).
+        `strategy`: the target strategy's bytes when asked (held compressed: not unpacked for nothing)."""
         return {}
 
 
@@ -329,9 +331,11 @@ class NodeOutputs:
     def file_entry(self, entry: dict) -> dict:
         return {**entry, "node": self.node_of(entry["rank"])}
 
-    def publish(self, build: Callable[..., dict], target: dict, tensors: dict, strategy: bytes | None) -> dict:
+    def publish(self, build: Callable[..., dict], target: dict, tensors: dict,
+                strategy: Callable[[], bytes | None]) -> dict:
         """Each node's strategy copy and manifest, written there; the job manifest's extra ``target`` keys."""
         calls, paths = {}, {}
+        strategy = strategy()
         for node in sorted({f["node"] for f in target["files"]}):
             files = [f for f in target["files"] if f["node"] == node]
             node_target = {**target, "files": files, "placement": "per_node", "cluster": self.cluster}

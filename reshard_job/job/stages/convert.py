@@ -319,7 +319,7 @@ def _finish(spec: JobSpec, prepared: Prepared, out: OutputDir, digests: SourceDi
     if spec.target.remove_redundancy:  # each block in one rank's file only: read them as one save
         target["remove_redundancy"] = True
     tensors = {str(r): written[r]["tensors"] for r in sorted(written)}
-    target.update(files.publish(build, target, tensors, prepared.target.strategy_bytes))  # on the nodes, first
+    target.update(files.publish(build, target, tensors, lambda: prepared.target.strategy_bytes))  # nodes first
     m_size, m_sha = out.write_manifest(build(target=target, tensors=tensors))
     out.seal_manifest(m_size, m_sha)
     outputs = [FileRecord(f["path"], f["sha256"], f["size"], "target_checkpoint", f["rank"]) for f in target_files]
