@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from itertools import chain
@@ -169,6 +169,25 @@ def converted_names(prepared) -> set[str]:
 _name = attrgetter("name")
 
 
+class _ConvertedNames:
+    """``converted_names``, worked out when first asked: where both sides' fingerprints are tables
+    of the same names only a difference asks (600,000 names are a set of 40 MiB at the job's peak)."""
+
+    def __init__(self, prepared):
+        self._prepared, self._names = prepared, None
+
+    def get(self) -> set[str]:
+        if self._names is None:
+            self._names = converted_names(self._prepared)
+        return self._names
+
+    def __iter__(self):
+        return iter(self.get())
+
+    def __contains__(self, name) -> bool:
+        return name in self.get()
+
+
 def _planned_tensors(prepared) -> list:
     """The facts of the tensors of each target rank's plan (``TensorFacts``), each list once
     (target ranks whose plans are alike share one)."""
@@ -192,8 +211,8 @@ def prove(spec: JobSpec, prepared, out_path: str, strategy_path: str | None,
     side is that sum, files without partials read back alone and added; where the plan cannot say
     which rank counts what, the output directory is read back as a source (local files as exactly
     the files written). `source_taps`: the sources' side as the hash pass took it (``source_taps``)."""
-    names = converted_names(prepared)
-    source = _source_fingerprints(spec, prepared, names, source_taps)
+    names = _ConvertedNames(prepared)
+    source = _source_fingerprints(spec, prepared, names.get, source_taps)
     unchecked = _why_unchecked(spec)
     tapped = tapped if tapped is not None else TargetSums()
     if unchecked and not (not spec.run.ranks and _all_tapped(prepared, tapped)):
@@ -290,7 +309,7 @@ def source_taps(spec: JobSpec, prepared) -> SourceTaps | None:
         return plan_source_taps(rank_plan, sources, converted_names(prepared))
 
 
-def _source_fingerprints(spec: JobSpec, prepared, names: set[str],
+def _source_fingerprints(spec: JobSpec, prepared, names: Callable[[], set[str]],
                          taps: SourceTaps | None = None) -> Mapping[str, str]:
     """The converted parameters' fingerprints in the sources: what `taps` took in the hash pass,
     and the rest (all without taps) read by pieces through the files the job has open and indexed
@@ -304,6 +323,8 @@ def _source_fingerprints(spec: JobSpec, prepared, names: set[str],
         log.debug("fingerprints: %d source parameter(s) from the hash pass, %d read by pieces", len(digests), len(names))
         if not names:
             return digests
+    else:
+        names = names()
     rank_plan = single_device_plan(prepared.strategy, prepared.index, unmapped=UNMAPPED_FULL)
     with _proof_sources(prepared, spec.storage) as sources:
         found = _fingerprint(rank_plan, sources, names, spec.run.progress, "fingerprinting sources",
