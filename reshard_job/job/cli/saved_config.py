@@ -4,6 +4,11 @@ given on the command line stayed on disk when a job was killed (``kill -9``) bef
 them. ``hydra.output_subdir`` is null (``conf/config.yaml``) and ``MaskedSavedConfig``, a callback
 run as the job starts, writes the same three files, masked from the first byte (over Hydra's own,
 where a user's ``hydra.output_subdir=…`` brought them back).
+
+A sweep (``-m``) has one more: Hydra's sweeper saves the whole configuration as ``multirun.yaml`` in
+the sweep folder before the first job, unmasked, from code no callback runs inside. As the sweep
+starts, ``multirun.yaml`` is made a link to ``os.devnull`` (the sweeper's copy goes nowhere), and the
+masked text replaces the link when the first job starts (and at the sweep's end, whatever came first).
 """
 
 from __future__ import annotations
@@ -18,9 +23,42 @@ SAVED_DIR = ".hydra"
 SAVED_FILES = ("config.yaml", "overrides.yaml", "hydra.yaml")
 
 
+MULTIRUN_FILE = "multirun.yaml"
+
+
 class MaskedSavedConfig(Callback):
+    def __init__(self) -> None:
+        self._multirun: tuple[str, bytes] | None = None  # (multirun.yaml's path, its masked text), until written
+
+    def on_multirun_start(self, config, **kwargs: Any) -> None:
+        from omegaconf import OmegaConf
+
+        from reshard_job.secrets import mask_text
+        from reshard_job.storage.local_files import make_folder
+
+        folder = str(config.hydra.sweep.dir)
+        make_folder(folder)
+        path = os.path.join(folder, MULTIRUN_FILE)
+        self._multirun = (path, mask_text(OmegaConf.to_yaml(config)).encode("utf-8"))
+        if os.path.lexists(path):
+            os.unlink(path)
+        os.symlink(os.devnull, path)  # what the sweeper saves there is thrown away
+
     def on_job_start(self, config, **kwargs: Any) -> None:
+        self._write_multirun()
         save_masked_config(config)
+
+    def on_multirun_end(self, config, **kwargs: Any) -> None:
+        self._write_multirun()
+
+    def _write_multirun(self) -> None:
+        if self._multirun is None:
+            return
+        from reshard_job.storage.local_files import replace_file
+
+        path, data = self._multirun
+        self._multirun = None
+        replace_file(path, data)  # over the link, not through it
 
 
 def save_masked_config(config) -> None:

@@ -77,3 +77,26 @@ def test_a_saved_configuration_folder_the_user_names_is_masked_too(tmp_path):
     assert res.returncode == 0, res.stderr
     texts = [(tmp_path / "run" / "cfg" / name).read_text() for name in ("config.yaml", "hydra.yaml", "overrides.yaml")]
     assert all("***" in text and KEY not in text for text in texts)
+
+
+def test_a_sweep_neither_prints_nor_saves_the_passwords_it_is_given(tmp_path):
+    """A sweep (``-m``): Hydra's launcher lists each job's overrides, and its sweeper saves the whole
+    configuration as ``multirun.yaml`` before any job runs; both are masked, and the jobs still get
+    the real values (the unreachable database's error names its URL masked, after trying it)."""
+    url = f"postgresql+psycopg://alice:{PASSWORD}@127.0.0.1:1/db"
+    res = subprocess.run(
+        [sys.executable, "-m", "reshard_job", "-m", f"source.checkpoints={S2 / 'src_checkpoints'}",
+         f"source.strategy={S2 / 'src_strategy.ckpt'}", "target=strategy", f"target.strategy={S2 / 'dst_strategy.ckpt'}",
+         "output.dir=out${hydra:job.num}", "target.unmapped=omit,full", f"lineage.url='{url}'",
+         f"+storage.options.secret={KEY}", "hydra.sweep.dir=sweep"],
+        cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2, res.stderr  # each job refused: the database cannot be reached
+    everything = res.stdout + res.stderr
+    for path in Path(tmp_path).rglob("*"):
+        if path.is_file():
+            everything += path.read_text(errors="replace")
+    assert PASSWORD not in everything and KEY not in everything
+    assert everything.count("#1 : ") == 1 and "alice:***@127.0.0.1" in res.stdout
+    multirun = tmp_path / "sweep" / "multirun.yaml"
+    assert not multirun.is_symlink() and "    secret: ***\n" in multirun.read_text()
+    assert res.stderr.count("alice:***@127.0.0.1:1/db: connection failed") == 2  # the real URL was tried
