@@ -1,8 +1,8 @@
 """The Hydra task function: one job for one composed configuration (each job of a sweep, too).
 
 It settles the configuration into a ``JobSpec``, runs the job, writes ``result.json`` and prints the
-summary. A refusal or an interruption is one line (``refusal``); in a sweep it is noted for the
-exit status and the sweep goes on with its next job.
+summary. A refusal or an interruption is one line (``refusal``); in a sweep a refusal is noted for
+the exit status and the sweep goes on with its next job, and an interruption ends the sweep.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ def run_task(cfg) -> None:
     from reshard_job.job.stages.report import run_summary
     from reshard_job.job.runner import run_job
     from reshard_job.job.config.settle import settle
-    from reshard_job.job.run.signals import ignore, raise_pending
+    from reshard_job.job.run.signals import ignore, raise_pending, stop_before_next_job
     from reshard_job.job.cli import startup_gc
     from reshard_job.job.cli.refusal import USER_FULL_ERROR, user_errors
     from reshard_job.job.cli.result_file import write_result
@@ -45,7 +45,10 @@ def run_task(cfg) -> None:
         return
     finally:
         held_logs.release()  # a plan, a no-op, a bug's traceback: what was logged is printed (dropped: nothing)
-    ignore()  # the conversion is committed: a late Ctrl-C has nothing left to stop
+    if multirun:  # the conversion is committed: a later Ctrl-C stops the sweep's next jobs
+        stop_before_next_job()
+    else:  # nothing left to stop
+        ignore()
     write_result(ctx, result)
     emit(run_summary(result))
 
@@ -71,8 +74,14 @@ def _refused(e: BaseException, ctx, multirun: bool) -> None:
     print(line, file=sys.stderr)
     log_to_file(line)
     write_result(ctx, JobResult(getattr(e, "status", STATUS_FAILED), run_id=getattr(e, "run_id", None), error=line))
-    if not multirun:
+    if not multirun or _interrupted(e):  # Ctrl-C (or SIGTERM) stops the sweep, not only its current job
         sys.exit(getattr(e, "exit_code", EXIT_ERROR))
     from reshard_job.job.cli.sweep_summary import FAILED
 
     FAILED.append(1)
+
+
+def _interrupted(e: BaseException) -> bool:
+    from reshard_job.job.run.signals import Interrupted
+
+    return isinstance(e, Interrupted)

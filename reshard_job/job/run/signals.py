@@ -20,7 +20,8 @@ until then a Ctrl-C is Python's KeyboardInterrupt, a traceback instead of the in
 
 Once the job's result is committed (``committing``), signals are dropped until the next job begins,
 by the job's handler and by the deferring one around it alike: after the summary says completed, an
-exit status of 130 would contradict it.
+exit status of 130 would contradict it. In a sweep a signal after a job's commit is noted instead
+(``stop_before_next_job``) and stops the sweep before its next job.
 """
 
 from __future__ import annotations
@@ -149,3 +150,9 @@ def ignore() -> None:
     if threading.current_thread() is threading.main_thread():
         for s in EXIT_CODES:
             signal.signal(s, signal.SIG_IGN)
+
+
+def stop_before_next_job() -> None:
+    """In a sweep, once a job's result is committed: a signal from now on is noted (the app's
+    deferring handler) and stops the sweep as its next job begins, rather than being dropped."""
+    _committed.clear()

@@ -125,3 +125,25 @@ def test_a_signal_held_during_foreign_code_acts_right_after():
                 reached.append("end of the held block")
     assert reached == ["end of the held block"]
     assert err.value.exit_code == 143
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_stops_a_sweep_not_only_its_current_job(tmp_path, signum):
+    """Ctrl-C (or SIGTERM) while a sweep's second job starts: the sweep ends there with the signal's
+    status, in one line, and its later jobs never start (they went on one after the other)."""
+    args = ["-m", "target.devices=1,2,4,8", "output.dir=out${target.devices}", "hydra.sweep.dir=sweep",
+            "job.progress=false"]
+    proc = _start(tmp_path, args)
+    try:
+        for line in proc.stdout:
+            if "#1 : " in line:  # Hydra's launcher starts the second job
+                (os.killpg if signum == signal.SIGINT else os.kill)(proc.pid, signum)
+                break
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == EXPECTED[signum], stderr
+    assert message_lines(stderr) == [f"reshard_job: interrupted ({NAMES[signum]}): rerun the same command to resume"]
+    assert (tmp_path / "out1" / "manifest.json").is_file()  # the first job had finished
+    assert not (tmp_path / "out4").exists() and not (tmp_path / "out8").exists()
