@@ -295,3 +295,16 @@ def test_one_target_device_from_the_default_preset_does_not_warn_about_its_rules
     assert res.returncode == 0, res.stderr
     warned = [line for line in res.stderr.splitlines() if "WARNING" in line]
     assert len(warned) == 4 and all("matches no parameter of this checkpoint" in line for line in warned), warned
+
+
+def test_jobs_started_together_get_run_directories_of_their_own(tmp_path, app):
+    """Run directories are named to the microsecond: two jobs started in the same second from one
+    folder (a script launching conversions side by side) kept one result.json and one log."""
+    import re
+
+    for _ in range(2):
+        res = app(tmp_path, "job.mode=plan", "output.dir=out")
+        assert res.returncode == 0, res.stderr
+    dirs = sorted(p.name for p in (tmp_path / "runs").glob("*/*") if p.is_dir())
+    assert len(dirs) == 2 and all(re.fullmatch(r"\d\d-\d\d-\d\d-\d{6}", d) for d in dirs), dirs
+    assert all(any((tmp_path / "runs").glob(f"*/{d}/plan.json")) for d in dirs)
