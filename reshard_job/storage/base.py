@@ -220,6 +220,10 @@ class Storage(Protocol):
 
     def makedirs(self, path: str) -> None: ...
 
+    def remove_empty_folder(self, path: str) -> bool:
+        """Delete a folder if it is empty (a rank folder whose file an overwrite removed); False
+        if it holds anything or is not there. Object stores have no empty folders: False."""
+
     def remove_incomplete(self, folder: str, recursive_into: Iterable[str] = ()) -> int:
         """Remove what interrupted writers left directly in `folder` and in its sub-folders named
         in `recursive_into` (temporary files; unfinished multipart uploads); return how many.

@@ -233,6 +233,13 @@ class LocalStorage:
         except FileNotFoundError:
             return False
 
+    def remove_empty_folder(self, path: str) -> bool:
+        try:
+            os.rmdir(path)  # (refuses a folder that holds anything, and a link)
+            return True
+        except OSError:
+            return False
+
     def makedirs(self, path: str) -> None:
         try:
             os.makedirs(path, mode=DIR_MODE, exist_ok=True)

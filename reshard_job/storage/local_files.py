@@ -38,6 +38,14 @@ def make_folder(path: str) -> None:
     os.makedirs(path or ".", exist_ok=True)
 
 
+def discard_writes_to(path: str) -> None:
+    """Make `path` a link to ``os.devnull``: what someone else's code writes there goes nowhere
+    (Hydra's sweeper saving an unmasked configuration); ``replace_file`` puts a file in its place."""
+    if os.path.lexists(path):
+        os.unlink(path)
+    os.symlink(os.devnull, path)
+
+
 def replace_file(path: str, data: bytes, *, mode: int = 0o644) -> None:
     """Replace (or create) the file `path` with `data`, atomically, in its existing folder."""
     tmp = temp_name_for(os.path.abspath(path))

@@ -364,6 +364,10 @@ class S3Storage:
         """Nothing to create: a folder exists as soon as a key below it does."""
         split_url(path)
 
+    def remove_empty_folder(self, path: str) -> bool:
+        """Nothing to remove: a folder is gone with the last key below it."""
+        return False
+
     def remove_incomplete(self, folder: str, recursive_into: Iterable[str] = ()) -> int:
         """Abort the unfinished multipart uploads of killed writers directly in `folder` and in the
         named sub-folders, or those matching a glob pattern (uploads elsewhere under the prefix

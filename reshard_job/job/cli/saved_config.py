@@ -34,15 +34,13 @@ class MaskedSavedConfig(Callback):
         from omegaconf import OmegaConf
 
         from reshard_job.secrets import mask_text
-        from reshard_job.storage.local_files import make_folder
+        from reshard_job.storage.local_files import discard_writes_to, make_folder
 
         folder = str(config.hydra.sweep.dir)
         make_folder(folder)
         path = os.path.join(folder, MULTIRUN_FILE)
         self._multirun = (path, mask_text(OmegaConf.to_yaml(config)).encode("utf-8"))
-        if os.path.lexists(path):
-            os.unlink(path)
-        os.symlink(os.devnull, path)  # what the sweeper saves there is thrown away
+        discard_writes_to(path)  # what the sweeper saves there is thrown away
 
     def on_job_start(self, config, **kwargs: Any) -> None:
         self._write_multirun()

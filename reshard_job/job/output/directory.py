@@ -298,6 +298,9 @@ class OutputDir:
         paths += [self.storage.join(self.path, e.path) for e in self.journal.read()[1]]
         for p in paths:
             self._remove_inside(p)
+        for folder in sorted({self.storage.parent(p) for p in paths}):  # rank folders left empty: gone too
+            if folder.rstrip("/") != self.path.rstrip("/") and (not self.local or inside(folder, self.path)):
+                self.storage.remove_empty_folder(folder)
         self._remove_inside(self.manifest_path)
         self.journal.remove()
 

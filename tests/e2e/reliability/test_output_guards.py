@@ -358,3 +358,21 @@ def test_a_failed_write_leaves_an_existing_file_intact(tmp_path):
         f.write(b"more than fits")
     assert target.read_bytes() == b"old content"
     assert temp_files(tmp_path) == []
+
+
+def test_an_overwrite_by_fewer_ranks_leaves_no_empty_rank_folder(tmp_path, app):
+    """8 ranks overwritten by 4: rank_4/ .. rank_7/ kept nothing, and left behind, empty, they made the
+    directory a source of 8 rank folders for a strategy of 4 (refused when converted again)."""
+    res = app(tmp_path, "target.devices=8", "output.dir=out", "lineage.enabled=false")
+    assert res.returncode == 0, res.stderr
+    (tmp_path / "out" / "rank_7" / "notes.txt").write_text("the user's")  # a folder holding more stays
+    res = app(tmp_path, "target.devices=4", "output.dir=out", "output.overwrite=true", "lineage.enabled=false")
+    assert res.returncode == 0, res.stderr
+    assert sorted(p.name for p in (tmp_path / "out").glob("rank_*")) == [f"rank_{r}" for r in (0, 1, 2, 3, 7)]
+    assert [p.name for p in (tmp_path / "out" / "rank_7").iterdir()] == ["notes.txt"]
+    (tmp_path / "out" / "rank_7" / "notes.txt").unlink()
+    (tmp_path / "out" / "rank_7").rmdir()
+    res = app(tmp_path, "source=checkpoints", f"source.checkpoints={tmp_path / 'out'}",
+              f"source.strategy={tmp_path / 'out' / 'strategy.ckpt'}", "target=single", "output.dir=merged",
+              "lineage.enabled=false")
+    assert res.returncode == 0, res.stderr  # the overwritten directory is a source of its 4 ranks
