@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
@@ -21,6 +22,8 @@ from reshard_job.secrets import mask_text, mask_url
 from reshard_job.job.config.spec import JobSpec
 
 log = logging.getLogger("reshard_job")
+
+FAILURE_RECORD_SECONDS = 5.0  # how long a failed or refused job waits for a locked database to record it
 
 
 class LineageRecorder:
@@ -116,7 +119,22 @@ class LineageRecorder:
         return run_id
 
     def fail(self, error: BaseException) -> None:
-        """Mark the run failed (or interrupted) with the error's one line; never raises over it."""
+        """Mark the run failed (or interrupted) with the error's one line; never raises over it. A
+        database another process holds locked is waited for ``FAILURE_RECORD_SECONDS`` at most: a
+        refusal is told within seconds, not after the minute a conversion would wait to record."""
+        from reshard_job.lineage import waiting
+
+        timer = threading.Timer(FAILURE_RECORD_SECONDS, waiting.request_stop,
+                                args=(f"{mask_url(self.url)} stayed locked by another process for "
+                                      f"{FAILURE_RECORD_SECONDS:g} s",))
+        timer.daemon = True
+        timer.start()
+        try:
+            self._record_failure(error)
+        finally:
+            timer.cancel()
+
+    def _record_failure(self, error: BaseException) -> None:
         for f in self._pending:
             f.cancel()
         try:

@@ -240,6 +240,28 @@ def test_a_lineage_database_locked_for_good_is_waited_for_within_the_bound(tmp_p
     assert 4 <= seconds < 4 + QUICK_S, f"{seconds:.1f} s"
 
 
+def test_a_refusal_is_told_within_seconds_while_the_lineage_database_is_locked(tmp_path, s1, locked_lineage):
+    """The job is refused (output.dir holds someone else's file) while another process holds the
+    database locked: the refusal waits a few seconds to be recorded (``FAILURE_RECORD_SECONDS``),
+    not the minute a conversion waits; its line is the refusal's alone, the log says why it was
+    not recorded. It took 62 s."""
+    from reshard_job.job.stages.record import FAILURE_RECORD_SECONDS
+
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "notes.txt").write_text("the user's")
+    started = time.monotonic()
+    res = subprocess.run(app_command(*s1_args(*s1, tmp_path / "out")), cwd=tmp_path, env=app_env(),
+                         capture_output=True, text=True, timeout=120)
+    seconds = time.monotonic() - started
+    assert res.returncode == 2 and message_lines(res.stderr) == [
+        f"reshard_job: error: output.dir {tmp_path / 'out'} holds files this tool did not produce (notes.txt); "
+        "choose another output.dir or set output.overwrite=true"], res.stderr
+    assert FAILURE_RECORD_SECONDS <= seconds < FAILURE_RECORD_SECONDS + QUICK_S, f"{seconds:.1f} s"
+    log = max((tmp_path / "runs").glob("*/*/reshard_job.log"))  # this run's (the first run's is older)
+    assert f"could not record the run in the lineage database: sqlite:///{locked_lineage} stayed locked by " \
+           f"another process for {FAILURE_RECORD_SECONDS:g} s" in log.read_text()
+
+
 @pytest.mark.slow
 def test_a_lineage_database_locked_for_good_is_given_up_after_a_minute(tmp_path, s1, locked_lineage):
     seconds = _lineage_lock_refusal(tmp_path, s1, locked_lineage, None)
