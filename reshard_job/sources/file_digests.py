@@ -68,7 +68,10 @@ def digest_file(path: str, *, segments: Segments | None = None, progress: Callab
     storage = storage_for(path, storage_options)
     h = hashlib.sha256()
     crcs = _SegmentCrcs(segments or ())
-    f = storage.open_read(path)
+    try:
+        f = storage.open_read(path)
+    except FileNotFoundError:  # indexed a moment ago: removed (or renamed away) since
+        raise SourceChangedError(f"{path}: removed since the job indexed it; rerun once it is back") from None
     # An object store answers a large read with several ranged GETs in flight: bigger blocks.
     buf = bytearray(BLOCK if storage.scheme == "file" else REMOTE_BLOCK)
     mv = memoryview(buf)

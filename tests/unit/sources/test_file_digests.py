@@ -97,3 +97,14 @@ def test_a_file_changed_since_it_was_indexed_is_refused_not_hashed(tmp_path):
     assert cache.get(request) is None
     with pytest.raises(SourceChangedError, match="changed since the job indexed it"):
         digest_files([request], cache=cache)
+
+
+def test_a_file_removed_since_it_was_indexed_is_one_source_changed_error(tmp_path):
+    """Removed between indexing and hashing (another job's overwrite of the folder, a user's rm): the
+    job's one line naming it, not a FileNotFoundError traceback."""
+    path = tmp_path / "rank_0.ckpt"
+    path.write_bytes(b"x" * 100)
+    identity = tuple(os.stat(path)[i] for i in (1, 2))  # whatever it was: the file is gone now
+    path.unlink()
+    with pytest.raises(SourceChangedError, match=f"{path}: removed since the job indexed it"):
+        digest_files([HashRequest(str(path), None, identity)], threads=1)
