@@ -36,7 +36,7 @@ class MaskedSavedConfig(Callback):
         from reshard_job.secrets import mask_text
         from reshard_job.storage.local_files import discard_writes_to, make_folder
 
-        folder = str(config.hydra.sweep.dir)
+        folder = os.path.abspath(str(config.hydra.sweep.dir))  # jobs may chdir (hydra.job.chdir=true)
         make_folder(folder)
         path = os.path.join(folder, MULTIRUN_FILE)
         self._multirun = (path, mask_text(OmegaConf.to_yaml(config)).encode("utf-8"))

@@ -79,7 +79,8 @@ def test_a_saved_configuration_folder_the_user_names_is_masked_too(tmp_path):
     assert all("***" in text and KEY not in text for text in texts)
 
 
-def test_a_sweep_neither_prints_nor_saves_the_passwords_it_is_given(tmp_path):
+@pytest.mark.parametrize("chdir", ["false", "true"])
+def test_a_sweep_neither_prints_nor_saves_the_passwords_it_is_given(tmp_path, chdir):
     """A sweep (``-m``): Hydra's launcher lists each job's overrides, and its sweeper saves the whole
     configuration as ``multirun.yaml`` before any job runs; both are masked, and the jobs still get
     the real values (the unreachable database's error names its URL masked, after trying it)."""
@@ -88,7 +89,7 @@ def test_a_sweep_neither_prints_nor_saves_the_passwords_it_is_given(tmp_path):
         [sys.executable, "-m", "reshard_job", "-m", f"source.checkpoints={S2 / 'src_checkpoints'}",
          f"source.strategy={S2 / 'src_strategy.ckpt'}", "target=strategy", f"target.strategy={S2 / 'dst_strategy.ckpt'}",
          "output.dir=out${hydra:job.num}", "target.unmapped=omit,full", f"lineage.url='{url}'",
-         f"+storage.options.secret={KEY}", "hydra.sweep.dir=sweep"],
+         f"+storage.options.secret={KEY}", "hydra.sweep.dir=sweep", f"hydra.job.chdir={chdir}"],
         cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
     assert res.returncode == 2, res.stderr  # each job refused: the database cannot be reached
     everything = res.stdout + res.stderr
@@ -100,3 +101,6 @@ def test_a_sweep_neither_prints_nor_saves_the_passwords_it_is_given(tmp_path):
     multirun = tmp_path / "sweep" / "multirun.yaml"
     assert not multirun.is_symlink() and "    secret: ***\n" in multirun.read_text()
     assert res.stderr.count("alice:***@127.0.0.1:1/db: connection failed") == 2  # the real URL was tried
+    assert "Traceback" not in res.stderr and "Warning" not in res.stderr, res.stderr
+    for job in (0, 1):  # each job's configuration saved, masked (wherever the job runs from)
+        assert "***" in (tmp_path / "sweep" / str(job) / ".hydra" / "config.yaml").read_text()
