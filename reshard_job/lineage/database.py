@@ -135,6 +135,20 @@ def json_text(value) -> str:
     return json.dumps(value)
 
 
+def _not_a_file(path: str | None) -> str | None:
+    """What `path` is when something other than a regular file is there (None: a file, or nothing yet)."""
+    import stat
+
+    try:
+        mode = os.stat(path).st_mode if path else None
+    except OSError:
+        return None
+    if mode is None or stat.S_ISREG(mode):
+        return None
+    return "a directory" if stat.S_ISDIR(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) \
+        else "a FIFO" if stat.S_ISFIFO(mode) else "a socket"
+
+
 def create_lineage_engine(url: str | URL, *, read_only: bool = False, wait: LockWait | None = None) -> Engine:
     """An engine for `url` with the per-backend settings described in the module docstring;
     `read_only` opens an SQLite file without writing to it (see ``_sqlite_read_only``); `wait`: the
@@ -149,6 +163,9 @@ def create_lineage_engine(url: str | URL, *, read_only: bool = False, wait: Lock
     kwargs: dict = {"future": True, "json_serializer": json_text}
     if parsed.get_backend_name() == "sqlite":
         database_file = sqlite_file(parsed)
+        odd = _not_a_file(database_file)
+        if odd:  # /dev/null, a folder, a FIFO: nothing to keep records in (and no lock file beside it)
+            raise LineageError(f"lineage database {_shown(parsed)}: {database_file} is {odd}, not a database file")
         if read_only and database_file is not None:
             return _sqlite_read_only(database_file, kwargs)
         kwargs["connect_args"] = {"timeout": BUSY_SLICE_SECONDS}

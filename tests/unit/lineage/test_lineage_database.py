@@ -104,3 +104,19 @@ def test_in_memory_sqlite_urls_are_known_and_refused_by_the_engine():
     for url in ("sqlite:///x.db", "sqlite:////tmp/memory.db", "sqlite:///file:x.db?mode=ro", "postgresql://h/db",
                 "postgresql+psycopg://u@h/:memory:"):
         assert not in_memory_sqlite(url), url
+
+
+def test_a_sqlite_url_naming_something_other_than_a_file_is_refused_before_anything_is_made(tmp_path):
+    """/dev/null gave "disk I/O error" and left /dev/null.migrate.lock; a folder or a FIFO is no better."""
+    import os
+
+    from reshard_job.lineage.errors import LineageError
+
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "folder").mkdir()
+    for path, what in (("/dev/null", "a device"), (str(tmp_path / "fifo"), "a FIFO"),
+                       (str(tmp_path / "folder"), "a directory")):
+        with pytest.raises(LineageError, match=f"{path} is {what}, not a database file"):
+            create_lineage_engine(f"sqlite:///{path}")
+        assert not os.path.exists(path + ".migrate.lock")
+    create_lineage_engine(f"sqlite:///{tmp_path / 'new.db'}").dispose()  # nothing there yet: made as usual
