@@ -32,6 +32,8 @@ from reshard_job.errors import PlanError
 from reshard_job.plan.model import BUFFER_PREFIXES, ParamSource
 from reshard_job.text import bounded_list, quoted, rank_ranges, shorten
 
+PATH_SHOWN = 400  # characters of a file path a message shows (whole, for one to paste; cut only when absurd)
+
 
 # What the planner checks before any output (recorded in ``Plan.checks``, and so in the manifest).
 CHECK_NAMES = "the source strategy lays out parameters the checkpoints hold"
@@ -93,24 +95,61 @@ def check_names_overlap(src: Topology, holders: Mapping[str, tuple[int, ...]]) -
     )
 
 
+LAID_OUT_AT_LEAST = 0.5  # of the parameters a target strategy must lay out to be this network's
+
+
+def laid_out_by_a_strategy(ps: ParamSource, src: Topology) -> bool:
+    """Whether a parameter is one a strategy of its network lays out: one the source strategy lays
+    out, or, for a source without one (a whole model), any tensor of more than one element (a
+    scalar such as ``global_step`` has one layout only, and strategies leave it out)."""
+    if src.layouts:
+        return ps.in_src
+    return ps.meta is not None and ps.meta.kind == "tensor" and prod(ps.meta.shape) > 1
+
+
 def check_target_network(src: Topology, dst: Topology, resolved: Mapping[str, ParamSource]) -> None:
-    """A target strategy laying out none of the checkpoints' parameters belongs to another
-    network: every weight would be left out (or kept whole in the wrong layout)."""
+    """A target strategy laying out none, or only a small part, of the checkpoints' parameters
+    belongs to another network: the weights would be left out (or kept whole in the wrong layout)."""
     if not dst.layouts:
         return
     held = [name for name in resolved if not name.startswith(BUFFER_PREFIXES)]
     if not held:
         return
-    source = f"the source strategy {shorten(src.source)}" if src.source else "the source checkpoints"
+    source = f"the source strategy {shorten(src.source, PATH_SHOWN)}" if src.source else "the source checkpoints"
     if any(resolved[name].in_dst for name in held):
         check_target_needs(src, dst, resolved, source)
+        _check_laid_out_enough(src, dst, resolved, held, source)
         return
     raise PlanError(
-        f"the target strategy {shorten(dst.source)} lays out none of the {len(held)} parameter(s) of "
+        f"the target strategy {shorten(dst.source, PATH_SHOWN)} lays out none of the {len(held)} parameter(s) of "
         f"{source} (e.g. {quoted(held[0])}) but {len(dst.layouts)} others (e.g. "
         f"{quoted(next(iter(dst.layouts)))}): it is the strategy of another network; was target.strategy "
         "compiled for this model?"
     )
+
+
+def _check_laid_out_enough(src: Topology, dst: Topology, resolved: Mapping[str, ParamSource], held: list[str],
+                           source: str) -> None:
+    """Fewer than half of the parameters a strategy of this network lays out: the strategy of
+    another network that shares a few names, or of a part of this one (which target.include selects)."""
+    wanted = [name for name in held if laid_out_by_a_strategy(resolved[name], src)]
+    covered = sum(resolved[name].in_dst for name in wanted)
+    if not wanted or covered >= LAID_OUT_AT_LEAST * len(wanted):
+        return
+    lacking = [name for name in wanted if not resolved[name].in_dst]
+    raise PlanError(
+        f"the target strategy {shorten(dst.source, PATH_SHOWN)} lays out only {covered} of the {len(wanted)} "
+        f"parameter(s) of {source} (not {', '.join(quoted(n, 60) for n in lacking[:3])}"
+        f"{', ...' if len(lacking) > 3 else ''}): it is the strategy of another network, or of a part of this one; "
+        "was target.strategy compiled for this model? (target.include/target.exclude convert a part)"
+    )
+
+
+def target_only_states(src: Topology, dst: Topology, resolved: Mapping[str, ParamSource]) -> list[str]:
+    """Optimizer states and pipeline buffers the target strategy lays out that no source holds: the
+    outputs cannot hold them (the target network starts them afresh), which is said, not silent."""
+    return [name for name in dst.layouts if name not in resolved and name not in src.layouts
+            and (optimizer_base(name) is not None or name.startswith(BUFFER_PREFIXES))]
 
 
 def check_target_needs(src: Topology, dst: Topology, resolved: Mapping[str, ParamSource], source: str) -> None:
@@ -119,9 +158,10 @@ def check_target_needs(src: Topology, dst: Topology, resolved: Mapping[str, Para
     lacking = [name for name in dst.layouts
                if name not in resolved and name not in src.layouts and optimizer_base(name) is None]
     if lacking:
+        holders = "the source checkpoints do not hold" if not src.source else f"neither {source} nor the checkpoints hold"
         raise PlanError(
-            f"the target strategy {shorten(dst.source)} lays out {len(lacking)} parameter(s) that neither "
-            f"{source} nor the checkpoints hold: {', '.join(quoted(n, 60) for n in lacking[:5])}"
+            f"the target strategy {shorten(dst.source, PATH_SHOWN)} lays out {len(lacking)} parameter(s) that "
+            f"{holders}: {', '.join(quoted(n, 60) for n in lacking[:5])}"
             f"{', ...' if len(lacking) > 5 else ''}; the outputs would lack them (was target.strategy compiled "
             "for this model?)"
         )

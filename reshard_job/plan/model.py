@@ -253,6 +253,8 @@ class Plan:
     checks: list[str] = field(default_factory=list)  # the cross-checks that ran (CHECK_*)
     # target.include/exclude/rename in effect and what they left out (``plan.selection``); None: none
     selection: dict | None = None
+    # optimizer states the target strategy lays out and no source holds: the outputs lack them
+    target_only: list[str] = field(default_factory=list)
 
     def rank(self, target_rank: int) -> RankPlan:
         for rp in self.ranks:

@@ -93,6 +93,13 @@ class Planner(RankBodies):
         self._unlisted = 0  # needed source ranks left out of cut-short copy patterns
         self._places: dict[tuple, Place] = {}  # equal places share one
         self.params = resolver.resolve()
+        self.target_only = resolver.target_only
+        if resolver.copied_whole:
+            shown = ", ".join(quoted(n, 60) for n in resolver.copied_whole[:5])
+            self.notes.append(f"{len(resolver.copied_whole)} tensor(s) the target strategy does not lay out are copied "
+                              f"whole into every target rank, as MindSpore copies tensors outside both strategies: "
+                              f"{shown}{', ...' if len(resolver.copied_whole) > 5 else ''} (target.unmapped=drop "
+                              "leaves them out)")
         # the source side of each parameter, for another plan of the same source (``one_device``)
         self._sources = resolver.sources
         self._counting = StageCounting(self.dst.stage_devices, lambda t_stage: self._stage_layouts(t_stage)[0])
@@ -392,6 +399,7 @@ class Planner(RankBodies):
             ranks=rank_plans,
             omitted=list(self.omitted),
             notes=notes,
+            target_only=list(self.target_only),
             identical=identical,
             checks=checks,
         )

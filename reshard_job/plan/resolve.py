@@ -26,7 +26,8 @@ from reshard_job.plan.checks import (CHECK_COMPLETE, CHECK_NAMES, CHECK_OPTIMIZE
                                      CHECK_TENSOR_SHAPE, CHECK_WHOLE, check_coverage, check_names_overlap,
                                      check_optimizer_states, check_placement, check_same_metas,
                                      check_shared_layout, check_sliceable, check_source_ranks,
-                                     check_target_network, check_tensor_shape)
+                                     check_target_network, check_tensor_shape, laid_out_by_a_strategy,
+                                     target_only_states)
 from reshard_job.plan.model import BUFFER_PREFIXES, UNMAPPED_CHOICES, UNMAPPED_DROP, UNMAPPED_FULL, ParamSource
 from reshard_job.text import quoted, shorten
 
@@ -52,6 +53,8 @@ class Resolver:
         self.index = index
         self.unmapped = unmapped
         self.omitted: list[dict] = []
+        self.copied_whole: list[str] = []  # a whole model's tensors the target strategy does not lay out
+        self.target_only: list[str] = []  # optimizer states the target strategy lays out and no source holds
         self.checks: list[str] = []
         check_source_ranks(src, index)
         self.stage_files = self._available_by_stage()
@@ -128,18 +131,31 @@ class Resolver:
         left_out = []
         for name, ps in resolved.items():
             ps.dst_layouts = self._target_layouts(ps, resolved)
-            if self.dst_given and not ps.in_dst and ps.in_src and self.unmapped != UNMAPPED_FULL:
+            if self.dst_given and not ps.in_dst and self.unmapped != UNMAPPED_FULL and (
+                    ps.in_src or self._whole_model_leaves_out(ps)):
                 left_out.append(name)
                 continue
             ps.reshard = self._reshards(ps)
             out.append(ps)
         if self.dst_given:
             check_target_network(self.src, self.dst, resolved)
+            self.target_only = target_only_states(self.src, self.dst, resolved)
         self._omit(left_out)
         out.extend(self._unavailable_params(holders))
         if not out:
             raise PlanError("none of the checkpoint's parameters can be converted (all were omitted)")
         return out
+
+    def _whole_model_leaves_out(self, ps: ParamSource) -> bool:
+        """A source without a strategy (a whole model): a tensor the target strategy does not lay
+        out is copied whole, as MindSpore copies tensors outside both strategies, unless it is a
+        pipeline's buffer or ``unmapped=drop`` says to leave such tensors out."""
+        if self.src.layouts or not laid_out_by_a_strategy(ps, self.src):
+            return False
+        if self.unmapped == UNMAPPED_DROP or ps.name.startswith(BUFFER_PREFIXES):
+            return True
+        self.copied_whole.append(ps.name)
+        return False
 
     def _omit(self, left_out: list[str]) -> None:
         """Parameters the target strategy does not lay out: pipeline buffers are left out; others

@@ -377,5 +377,6 @@ def _selection_section(prepared: Prepared) -> dict | None:
 def _plan_summary(prepared: Prepared) -> dict:
     plan = prepared.plan
     return {"totals": plan.totals(), "omitted": plan.omitted, "notes": plan.notes,
+            **({"not_in_sources": plan.target_only} if plan.target_only else {}),
             **({"selection": plan.selection} if plan.selection is not None else {}),
             "source_ranks": {str(rp.target_rank): rp.source_ranks for rp in plan.ranks}}

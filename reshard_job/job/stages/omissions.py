@@ -25,6 +25,17 @@ def warn_omitted(plan: Plan, missing) -> None:
                     "; ".join(reasons[:3]))
 
 
+def warn_target_only(plan: Plan) -> None:
+    """Optimizer states the target strategy lays out that no source holds: one line (and the
+    manifest's ``plan.not_in_sources``), since the outputs lack what the target network expects."""
+    names = plan.target_only
+    if names:
+        log.warning("the target strategy lays out %d optimizer state(s) or buffer(s) that no source holds, so the "
+                    "outputs lack them (the target network starts them afresh; listed in manifest.json, "
+                    "plan.not_in_sources): %s%s", len(names), ", ".join(repr(shorten(n, 60)) for n in names[:5]),
+                    ", ..." if len(names) > 5 else "")
+
+
 def warn_absent(strategy: LoadedStrategy, index) -> None:
     """Parameters of the source strategy that the files of their stages lack. A stage none of whose
     files was given (the API's conversion of one rank, given the files it reads) says nothing: the

@@ -42,7 +42,7 @@ from reshard_job.storage import StorageOptions, storage_for
 from reshard_job.execute.tasks import FORMAT_SAFETENSORS_INDEX
 from reshard_job.sources.open_files import files_of
 from reshard_job.job.stages.extra_ranks import cross_check, tensor_digest
-from reshard_job.job.stages.omissions import warn_absent, warn_omitted
+from reshard_job.job.stages.omissions import warn_absent, warn_omitted, warn_target_only
 from reshard_job.job.run.progress import Progress
 from reshard_job.job.config.spec import SourceSpec, TargetSpec
 from reshard_job.job.stages.target import Target, settle_target
@@ -242,6 +242,7 @@ def _prepare_mindformers(reader: MindFormersFolder, found: RankFiles, source: So
     plan.omitted.extend({"name": n, "reason": "not exported: training state, in a file absent from the save"}
                         for n in not_exported)  # listed as the export's other omissions are
     warn_omitted(plan, missing)
+    warn_target_only(plan)
     record_in_plan(plan, selected)
     every_file, found = found, reader.files_read(found, under_stored_names(plan, selected))
     readers = SourceFiles(found.files, verify_crc=False, identities=found.identities, storage=storage,
@@ -265,6 +266,7 @@ def _settle_and_plan(source: SourceSpec, found: RankFiles, strategy: LoadedStrat
     checks += list(plan.checks)
     export = _export_layout(target, plan)
     warn_omitted(plan, missing)
+    warn_target_only(plan)
     return Prepared(source, found, strategy, readers, index, tgt, plan, missing, checks, export=export,
                     selected=selected, one_device=one)
 

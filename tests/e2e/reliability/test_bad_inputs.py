@@ -314,7 +314,7 @@ def target_strategy_of_another_network(d: Path) -> Setup:
     ckpts, src, _, _ = _s1(d)
     other = GOLDEN / "S2_block_mp4dp2opt_to_mp4" / "dst_strategy.ckpt"
     return Setup(s1_args(ckpts, src, other, d / "out"),
-                 [f"the target strategy {shorten(other)} lays out none of the ", f"source strategy {shorten(src)}",
+                 [f"the target strategy {other} lays out none of the ", f"source strategy {src}",
                   "it is the strategy of another network"], [ckpts])
 
 

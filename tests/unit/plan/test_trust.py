@@ -374,3 +374,69 @@ def test_parameters_the_target_leaves_out_need_a_choice():
         assert prepared.plan.omitted == []
         kept = {p.name for p in prepared.plan.ranks[0].params}
     assert dropped <= kept
+
+
+def _kept_part(tmp_path: Path, target: str, fraction: float) -> str:
+    """A golden target strategy with only the first `fraction` of its layouts (at least one)."""
+    sf = read_strategy(str(GOLDEN / GOLDEN_TARGETS[target][0]))
+    names = list(sf.layouts)
+    kept = names[:max(1, int(len(names) * fraction))]
+    path = tmp_path / f"{target}_{fraction}.ckpt"
+    write_strategy(replace(sf, layouts={n: sf.layouts[n] for n in kept}), path)
+    return str(path)
+
+
+def _prepare_with(source: str, target_path: str, **target_settings):
+    from reshard_job.job.config.spec import SourceSpec, TargetSpec
+    from reshard_job.job.stages.prepare import prepare
+
+    folder, strategy, _ = GOLDEN_SOURCES[source]
+    return prepare(SourceSpec(str(GOLDEN / folder), str(GOLDEN / strategy) if strategy else None),
+                   TargetSpec(target_path, **target_settings))
+
+
+@pytest.mark.parametrize("source", ["S2", "S5b"])
+@pytest.mark.parametrize("fraction", [0.0, 0.1, 0.4])
+def test_a_target_strategy_laying_out_a_small_part_of_the_model_is_refused(tmp_path, source, fraction):
+    """One layout of S2's 51 (or a tenth, or 40 %): the strategy of another network sharing a few names,
+    refused whatever target.unmapped says; S5b's whole model (no source strategy) alike. With
+    unmapped=drop it wrote ranks of 3 tensors, with full every tensor whole, exit 0."""
+    target = _kept_part(tmp_path, "S2", fraction)
+    for unmapped in ("omit", "full", "drop"):
+        with pytest.raises(PlanError) as refused:
+            _prepare_with(source, target, unmapped=unmapped).close()
+        message = str(refused.value)
+        assert "\n" not in message and f"the target strategy {target} lays out only " in message, message
+        assert "of the 51 parameter(s) of" in message and "another network, or of a part of this one" in message
+
+
+def test_a_whole_models_tensors_the_target_does_not_lay_out_follow_target_unmapped(tmp_path):
+    """S5b's whole model (no source strategy) with 60 % of S2's target strategy: copied whole by default,
+    as MindSpore copies tensors outside both strategies, and said in the plan; unmapped=drop leaves them
+    out, listed (it wrote them all)."""
+    target = _kept_part(tmp_path, "S2", 0.6)
+    with _prepare_with("S5b", target) as prepared:
+        assert prepared.plan.omitted == []
+        (note,) = [n for n in prepared.plan.notes if "copied whole into every target rank" in n]
+        assert note.startswith("21 tensor(s) the target strategy does not lay out")
+    with _prepare_with("S5b", target, unmapped="drop") as prepared:
+        dropped = [o["name"] for o in prepared.plan.omitted]
+        kept = {p.name for p in prepared.plan.ranks[0].params}
+    assert len(dropped) == 21 and not set(dropped) & kept
+    assert {"global_step", "learning_rate"} <= kept  # scalars: one layout only, copied whole always
+
+
+def test_optimizer_states_the_target_lays_out_and_no_source_holds_are_said(tmp_path, caplog):
+    """S2's target strategy with pipeline buffers and moments added: the outputs cannot hold them; one
+    WARNING and the manifest's plan.not_in_sources say so (they were absent without a word)."""
+    import logging
+
+    sf = read_strategy(str(GOLDEN / GOLDEN_TARGETS["S2"][0]))
+    extra = {f"accu_grads.{n}": lay for n, lay in list(sf.layouts.items())[:3]}
+    extra.update({f"moments.{n}": lay for n, lay in list(sf.layouts.items())[:2]})
+    path = tmp_path / "with_states.ckpt"
+    write_strategy(replace(sf, layouts={**sf.layouts, **extra}), path)
+    with caplog.at_level(logging.WARNING, logger="reshard_job"), _prepare_with("S2", str(path)) as prepared:
+        assert sorted(prepared.plan.target_only) == sorted(extra)
+    (line,) = [r.getMessage() for r in caplog.records if "that no source holds" in r.getMessage()]
+    assert line.startswith("the target strategy lays out 5 optimizer state(s) or buffer(s) that no source holds")
