@@ -121,6 +121,7 @@ def _guard(prepared, paths: dict[int, str], out_dir: str, argument: str, folders
     source_dirs, source_files = source_places(prepared)
     out = OutputDir(out_dir, storage_for(out_dir), overwrite=True)
     try:
+        out.refuse_if_locked()  # a job is writing there: its manifest would describe files replaced under it
         if folders:
             out.check_not_source(source_dirs, source_files)
         out.check_planned(list(paths.values()), source_files, source_dirs if folders else [])

@@ -124,3 +124,43 @@ def test_an_unreachable_lineage_database_is_one_lineage_error_naming_it_without_
 def test_load_rank_arguments_of_the_wrong_kind_are_one_config_error(args, kwargs, needle):
     with pytest.raises(ConfigError, match=needle):
         rj.load_rank(*args, **kwargs)
+
+
+def test_the_api_does_not_write_into_an_output_dir_a_job_is_writing(s1, tmp_path):
+    """A job holds the output.dir's lock: transform_checkpoints (and transform_checkpoint_by_rank)
+    into it are refused, as a second job is; it wrote its files there, and the job then committed a
+    manifest and a lineage record of bytes that were no longer on disk."""
+    from reshard_job.storage import storage_for
+
+    src, ss, ds = s1 / "src_checkpoints", s1 / "src_strategy.ckpt", s1 / "dst_strategy.ckpt"
+    out = tmp_path / "out"
+    out.mkdir()
+    lock = storage_for(str(out)).lock(str(out), "pid 4242 on elsewhere")
+    try:
+        with pytest.raises(OutputError, match=r"out is being written by another job \(pid 4242 on elsewhere\)"):
+            rj.transform_checkpoints(src, out, "checkpoint_", ss, ds)
+        with pytest.raises(OutputError, match="being written by another job"):
+            rj.transform_checkpoint_by_rank(0, {r: src / f"rank_{r}" / f"checkpoint_{r}.ckpt" for r in range(8)},
+                                            out / "checkpoint_0.ckpt", ss, ds)
+    finally:
+        lock.release()
+    assert [p.name for p in out.iterdir()] == [".reshard_job"]  # the lock's folder: nothing written
+    rj.transform_checkpoints(src, out, "checkpoint_", ss, ds)  # once free
+
+
+def test_a_job_refuses_to_commit_over_an_output_file_replaced_since_it_wrote_it(tmp_path):
+    from reshard_job.job.output.directory import OutputDir
+    from reshard_job.job.stages.convert import _check_unchanged_since_written
+    from reshard_job.storage import storage_for
+
+    (tmp_path / "rank_0").mkdir()
+    path = tmp_path / "rank_0" / "checkpoint_0.ckpt"
+    path.write_bytes(b"written by the job")
+    out = OutputDir(str(tmp_path), storage_for(str(tmp_path)))
+    written = {0: {"path": str(path), "size": 18, "identity": tuple(out.storage.info(str(path)).identity)}}
+    _check_unchanged_since_written(out, written)  # as written: fine
+    replacement = tmp_path / "other"
+    replacement.write_bytes(b"written by someone")  # same size, another file renamed over it
+    replacement.replace(path)
+    with pytest.raises(OutputError, match="checkpoint_0.ckpt: replaced or changed since this job wrote it"):
+        _check_unchanged_since_written(out, written)

@@ -28,6 +28,7 @@ from reshard_job.formats.registry import suffix_of
 from reshard_job.formats.safetensors.header import DEDUPLICATED_METADATA
 from reshard_job.lineage.file_records import FileRecord
 from reshard_job.plan.model import Plan
+from reshard_job.errors import OutputError
 from reshard_job.storage import SourceChangedError
 from reshard_job.execute.writer_tap import TargetSums
 from reshard_job.execute.tasks import FORMAT_CKPT, FORMAT_SAFETENSORS, FORMAT_SAFETENSORS_INDEX, RankResult, RankTask, WriteOptions
@@ -278,7 +279,7 @@ def _journal(out: OutputDir, written: dict, key: int, path: str, size: int, sha2
         info = out.storage.info(path)
         identity = tuple(info.identity) if info is not None else ()
     out.journal.append(JournalEntry(key, out.relative(path), size, sha256, identity, tensors))
-    written[key] = {"path": path, "size": size, "sha256": sha256, "tensors": tensors}
+    written[key] = {"path": path, "size": size, "sha256": sha256, "tensors": tensors, "identity": identity}
 
 
 def _journal_index(prepared: Prepared, out: OutputDir, paths: dict[int, str], written: dict) -> None:
@@ -319,6 +320,8 @@ def _finish(spec: JobSpec, prepared: Prepared, out: OutputDir, digests: SourceDi
     if spec.target.remove_redundancy:  # each block in one rank's file only: read them as one save
         target["remove_redundancy"] = True
     tensors = {str(r): written[r]["tensors"] for r in sorted(written)}
+    if not files.per_node:
+        _check_unchanged_since_written(out, written)
     target.update(files.publish(build, target, tensors, lambda: prepared.target.strategy_bytes))  # nodes first
     m_size, m_sha = out.write_manifest(build(target=target, tensors=tensors))
     out.seal_manifest(m_size, m_sha)
@@ -330,6 +333,18 @@ def _finish(spec: JobSpec, prepared: Prepared, out: OutputDir, digests: SourceDi
     outputs.append(FileRecord(out.manifest_path, m_sha, m_size, "manifest"))
     recorder.complete(outputs)
     return Outputs(STATUS_COMPLETED, out.path, out.manifest_path, m_sha, run_id, target_files)
+
+
+def _check_unchanged_since_written(out: OutputDir, written: dict) -> None:
+    """Every output file is still the one this job wrote (same identity, else same size), just
+    before the manifest says what they hold: a program writing into output.dir meanwhile (in spite of
+    the lock) makes this a refusal, never a manifest describing bytes that are not there."""
+    for w in written.values():
+        info = out.storage.info(w["path"])
+        identity = w.get("identity")
+        if info is None or (tuple(info.identity) != tuple(identity) if identity else info.size != w["size"]):
+            raise OutputError(f"{w['path']}: replaced or changed since this job wrote it (something else writes into "
+                              f"output.dir {out.path}); nothing was committed: rerun once it is left alone")
 
 
 def _export_section(prepared: Prepared) -> dict:
