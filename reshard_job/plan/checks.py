@@ -152,6 +152,19 @@ def target_only_states(src: Topology, dst: Topology, resolved: Mapping[str, Para
             and (optimizer_base(name) is not None or name.startswith(BUFFER_PREFIXES))]
 
 
+def check_even_split(rec: ParamLayout, name: str, strategy: str | None) -> None:
+    """A layout MindSpore splits unevenly by hand (``param_split_shape`` of unequal slices, its
+    ``indices_offset``) or by field (``field``): slices this tool does not cut, refused rather than
+    cut evenly (which wrote every rank an even slice, exit 0)."""
+    uneven = len(set(rec.param_split_shape)) > 1
+    if not uneven and not rec.field:
+        return
+    what = (f"an uneven split (param_split_shape {bounded_list(rec.param_split_shape)}, indices_offset "
+            f"{bounded_list(rec.indices_offset)})" if uneven else f"a field split (field {rec.field})")
+    raise PlanError(f"parameter {quoted(name)}: {shorten(strategy or 'the strategy', PATH_SHOWN)} lays it out with "
+                    f"{what}, which is not supported: only even slices of the tensor map are")
+
+
 def check_target_needs(src: Topology, dst: Topology, resolved: Mapping[str, ParamSource], source: str) -> None:
     """The target strategy lays out no weight the sources lack: its network would load outputs
     missing them. Optimizer states are not counted (a target may train from weights only)."""

@@ -26,7 +26,7 @@ from reshard_job.core.boxes import box_size, full_box
 from reshard_job.core.layout import Layout, is_flattened, unflatten
 from reshard_job.core.topology import Topology
 from reshard_job.errors import MissingRankError, PlanError
-from reshard_job.plan.checks import CHECK_IDENTICAL, CHECK_TARGET, show_block
+from reshard_job.plan.checks import CHECK_IDENTICAL, CHECK_TARGET, check_even_split, show_block
 from reshard_job.plan.model import (ACTION_COPY, ACTION_FULL, ACTION_RESHARD, COUNTED_ALWAYS, COUNTED_FIRST,
                                     UNMAPPED_FULL, UNMAPPED_OMIT, Copy, Place, Plan, RankPlan, TensorFacts, ParamSource)
 from reshard_job.plan.bodies import RankBodies, RankBody
@@ -150,6 +150,8 @@ class Planner(RankBodies):
             key = (id(ps.dst_layouts), ndim, ps.global_shape)
             hit = self._target_keys.get(key)
         if hit is None:
+            for rec in ps.dst_layouts.values():
+                check_even_split(rec, ps.name, self.dst.source)
             T = self.dst.stage_devices
             # a parameter no available file holds has a stand-in shape (its divisors), not its own
             shape = ps.global_shape if ps.meta is not None else None

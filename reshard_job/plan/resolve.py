@@ -26,7 +26,7 @@ from reshard_job.plan.checks import (CHECK_COMPLETE, CHECK_NAMES, CHECK_OPTIMIZE
                                      CHECK_TENSOR_SHAPE, CHECK_WHOLE, check_coverage, check_names_overlap,
                                      check_optimizer_states, check_placement, check_same_metas,
                                      check_shared_layout, check_sliceable, check_source_ranks,
-                                     check_target_network, check_tensor_shape, laid_out_by_a_strategy,
+                                     check_target_network, check_tensor_shape, laid_out_by_a_strategy, check_even_split,
                                      target_only_states)
 from reshard_job.plan.model import BUFFER_PREFIXES, UNMAPPED_CHOICES, UNMAPPED_DROP, UNMAPPED_FULL, ParamSource
 from reshard_job.text import quoted, shorten
@@ -208,6 +208,7 @@ class Resolver:
         key = (rec, local_shape)
         known = self._global_shapes.get(key)
         if known is None:
+            check_even_split(rec, name, self.src.source)
             F = self.src.stage_devices
             rec = unflatten(rec, len(local_shape), stage_devices=F, local_shape=local_shape, name=name)
             layout = Layout.from_recorded(rec, len(local_shape), F, name)

@@ -10,6 +10,7 @@ mixed and altered. Refusal comes in two forms: a ``ReshardError`` from the plann
 from __future__ import annotations
 
 import hashlib
+import re
 import json
 from dataclasses import replace
 from functools import lru_cache
@@ -440,3 +441,26 @@ def test_optimizer_states_the_target_lays_out_and_no_source_holds_are_said(tmp_p
         assert sorted(prepared.plan.target_only) == sorted(extra)
     (line,) = [r.getMessage() for r in caplog.records if "that no source holds" in r.getMessage()]
     assert line.startswith("the target strategy lays out 5 optimizer state(s) or buffer(s) that no source holds")
+
+
+@pytest.mark.parametrize("side", ["target", "source"])
+@pytest.mark.parametrize("change, needle", [
+    ({"param_split_shape": (8, 24, 16, 16), "indices_offset": (0, 8, 32, 48)}, "an uneven split"),
+    ({"field": 2}, "a field split (field 2)"),
+])
+def test_layouts_split_unevenly_or_by_field_are_refused_not_cut_evenly(tmp_path, side, change, needle):
+    """MindSpore's manual uneven split of an embedding table (or its field split) in a strategy: the
+    slices are not the tensor map's even ones. It converted as if they were, exit 0."""
+    which = GOLDEN_TARGETS["S2"][0] if side == "target" else GOLDEN_SOURCES["S2"][1]
+    sf = read_strategy(str(GOLDEN / which))
+    sf = replace(sf, layouts={**sf.layouts, "embedding_table": replace(sf.layouts["embedding_table"], **change)})
+    path = tmp_path / "split.ckpt"
+    write_strategy(sf, path)
+    from reshard_job.job.config.spec import SourceSpec, TargetSpec
+    from reshard_job.job.stages.prepare import prepare
+
+    folder, strategy, _ = GOLDEN_SOURCES["S2"]
+    source = SourceSpec(str(GOLDEN / folder), str(path) if side == "source" else str(GOLDEN / strategy))
+    target = TargetSpec(str(path) if side == "target" else str(GOLDEN / GOLDEN_TARGETS["S2"][0]))
+    with pytest.raises(PlanError, match=re.escape(f"parameter 'embedding_table': {path} lays it out with {needle}")):
+        prepare(source, target).close()
