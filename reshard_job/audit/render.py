@@ -233,7 +233,7 @@ def _file_state_line(f: FileCheck) -> str:
         now = f"sha256 {short(f.actual_sha256)}" if f.actual_sha256 else (f.detail or "?")
         line += (f"  (recorded sha256 {short(f.expected_sha256)}, {f.expected_size} bytes; "
                  f"now {now}, {f.actual_size} bytes)")
-    elif f.state in ("unreadable", "unrecorded"):
+    elif f.state in ("unreadable", "unrecorded", "unlisted"):
         line += f"  ({f.detail or f.state})"
     return line
 
@@ -254,7 +254,8 @@ def verify_report(report: VerifyReport) -> str:
         intact = report.count("ok")
         head = f"{subject}: complete, not recorded: rerun to record ({intact} file{'s' if intact != 1 else ''} intact)"
     else:
-        problems = [f"{report.count(state)} {state}" for state in ("changed", "missing", "unreadable", "unrecorded")
+        problems = [f"{report.count(state)} {state}" for state in ("changed", "missing", "unreadable", "unrecorded",
+                                                                    "unlisted")
                     if report.count(state)]
         head = f"{subject}: {checked} checked, {report.count('ok')} ok, " + ", ".join(problems)
     check = report.fingerprints

@@ -2,22 +2,19 @@
 
 Four subjects: a run (its recorded outputs, optionally its inputs), a file path (against the
 content last recorded at that path), a content given by sha256 or a prefix of one (at every path
-it was last recorded at), and an output directory (every file its ``manifest.json``
-lists, against the sha256 listed there, and the manifest itself, which must be a content the
-lineage database recorded: a manifest edited to match edited files is caught here). Verification
-never trusts a cache: every byte is read through ``reading.content_digest``.
+it was last recorded at), and an output directory (every file its ``manifest.json`` lists, against
+the sha256 listed there, and the manifest itself, which must be a content the lineage database
+recorded: a manifest edited to match edited files is caught here). No cache is trusted.
 
-Each file ends in one state: ``ok``, ``missing``, ``changed``, ``unreadable``, or (for a
-directory's manifest) ``unrecorded``. A manifest that no recorded run wrote, over files that all
-verify, whose run is recorded as stopped before completing (Ctrl-C just after the manifest was
-published), is *complete, not recorded*: ``complete_unrecorded``, which the command line reports
-as such (its own exit status, 3) rather than as damage; rerunning the job records it.
+Each file ends in one state: ``ok``, ``missing``, ``changed``, ``unreadable``, (a directory's
+manifest) ``unrecorded``, or (a file a loader would take that the manifest does not list)
+``unlisted``. A manifest no recorded run wrote, over files that all verify, whose run is recorded
+as stopped before completing, is *complete, not recorded* (``complete_unrecorded``; exit status 3).
 
-For a run (given by id, or found from a directory's manifest), the per-parameter fingerprints
-recorded for it are checked too: every output parameter's must equal its source's, and the run's
-manifests that list fingerprints must list the recorded ones. A run recorded before fingerprints
-existed has none, which is said, not failed. The report is intact only if every file is ``ok`` and
-no fingerprint disagrees.
+For a run (given by id, or found from a directory's manifest), its recorded fingerprints are
+checked too: every output parameter's must equal its source's, and the run's manifests must list
+the recorded ones (a run recorded before fingerprints existed has none, which is said, not failed).
+The report is intact only if every file is ``ok`` and no fingerprint disagrees.
 """
 
 from __future__ import annotations
@@ -42,9 +39,10 @@ from reshard_job.lineage.status import RunStatus
 from reshard_job.audit.queries import FingerprintSummary, fingerprint_summary, run_files
 from reshard_job.audit.reading import (absolute, content_digest, environment_names_an_endpoint, exists, file_size,
                                        is_directory, read_small_file, reaching)
+from reshard_job.audit.unlisted import unlisted_files
 from reshard_job.storage import is_url
 
-STATES = ("ok", "missing", "changed", "unreadable", "unrecorded")
+STATES = ("ok", "missing", "changed", "unreadable", "unrecorded", "unlisted")
 # What a manifest's fingerprints are, against the database's: a disagreement is the only failure.
 MANIFEST_STATES = ("agrees", "disagrees", "none", "unreadable")
 NAMES_IN_A_LINE = 5
@@ -341,6 +339,8 @@ def verify_directory(session: Session, directory: str) -> VerifyReport:
     for part in nodes or [listing]:
         files += _listed_checks(part)
         manifests.append(_manifest_check(session, part))
+    files += [] if nodes else [FileCheck(p, "", 0, "unlisted", detail="not in the manifest") for p in  # a loader's too
+                               unlisted_files(listing.directory, {f.path for f in files}, listing.manifest_path)]
     if nodes and listing is not None:
         manifests.append(_manifest_check(session, listing))
     if any(f.state != "ok" for f in files):
