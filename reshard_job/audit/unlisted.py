@@ -27,7 +27,10 @@ def unlisted_files(directory: str, listed: set[str], manifest: str) -> list[str]
     for entry in sorted(os.scandir(directory), key=lambda e: e.name):
         path = os.path.join(directory, entry.name)
         if RANK_DIR.match(entry.name) and entry.is_dir(follow_symlinks=False):
-            inside = sorted(os.path.join(path, name) for name in os.listdir(path))
+            try:
+                inside = sorted(os.path.join(path, name) for name in os.listdir(path))
+            except OSError:  # unreadable here: its listed files' own checks say so
+                continue
             strays = [p for p in inside if os.path.realpath(p) not in known]
             out += strays if len(strays) < len(inside) or not inside else [path]
         elif entry.name.endswith(LOADED_SUFFIXES) and os.path.realpath(path) not in known:

@@ -47,9 +47,8 @@ from reshard_job.job.run.progress import Progress
 from reshard_job.job.config.spec import SourceSpec, TargetSpec
 from reshard_job.job.stages.target import Target, settle_target
 from reshard_job.job.stages.select_names import (apply_selection, export_include, leave_out_unavailable,
-                                                 narrow_target,
-                                                 optimizer_prefixes, record_in_plan, renamed_strategy, select_index,
-                                                 selection_of, under_stored_names)
+                                                 narrow_target, optimizer_prefixes, record_in_plan, renamed_strategy,
+                                                 select_index, selection_of, under_stored_names)
 from reshard_job.plan.selection import Selected
 
 log = logging.getLogger("reshard_job")

@@ -144,7 +144,8 @@ def leave_out_unavailable(save, target: TargetSpec, selection: Selection | None)
     if not names:
         return [], []
     wanted = names if selection is None else kept(selection, names)
-    by_selection = [n for n in names if n not in set(wanted)]
+    kept_ones = set(wanted)
+    by_selection = [n for n in names if n not in kept_ones]
     prefixes = selection.optimizer_prefixes if selection is not None else Selection().optimizer_prefixes
     by_export = []
     if target.format == FORMAT_SAFETENSORS_INDEX and export_include(target) == INCLUDE_WEIGHTS:
