@@ -139,14 +139,15 @@ def _not_a_file(path: str | None) -> str | None:
     """What `path` is when something other than a regular file is there (None: a file, or nothing yet)."""
     import stat
 
+    from reshard_job.storage.local import describe_other
+
     try:
         mode = os.stat(path).st_mode if path else None
     except OSError:
         return None
     if mode is None or stat.S_ISREG(mode):
         return None
-    return "a directory" if stat.S_ISDIR(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) \
-        else "a FIFO" if stat.S_ISFIFO(mode) else "a socket"
+    return "a directory" if stat.S_ISDIR(mode) else describe_other(mode)
 
 
 def create_lineage_engine(url: str | URL, *, read_only: bool = False, wait: LockWait | None = None) -> Engine:

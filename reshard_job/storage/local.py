@@ -37,7 +37,8 @@ def _kind(mode: int) -> str:
     return KIND_OTHER
 
 
-def _describe_other(mode: int) -> str:
+def describe_other(mode: int) -> str:
+    """What a file system entry that is not a regular file (nor a folder) is, for messages."""
     if stat.S_ISFIFO(mode):
         return "a FIFO (named pipe)"
     if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
@@ -77,7 +78,7 @@ class LocalFile:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             os.close(fd)
-            what = "a directory" if stat.S_ISDIR(st.st_mode) else _describe_other(st.st_mode)
+            what = "a directory" if stat.S_ISDIR(st.st_mode) else describe_other(st.st_mode)
             raise StorageError(f"{path}: is {what}, expected a regular file")
         self._fd: int | None = fd
         self.size = st.st_size

@@ -114,7 +114,7 @@ def test_a_sqlite_url_naming_something_other_than_a_file_is_refused_before_anyth
 
     os.mkfifo(tmp_path / "fifo")
     (tmp_path / "folder").mkdir()
-    for path, what in (("/dev/null", "a device"), (str(tmp_path / "fifo"), "a FIFO"),
+    for path, what in (("/dev/null", "a device"), (str(tmp_path / "fifo"), r"a FIFO \(named pipe\)"),
                        (str(tmp_path / "folder"), "a directory")):
         with pytest.raises(LineageError, match=f"{path} is {what}, not a database file"):
             create_lineage_engine(f"sqlite:///{path}")
