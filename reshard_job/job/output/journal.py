@@ -27,7 +27,6 @@ sha256 is the journaled one.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import re
 from collections.abc import Container, Iterator
@@ -240,22 +239,11 @@ class Journal:
     def append(self, entry: JournalEntry) -> None:
         path = self._tensors_path(entry.rank)
         self.storage.makedirs(self.storage.parent(path))
-        if self.storage.scheme == "file":  # written a piece at a time: 600,000 digests are 70 MB as one buffer
-            with self.storage.create(path, mode=0o644) as f:
-                for piece in iter_json(entry.tensors):
-                    f.write(piece.encode())
-            entry.tensors_sha256 = f.result[1]
-            self.storage.append(self.path, entry.line())
-            return
-        # encoded a piece at a time: 600,000 digests joined as text, then encoded, held both copies
-        out, digest = io.BytesIO(), hashlib.sha256()
-        for piece in iter_json(entry.tensors):
-            piece = piece.encode()
-            digest.update(piece)
-            out.write(piece)
-        data = out.getvalue()
-        entry.tensors_sha256 = digest.hexdigest()
-        self.storage.write_bytes(self._tensors_path(entry.rank), data, mode=0o644)
+        # written a piece at a time (600,000 digests are 70 MB as one buffer), hashed as written
+        with self.storage.create(path, mode=0o644) as f:
+            for piece in iter_json(entry.tensors):
+                f.write(piece.encode())
+        entry.tensors_sha256 = f.result[1]
         self.storage.append(self.path, entry.line())
 
     def tensors(self, entry: JournalEntry) -> dict[str, str] | None:
