@@ -7,6 +7,8 @@ import os
 import re
 import sys
 
+from reshard_job.text import one_line_of
+
 
 class PipeClosed(Exception):
     """Whoever read our output stopped reading (``| head``)."""
@@ -33,7 +35,8 @@ def printable(text: str) -> str:
 
 
 def complain(text: str) -> None:
-    print(printable(text), file=sys.stderr)
+    """One line on stderr, whatever the names in it hold (a newline in a path is shown as ``\\x0a``)."""
+    print(one_line_of(text), file=sys.stderr)
 
 
 def write(text: str, stream=None) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from reshard_job.plan.model import Plan
-from reshard_job.text import human_size, rank_ranges, table
+from reshard_job.text import human_size, one_line_of, rank_ranges, table
 from reshard_job.formats.manifest_file import MANIFEST_FILE
 
 
@@ -58,11 +58,13 @@ def run_summary(result) -> str:
     """What a finished job prints on stdout: status, where the outputs are, how to audit them."""
     if not result.output_dir:
         return ""
-    lines = [f"{result.status}: outputs in {result.output_dir}"]
-    lines.append(f"  manifest: {result.output_dir.rstrip('/')}/{MANIFEST_FILE} (file sha256 {result.manifest_sha256})")
+    out = one_line_of(result.output_dir)  # one line each, whatever the folder's name holds (a newline)
+    lines = [f"{result.status}: outputs in {out}"]
+    lines.append(f"  manifest: {out.rstrip('/')}/{MANIFEST_FILE} (file sha256 {result.manifest_sha256})")
     if result.run_id:
-        db = f" --db '{result.lineage_url}'" if getattr(result, "lineage_url", None) else ""
-        lines.append(f"  lineage run {result.run_id} in {result.lineage_url}: "
+        url = one_line_of(str(result.lineage_url))
+        db = f" --db '{url}'" if getattr(result, "lineage_url", None) else ""
+        lines.append(f"  lineage run {result.run_id} in {url}: "
                      f"python -m reshard_job.audit{db} show {result.run_id}")
     if getattr(result, "nodes", None):
         from reshard_job.job.run.throughput import from_json, render

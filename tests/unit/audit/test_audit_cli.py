@@ -573,6 +573,23 @@ def test_control_characters_from_the_database_and_arguments_are_shown_not_obeyed
         assert "\\x1b" in out + err or "\\u001b" in out + err, (argv, out, err)
 
 
+def test_an_error_naming_a_path_with_a_newline_is_one_line(tmp_path, capsys):
+    """The audit's error line names a folder whose name holds a newline and ESC as \\x0a and
+    \\x1b: a script reading stderr's one line gets the whole message."""
+    from reshard_job.lineage import LineageStore
+
+    url = f"sqlite:///{tmp_path / 'l.db'}"
+    store = LineageStore(url)
+    store.ensure_schema()
+    store.close()
+    hostile = tmp_path / "nl\x1b[31m\ndir"
+    hostile.mkdir()
+    for argv in (["verify", str(hostile)], ["trace", str(hostile)], ["compare", str(hostile), str(tmp_path)]):
+        assert main(["--db", url, *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "nl\\x1b[31m\\x0adir" in err, (argv, err)
+
+
 def test_rows_that_do_not_parse_are_shown_not_fatal(tmp_path, capsys):
     """A run row edited by hand (a config that is not JSON, a start time that is not a time) is
     listed and shown as unreadable; the other runs are unaffected."""

@@ -47,6 +47,15 @@ def test_success_prints_the_summary_and_writes_result_json(monkeypatch, tmp_path
     assert result["status"] == "completed" and result["run_id"] == "run-1"
 
 
+def test_the_summary_keeps_one_line_per_item_whatever_the_output_folder_is_named(monkeypatch, tmp_path, capsys):
+    """A newline in output.dir is shown as \\x0a: the summary's first line names the whole folder."""
+    _stub(monkeypatch, JobResult("completed", str(tmp_path / "o\nut"), None, "ab" * 32, 4))
+    assert _main(monkeypatch, tmp_path, "hydra.run.dir=run") == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0] == f"completed: outputs in {tmp_path}/o\\x0aut"
+    assert lines[1].startswith(f"  manifest: {tmp_path}/o\\x0aut/manifest.json")
+
+
 def test_a_job_error_is_one_line_exit_2_and_result_json_keeps_the_run_id(monkeypatch, tmp_path, capsys):
     _stub(monkeypatch, ConfigError("something is wrong with postgresql://u:pw@h/db"))
     assert _main(monkeypatch, tmp_path, "hydra.run.dir=run") == 2
