@@ -28,6 +28,7 @@ cryptographic: they catch corruption and resharding mistakes, not a forger.
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 import re
@@ -257,12 +258,12 @@ def _output_directory(path: str) -> _Located:
         return _Located(path, None, note=f"{exc}; read from the files")
     strategy = next((f.path for f in listing.files if f.kind == "strategy"), None)
     located = _Located(path, strategy, origin=listing.manifest_path)
-    why = _stale(listing)
+    try:
+        manifest = json.loads(read_small_file(listing.manifest_path).decode("utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        manifest = {}
+    why = _stale(listing, _written_at(manifest))
     if why is None:
-        try:
-            manifest = json.loads(read_small_file(listing.manifest_path).decode("utf-8"))
-        except (ValueError, UnicodeDecodeError):
-            manifest = {}
         located.record, located.algorithm, why = _record_of(manifest)
     if why is not None:
         located.note = f"{listing.manifest_path}: {why}; read from the files"
@@ -283,27 +284,44 @@ def _record_of(manifest: dict) -> tuple[dict | None, str | None, str | None]:
     return dict(target), algorithm, None
 
 
-def _stale(listing: OutputListing) -> str | None:
+def _written_at(manifest: dict) -> int | None:
+    """When the job wrote the manifest, in ns, as it recorded in it (``created_at``): a touch of
+    manifest.json moves its file time, not this."""
+    try:
+        written = dt.datetime.fromisoformat(manifest["created_at"])
+    except (TypeError, KeyError, ValueError):
+        return None
+    if written.tzinfo is None:
+        return None
+    return int(written.timestamp()) * 1_000_000_000 + written.microsecond * 1000
+
+
+def _stale(listing: OutputListing, written: int | None) -> str | None:
     """Why the files no longer are what the manifest describes (None: they still are, by size and
-    time). The job publishes every file before the manifest, so a later file was written after it."""
-    manifest_time = _modified(listing.manifest_path)
+    time). The job publishes every file before it writes the manifest, so a file changed later
+    (its modification or its change time: ``cp -a`` and ``touch`` set the first, not the second)
+    was changed after it."""
+    if written is None:
+        return "records no time it was written (created_at)"
     for listed in listing.files:
         name = relative_to(listed.path, listing.directory) or listed.path
         try:
-            size, when = file_size(listed.path), _modified(listed.path)
+            size, when = file_size(listed.path), _changed(listed.path)
         except FileNotFoundError:
             return f"lists {name}, which is missing"
         if size != listed.size:
             return f"lists {name} with {listed.size} bytes, it now has {size}"
-        if when > manifest_time:
-            return f"{name} was modified after the manifest was written"
+        if when > written:
+            return f"{name} was changed after the manifest was written"
     return None
 
 
-def _modified(path: str) -> int:
-    """Modification time in ns; an object's in whole seconds (what its Last-Modified carries)."""
+def _changed(path: str) -> int:
+    """The last change of a file in ns (its modification or inode change time, the later); an
+    object's in whole seconds (what its Last-Modified carries)."""
     if not is_url(path):
-        return os.stat(path).st_mtime_ns
+        st = os.stat(path)
+        return max(st.st_mtime_ns, st.st_ctime_ns)
     info = storage_for(path).info(absolute(path))
     if info is None:
         raise FileNotFoundError(2, "no such object", path)

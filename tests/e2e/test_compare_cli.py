@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from itertools import combinations
 from pathlib import Path
 
@@ -160,26 +161,66 @@ def test_a_mindformers_save_equals_its_export_in_weights(audit, outputs):
 
 
 def test_an_output_file_changed_after_its_manifest_is_read_again_not_trusted(audit, outputs, tmp_path):
+    assert audit(*source_side(), outputs["ckpt4"], "--json").json()["b"]["read"] == "recorded"
     moved = tmp_path / "moved"
-    shutil.copytree(outputs["ckpt4"], moved)  # times kept: the record still holds for the copy
-    assert audit(*source_side(), moved, "--json").json()["b"]["read"] == "recorded"
-
+    shutil.copytree(outputs["ckpt4"], moved)
     flip_one_bit(moved / "rank_2" / "checkpoint_2.ckpt", "layers.0.ffn.w1.weight")
     result = audit(*source_side(), moved, "--json")
     assert result.code == 1
     report = result.json()
     assert report["differ"] == ["layers.0.ffn.w1.weight"] and report["b"]["read"] == "files"
-    assert "rank_2/checkpoint_2.ckpt was modified after the manifest was written" in report["b"]["note"]
+    assert "was changed after the manifest was written" in report["b"]["note"]
     assert result.err.startswith("note: B: ") and result.err.count("\n") == 1  # the reason, also on stderr
 
 
+def _restamped(path: Path, times: os.stat_result) -> None:
+    os.utime(path, ns=(times.st_atime_ns, times.st_mtime_ns))
+
+
+@pytest.mark.parametrize("how", ["modification time put back", "manifest touched", "an older conversion's file"])
+def test_a_change_that_keeps_size_and_modification_time_is_not_trusted(audit, tmp_path, how):
+    """File times are anyone's to set: a byte flipped with its modification time put back, a
+    manifest touched after the change, or a file of the same size copied with its (older) times
+    from a conversion of another model are all seen by the files' change times against the time
+    the manifest records it was written, and the files are read."""
+    out = run_jobs(tmp_path, {"out": JOBS["ckpt4"]}, "lineage.enabled=false")["out"]
+    rank_file = out / "rank_1" / "checkpoint_1.ckpt"
+    assert audit(*source_side(), out, "--json").json()["b"]["read"] == "recorded"
+    if how == "an older conversion's file":
+        other = tmp_path / "other"
+        shutil.copytree(S2 / "src_checkpoints", other)
+        for checkpoint in other.glob("rank_*/*.ckpt"):  # another model: every slice of wq changed alike
+            flip_one_bit(checkpoint, "layers.0.attention.wq.weight")
+        older = run_jobs(tmp_path, {"older": [f"source.checkpoints={other}", *S2_SOURCE[1:],
+                                              *JOBS["ckpt4"][2:]]}, "lineage.enabled=false")["older"]
+        hour_ago = (out / "manifest.json").stat().st_mtime_ns - 3600 * 10**9
+        os.utime(older / "rank_1" / "checkpoint_1.ckpt", ns=(hour_ago, hour_ago))  # converted an hour before
+        rank_file.chmod(0o644)
+        rank_file.unlink()
+        shutil.copy2(older / "rank_1" / "checkpoint_1.ckpt", rank_file)  # same size, its own older times
+        assert rank_file.stat().st_mtime_ns < (out / "manifest.json").stat().st_mtime_ns
+    else:
+        times = rank_file.stat()
+        flip_one_bit(rank_file, "layers.0.attention.wq.weight")
+        if how == "modification time put back":
+            _restamped(rank_file, times)
+        else:
+            (out / "manifest.json").touch()
+    result = audit(*source_side(), out, "--json")
+    report = result.json()
+    assert (result.code, report["b"]["read"]) == (1, "files"), report
+    assert "layers.0.attention.wq.weight" in report["differ"]
+    assert "rank_1/checkpoint_1.ckpt was changed after the manifest was written" in report["b"]["note"]
+
+
 def _with_record(outputs: dict[str, Path], root: Path, name: str, **changes) -> Path:
-    """A copy of output `name` whose manifest's fingerprints section has `changes` (times kept on the
-    other files, so the manifest is the newest file and its record would otherwise be used)."""
+    """A copy of output `name` whose manifest's fingerprints section has `changes`, rewritten after
+    its files were copied (so its record would otherwise be used)."""
     copy = root / name
     shutil.copytree(outputs[name], copy)
     manifest = json.loads((copy / "manifest.json").read_text())
     manifest["fingerprints"].update(changes)
+    manifest["created_at"] = datetime.now(timezone.utc).isoformat()  # written after its (copied) files
     (copy / "manifest.json").chmod(0o644)
     (copy / "manifest.json").write_text(json.dumps(manifest))
     return copy
