@@ -309,6 +309,8 @@ def _stale(listing: OutputListing, written: int | None) -> str | None:
             size, when = file_size(listed.path), _changed(listed.path)
         except FileNotFoundError:
             return f"lists {name}, which is missing"
+        except IsADirectoryError:
+            return f"lists {name}, which is now a folder"
         if size != listed.size:
             return f"lists {name} with {listed.size} bytes, it now has {size}"
         if when > written:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import errno
 import os
 import posixpath
+import stat
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Callable, Iterator, TypeVar
@@ -124,7 +125,10 @@ def content_digest(path: str) -> tuple[str, int]:
 def file_size(path: str) -> int:
     """The size of the file at `path`; ``OSError`` if it cannot be seen."""
     if not is_url(path):
-        return os.stat(path).st_size
+        st = os.stat(path)
+        if stat.S_ISDIR(st.st_mode):
+            raise IsADirectoryError(errno.EISDIR, "is a directory", path)
+        return st.st_size
     info = _as_os_error(path, lambda: storage_for(path).info(absolute(path)))
     if info is None:
         raise FileNotFoundError(errno.ENOENT, "no such object", path)

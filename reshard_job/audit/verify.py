@@ -175,26 +175,24 @@ class VerifyReport:
 
 
 def check_file(path: str, expected_sha256: str, expected_size: int, **extra: Any) -> FileCheck:
-    """Compare one file on disk with its record."""
+    """Compare one file on disk with its record; one of another size differs, and is not hashed
+    (a 5 GB file in the place of a 42 kB output took 20 s to find changed)."""
     check = FileCheck(path, expected_sha256.lower(), expected_size, extra=extra)
     try:
         check.actual_size = file_size(path)
+        if check.actual_size != expected_size:
+            check.state, check.detail = "changed", f"{check.actual_size} bytes, recorded {expected_size}"
+            return check
+        check.actual_sha256, check.actual_size = content_digest(path)
     except FileNotFoundError:
         check.state = "missing"
-        return check
-    except OSError as exc:
-        check.state, check.detail = "unreadable", exc.strerror or str(exc)
-        return check
-    try:
-        check.actual_sha256, check.actual_size = content_digest(path)
     except IsADirectoryError:
         check.state, check.detail = "changed", "is a directory"
-        return check
     except OSError as exc:
         check.state, check.detail = "unreadable", exc.strerror or str(exc)
-        return check
-    if (check.actual_sha256, check.actual_size) != (check.expected_sha256, expected_size):
-        check.state = "changed"
+    else:
+        if (check.actual_sha256, check.actual_size) != (check.expected_sha256, expected_size):
+            check.state = "changed"
     return check
 
 

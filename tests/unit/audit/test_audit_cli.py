@@ -276,6 +276,22 @@ def test_verify_names_changed_and_missing_files(tmp_path, capsys, record_lineage
     assert "all 1 file intact" in capsys.readouterr().out
 
 
+def test_verify_finds_a_file_of_another_size_changed_without_hashing_it(tmp_path):
+    """A 5 GiB sparse file in the place of an output is changed by its size alone: no digest taken
+    (its reported sha256 stays empty), and a folder in a file's place is named as one."""
+    from reshard_job.audit.verify import check_file
+
+    grown = tmp_path / "grown.ckpt"
+    with open(grown, "wb") as f:
+        f.truncate(5 << 30)
+    check = check_file(str(grown), "ab" * 32, 42628)
+    assert (check.state, check.actual_size, check.actual_sha256) == ("changed", 5 << 30, None)
+    assert check.detail == f"{5 << 30} bytes, recorded 42628"
+    (tmp_path / "folder").mkdir()
+    check = check_file(str(tmp_path / "folder"), "ab" * 32, 42628)
+    assert (check.state, check.detail) == ("changed", "is a directory")
+
+
 def test_a_moved_output_directory_still_verifies_and_an_edited_manifest_is_caught(tmp_path, capsys,
                                                                                   record_lineage):
     url = f"sqlite:///{tmp_path / 'runs' / 'lineage.db'}"
