@@ -34,6 +34,7 @@ from reshard_job.job.stages.integrity import hash_sources
 from reshard_job.job.stages.proof import source_taps
 from reshard_job.job.run.memory import fix_mmap_threshold
 from reshard_job.job.output.directory import OutputDir
+from reshard_job.job.output.journal import TENSORS_DIR
 from reshard_job.job.stages.prepare import HashWhileIndexing, Prepared, check_identical, prepare
 from reshard_job.job.stages.record import LineageRecorder, NoRecorder
 from reshard_job.job.stages.report import plan_report
@@ -130,7 +131,8 @@ def _open_output(spec: JobSpec, prepared: Prepared) -> OutputDir:
 
     planned = list(unit_paths(prepared, out.path, spec.target.prefix, spec.target.format, storage).values())
     planned += [out.manifest_path] + [storage.join(out.path, n) for n in ("strategy.ckpt", "strategy.json")]
-    planned.append(storage.join(out.state_dir, "lock"))  # the state folder: the lock and the journal
+    # the state folder and the one below it: the lock, the journal, the per-rank tensor records
+    planned += [storage.join(out.state_dir, "lock"), storage.join(out.state_dir, TENSORS_DIR, "rank_0.json")]
     out.check_planned(planned, source_files, source_dirs)
     out.check_writable()
     out.check_not_foreign()

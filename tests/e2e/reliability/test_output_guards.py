@@ -138,6 +138,32 @@ def test_never_writes_into_a_source_dir_through_a_symlink(tmp_path, s1, app, pre
     assert sorted(os.listdir(ckpts / "rank_0")) == ["checkpoint_0.ckpt"]
 
 
+@pytest.mark.parametrize("into", ["source rank folder", "another folder"])
+def test_never_writes_or_cleans_through_a_link_in_the_state_folder(tmp_path, s1, app, into):
+    """output.dir/.reshard_job/tensors links to a source rank folder (or anywhere else): the
+    per-rank tensor records would be written there, and a file there named as the tool names its
+    temporary files removed as one of its own; refused before either, overwrite or not."""
+    ckpts, src, dst = s1
+    out = tmp_path / "out"
+    (out / ".reshard_job").mkdir(parents=True)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    users = elsewhere / ".mine.ckpt.0123456789ab.tmp"
+    users.write_bytes(b"a user's file")
+    target = ckpts / "rank_0" if into == "source rank folder" else elsewhere
+    (out / ".reshard_job" / "tensors").symlink_to(target)
+    error = the_error(app(tmp_path, *s1_args(ckpts, src, dst, out), "output.overwrite=true"))
+    record = ".reshard_job/tensors/rank_0.json"
+    if into == "source rank folder":
+        assert error == (f"output.dir {out}: {record} would be written into the source directory {ckpts} "
+                         "(through a symbolic link); choose another output.dir")
+        assert sorted(os.listdir(ckpts / "rank_0")) == ["checkpoint_0.ckpt"]
+    else:
+        assert error.startswith(f"output.dir {out}: {record} would be written to {elsewhere / 'rank_0.json'}, "
+                                "outside output.dir")
+    assert users.read_bytes() == b"a user's file" and sorted(os.listdir(elsewhere)) == [users.name]
+
+
 def test_prefix_cannot_escape_the_output_dir(tmp_path, s1, app):
     ckpts, src, dst = s1
     error = the_error(app(tmp_path, *s1_args(ckpts, src, dst, tmp_path / "out"), "target.prefix=../../src/ckpts/rank_0/x_"))

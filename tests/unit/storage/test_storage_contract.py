@@ -289,6 +289,23 @@ def test_remove_incomplete_leaves_other_folders_alone(backend):
     w.abort()
 
 
+def test_remove_incomplete_never_cleans_through_a_symbolic_link(tmp_path):
+    """A folder to clean reached through a link (``.reshard_job/tensors`` -> a source folder) is
+    someone else's: a file there named as the tool names its temporary files is left alone."""
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "deeper").mkdir(parents=True)
+    users = [elsewhere / ".mine.ckpt.0123456789ab.tmp", elsewhere / "deeper" / ".mine.ckpt.0123456789ab.tmp"]
+    for f in users:
+        f.write_bytes(b"a user's file")
+    out = tmp_path / "out"
+    (out / "state").mkdir(parents=True)
+    (out / "state" / "tensors").symlink_to(elsewhere)
+    (out / "linked").symlink_to(elsewhere)
+    folders = ["state/tensors", "linked/deeper", "link*"]
+    assert LocalStorage().remove_incomplete(str(out), folders) == 0
+    assert all(f.read_bytes() == b"a user's file" for f in users)
+
+
 def test_remove_incomplete_takes_folder_patterns(backend):
     """A killed writer's only trace may be an unfinished upload, in a folder no listing shows."""
     s = backend.storage
