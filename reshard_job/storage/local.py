@@ -260,7 +260,7 @@ class LocalStorage:
                 dirs.append(os.path.join(folder, d))
         base = os.path.realpath(folder)
         for d in dirs:
-            if os.path.realpath(d) != os.path.join(base, os.path.relpath(d, folder)):
+            if os.path.realpath(d) != os.path.normpath(os.path.join(base, os.path.relpath(d, folder))):
                 continue  # a symbolic link on the way: what it points to is not this folder's to clean
             try:
                 names = os.listdir(d)
