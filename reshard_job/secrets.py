@@ -17,7 +17,12 @@ MASK = "***"
 # scheme://user:password@host -> scheme://user:***@host (also scheme://:password@host)
 # (a scheme begins where no scheme character precedes it: tried from inside a long run of letters it
 # would rescan the run from every position, which took minutes on a 100,000-character path)
-_URL_PASSWORD = re.compile(r"(?P<head>(?<![A-Za-z0-9+.\-])[A-Za-z][A-Za-z0-9+.\-]*://[^/@:\s]*):(?P<pw>[^/@\s]*)@")
+# (the separator may come percent-encoded: user%3Apassword@)
+_URL_PASSWORD = re.compile(r"(?P<head>(?<![A-Za-z0-9+.\-])[A-Za-z][A-Za-z0-9+.\-]*://[^/@:\s]*?)(?P<sep>:|%3[Aa])"
+                           r"(?P<pw>[^/@\s]*)@")
+# an object store's URL has no user: whatever stands before its '@' (a bare token) is a credential
+_STORE_USERINFO = re.compile(r"(?P<head>(?<![A-Za-z0-9+.\-])(?:s3[an]?|obs|oss|gs|gcs|az|abfss?|cos|r2)://)"
+                             r"(?P<info>[^/@\s]+)@", re.I)
 _SECRET_KEY = re.compile(r"(pass(word|wd)?|secret|token|credential|api[_-]?key|access[_-]?key|private[_-]?key|"
                          r"^key$|session)", re.I)
 
@@ -27,8 +32,10 @@ _QUERY_SECRET = re.compile(r"(?P<head>[?&](?:password|passwd|pwd|secret|token|ss
 
 
 def mask_url(text: str) -> str:
-    """`text` with the password of every ``scheme://user:password@`` and secret query values masked."""
-    text = _URL_PASSWORD.sub(lambda m: f"{m.group('head')}:{MASK}@", text)
+    """`text` with the password of every ``scheme://user:password@`` (or ``user%3Apassword@``), all
+    of an object store URL's user info (``s3://TOKEN@bucket``), and secret query values masked."""
+    text = _URL_PASSWORD.sub(lambda m: f"{m.group('head')}{m.group('sep')}{MASK}@", text)
+    text = _STORE_USERINFO.sub(lambda m: f"{m.group('head')}{MASK}@", text)
     return _QUERY_SECRET.sub(lambda m: f"{m.group('head')}{MASK}", text)
 
 

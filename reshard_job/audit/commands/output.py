@@ -7,6 +7,7 @@ import os
 import re
 import sys
 
+from reshard_job.secrets import mask_url
 from reshard_job.text import one_line_of
 
 
@@ -35,8 +36,9 @@ def printable(text: str) -> str:
 
 
 def complain(text: str) -> None:
-    """One line on stderr, whatever the names in it hold (a newline in a path is shown as ``\\x0a``)."""
-    print(one_line_of(text), file=sys.stderr)
+    """One line on stderr, whatever the names in it hold (a newline in a path is shown as ``\\x0a``),
+    and no credential of a URL given as an argument (``s3://user:secret@…``) in it."""
+    print(one_line_of(mask_url(text)), file=sys.stderr)
 
 
 def write(text: str, stream=None) -> None:

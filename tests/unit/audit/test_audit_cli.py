@@ -606,6 +606,14 @@ def test_an_error_naming_a_path_with_a_newline_is_one_line(tmp_path, capsys):
         assert err.count("\n") == 1 and "nl\\x1b[31m\\x0adir" in err, (argv, err)
 
 
+@pytest.mark.parametrize("url", ["s3://user:pwSECRET@bkt/out", "s3://TOKENSECRET@bkt/out"])
+def test_the_audits_error_line_never_shows_a_urls_credentials(tmp_path, capsys, monkeypatch, url):
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    assert main(["--db", f"sqlite:///{tmp_path / 'l.db'}", "compare", url, str(tmp_path)]) == 2
+    captured = capsys.readouterr()
+    assert "SECRET" not in captured.out + captured.err and "s3://***@bkt/out" in captured.err
+
+
 def test_rows_that_do_not_parse_are_shown_not_fatal(tmp_path, capsys):
     """A run row edited by hand (a config that is not JSON, a start time that is not a time) is
     listed and shown as unreadable; the other runs are unaffected."""

@@ -13,6 +13,17 @@ def test_urls_lose_their_passwords_and_secret_query_values():
     assert mask_url("error at http://a:b@h and ftp://c:d@e") == "error at http://a:***@h and ftp://c:***@e"
 
 
+def test_an_object_store_urls_user_info_and_an_encoded_separator_are_masked():
+    """An object store's URL has no user: a bare token before '@' is a credential; a password after
+    a percent-encoded ':' is one too. A database user alone is not, nor an '@' in a key."""
+    assert mask_url("s3://TOKENsecret@bkt/ckpt") == "s3://***@bkt/ckpt"
+    assert mask_url("OBS://ak:sk@bkt/x and gs://tok@b/y") == "OBS://***@bkt/x and gs://***@b/y"
+    assert mask_url("s3://user%3Asecret@bkt/ckpt") == "s3://***@bkt/ckpt"
+    assert mask_url("postgresql://alice%3Apw@h/db") == "postgresql://alice%3A***@h/db"
+    assert mask_url("postgresql://alice@h/db") == "postgresql://alice@h/db"
+    assert mask_url("s3://bkt/step@100/x.ckpt") == "s3://bkt/step@100/x.ckpt"
+
+
 def test_config_trees_mask_secret_keys_wherever_they_are():
     cfg = {"storage": {"options": {"key": "AK", "secret": "SK", "client_kwargs": {"region_name": "r"}}},
            "lineage": {"url": "postgresql://a:b@h/d"}, "target": {"layout": {"rules": [{"match": "key", "dims": []}]}}}
