@@ -54,7 +54,7 @@ import numpy as np
 
 import reshard_job.core.dtypes as dtypes
 from reshard_job.formats.base import TensorDecl
-from reshard_job.plan.model import UNMAPPED_OMIT, ParamPlans, RankPlan
+from reshard_job.plan.model import UNMAPPED_CHOICES, UNMAPPED_OMIT, ParamPlans, RankPlan
 
 BATCH_PARAMETERS = 256  # parameters read per step of ``iter_rank`` (small ones are most of a large model)
 READ_MEMORY = 64 << 20  # in-flight buffer bound of the rank task's reads (``job.max_memory``)
@@ -145,6 +145,8 @@ def _prepared(rank_id: int, src_checkpoints, src_strategy_file, dst_strategy_fil
 
     if isinstance(rank_id, bool) or not isinstance(rank_id, (int, np.integer)) or rank_id < 0:
         raise ConfigError(f"rank_id must be a target rank (an integer >= 0), got {rank_id!r}")
+    if unmapped not in UNMAPPED_CHOICES:
+        raise ConfigError(f"unmapped must be {' or '.join(map(repr, UNMAPPED_CHOICES))}, got {unmapped!r:.80}")
     if verify not in VERIFY_LEVELS:
         raise ConfigError(f"verify must be {' or '.join(map(repr, VERIFY_LEVELS))}, got {verify!r}")
     for what, value in (("src_checkpoints", src_checkpoints), ("src_strategy_file", src_strategy_file),

@@ -29,7 +29,6 @@ cryptographic: they catch corruption and resharding mistakes, not a forger.
 from __future__ import annotations
 
 import datetime as dt
-import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -43,7 +42,8 @@ from reshard_job.lineage.hash_names import MIN_PREFIX_LENGTH
 from reshard_job.plan.export_shards import is_training_state
 from reshard_job.storage import is_url, storage_for
 from reshard_job.audit.manifests import OutputListing, read_listing
-from reshard_job.audit.reading import absolute, exists, file_size, is_directory, join, read_small_file, relative_to
+from reshard_job.audit.reading import (absolute, exists, file_size, is_directory, join, json_document, read_small_file,
+                                       relative_to)
 
 READ_RECORDED = "recorded"
 READ_FILES = "files"
@@ -259,7 +259,7 @@ def _output_directory(path: str) -> _Located:
     strategy = next((f.path for f in listing.files if f.kind == "strategy"), None)
     located = _Located(path, strategy, origin=listing.manifest_path)
     try:
-        manifest = json.loads(read_small_file(listing.manifest_path).decode("utf-8"))
+        manifest = json_document(read_small_file(listing.manifest_path))
     except (ValueError, UnicodeDecodeError):
         manifest = {}
     why = _stale(listing, _written_at(manifest))

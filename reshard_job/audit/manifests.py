@@ -13,7 +13,6 @@ manifest the one the lineage database recorded?" is about what was read.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import posixpath
 from dataclasses import dataclass, replace
@@ -21,7 +20,7 @@ from dataclasses import dataclass, replace
 from reshard_job.formats.manifest_file import MANIFEST_FILE, is_node_manifest_name
 from reshard_job.lineage.hash_names import looks_like_sha256
 from reshard_job.lineage.errors import LineageError
-from reshard_job.audit.reading import absolute, dirname, join, read_small_file, relative_to
+from reshard_job.audit.reading import absolute, dirname, join, json_document, read_small_file, relative_to
 
 
 @dataclass(frozen=True)
@@ -94,7 +93,7 @@ def node_listings(directory: str) -> list[OutputListing]:
         except OSError as exc:
             raise LineageError(f"{path}: cannot read ({exc.strerror or exc})") from None
         try:
-            claims_node = isinstance(json.loads(data.decode("utf-8")).get("node"), str)
+            claims_node = isinstance(json_document(data).get("node"), str)
         except (ValueError, UnicodeDecodeError, AttributeError):
             claims_node = False
         if claims_node:  # anything else named manifest.*.json is not the job's
@@ -104,7 +103,7 @@ def node_listings(directory: str) -> list[OutputListing]:
 
 def _parse_listing(directory: str, manifest_path: str, data: bytes) -> OutputListing:
     try:
-        manifest = json.loads(data.decode("utf-8"))
+        manifest = json_document(data)
         target = manifest["target"]
         written = [(entry["path"], "target_checkpoint", int(entry["rank"]), int(entry["size"]), entry["sha256"],
                     entry.get("node")) for entry in target.get("files") or []]

@@ -19,6 +19,7 @@ absolute; URLs without credentials or a trailing slash, as the job records them)
 from __future__ import annotations
 
 import errno
+import json
 import os
 import posixpath
 import stat
@@ -159,12 +160,16 @@ def _remote_info(path: str):
         return None
 
 
+def json_document(data: bytes):
+    """``json.loads`` of a manifest's bytes: one nested deeper than the interpreter can follow is a
+    ``ValueError`` like any other malformed document (not a ``RecursionError`` traceback)."""
+    try:
+        return json.loads(data.decode("utf-8"))
+    except RecursionError:
+        raise ValueError("nested too deeply to be a manifest") from None
+
+
 def read_small_file(path: str) -> bytes:
-    """The whole content of a small file (a manifest); ``OSError`` if unreadable or too large."""
-    if is_url(path):
-        return _as_os_error(path, lambda: storage_for(path).read_bytes(absolute(path), MAX_SMALL_FILE))
-    with open(path, "rb") as handle:
-        data = handle.read(MAX_SMALL_FILE + 1)
-    if len(data) > MAX_SMALL_FILE:
-        raise OSError(27, f"larger than {MAX_SMALL_FILE} bytes", path)
-    return data
+    """The whole content of a small file (a manifest); ``OSError`` if unreadable, too large, or
+    not a regular file (a FIFO in a manifest's place would block its read for ever)."""
+    return _as_os_error(path, lambda: storage_for(path).read_bytes(absolute(path), MAX_SMALL_FILE))

@@ -19,7 +19,6 @@ The report is intact only if every file is ``ok`` and no fingerprint disagrees.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,7 +37,7 @@ from reshard_job.lineage.models import FINGERPRINT_SIDES, Artifact, ArtifactLoca
 from reshard_job.lineage.status import RunStatus
 from reshard_job.audit.queries import FingerprintSummary, fingerprint_summary, run_files
 from reshard_job.audit.reading import (absolute, content_digest, environment_names_an_endpoint, exists, file_size,
-                                       is_directory, read_small_file, reaching)
+                                       is_directory, json_document, read_small_file, reaching)
 from reshard_job.audit.unlisted import unlisted_files
 from reshard_job.storage import is_url
 
@@ -234,7 +233,7 @@ def _manifest_section(path: str) -> Any:
 
     A manifest that cannot be read is reported by its file check; here it only goes unused."""
     try:
-        manifest = json.loads(read_small_file(path).decode("utf-8"))
+        manifest = json_document(read_small_file(path))
     except FileNotFoundError:
         return ManifestFingerprints(path, "unreadable", detail="missing")
     except OSError as exc:

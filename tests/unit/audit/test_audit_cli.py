@@ -292,6 +292,27 @@ def test_verify_finds_a_file_of_another_size_changed_without_hashing_it(tmp_path
     assert (check.state, check.detail) == ("changed", "is a directory")
 
 
+@pytest.mark.parametrize("manifest", ["a FIFO", "nested 200,000 deep"])
+def test_a_manifest_that_is_a_fifo_or_nested_too_deep_is_one_line(tmp_path, capsys, record_lineage, manifest):
+    """A FIFO in manifest.json's place blocked verify and trace for ever; a manifest of 200,000
+    nested lists was a RecursionError traceback. Both are one line, exit 2."""
+    url = f"sqlite:///{tmp_path / 'runs' / 'lineage.db'}"
+    with LineageStore(url) as store:
+        store.ensure_schema()
+        lineage = record_lineage(store, tmp_path / "files")
+    out = tmp_path / "out"
+    shutil.copytree(Path(lineage.outputs_b[-1].path).parent, out)
+    (out / "manifest.json").unlink()
+    if manifest == "a FIFO":
+        os.mkfifo(out / "manifest.json")
+    else:
+        (out / "manifest.json").write_text('{"a": ' + "[" * 200_000 + "]" * 200_000 + "}")
+    for command in ("verify", "trace"):
+        assert main(["--db", url, command, str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(f"error: {out / 'manifest.json'}: "), err
+
+
 def test_a_moved_output_directory_still_verifies_and_an_edited_manifest_is_caught(tmp_path, capsys,
                                                                                   record_lineage):
     url = f"sqlite:///{tmp_path / 'runs' / 'lineage.db'}"

@@ -146,3 +146,9 @@ def test_a_file_changed_during_the_load_is_refused_after_the_last_read(tmp_path)
 def test_a_verify_level_that_does_not_exist_is_refused():
     with pytest.raises(ConfigError, match=r"verify must be 'read' or 'full', got 'crc'"):
         reshard_job.load_rank(0, S1 / "src_checkpoints", SRC_STRATEGY, DST_STRATEGY, verify="crc")
+
+
+@pytest.mark.parametrize("unmapped", ["bogus", None, 3])
+def test_an_unmapped_choice_that_does_not_exist_is_refused(unmapped):
+    with pytest.raises(ConfigError, match=r"unmapped must be 'omit' or 'full' or 'drop', got "):
+        reshard_job.load_rank(0, S1 / "src_checkpoints", SRC_STRATEGY, DST_STRATEGY, unmapped=unmapped)
