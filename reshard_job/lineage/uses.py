@@ -129,14 +129,22 @@ def expand(paths: Iterable, direction: str) -> list[tuple[str, str, int | None]]
 
 
 def _files_under(storage, folder: str):
-    for entry in storage.listdir(folder):
-        if entry.name.startswith("."):
-            continue
-        child = storage.join(folder, entry.name)
-        if entry.is_dir:
-            yield from _files_under(storage, child)
-        elif entry.is_file:
-            yield child
+    """The files below `folder`, walked without following links to folders (``find``'s way): a link
+    to a parent folder made the walk record one file under ever longer paths, or never end."""
+    from reshard_job.storage import is_url
+
+    pending = [folder]
+    while pending:
+        current = pending.pop()
+        for entry in storage.listdir(current):
+            if entry.name.startswith("."):
+                continue
+            child = storage.join(current, entry.name)
+            if entry.is_dir:
+                if is_url(child) or not os.path.islink(child):
+                    pending.append(child)
+            elif entry.is_file:
+                yield child
 
 
 def kind_of(path: str, direction: str) -> str:

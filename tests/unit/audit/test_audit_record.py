@@ -95,3 +95,20 @@ def test_audit_record_refuses_a_missing_path_in_one_line(tmp_path):
     assert res.returncode == 2
     assert res.stderr.strip() == f"error: {tmp_path / 'nowhere'}: no such file or folder (given as an input)"
     assert not (tmp_path / "lineage.db").exists()
+
+
+def test_links_to_folders_are_not_followed_when_a_folder_is_recorded(tmp_path):
+    """Two links to the folder's own parent made the walk exponential (killed at 60 s), one link
+    recorded one file under 41 ever longer paths: folders reached by a link are not walked (as
+    ``find`` does not), a linked file is recorded as the file it is."""
+    from reshard_job.lineage.uses import expand
+
+    folder = tmp_path / "model"
+    (folder / "a").mkdir(parents=True)
+    (folder / "a" / "f.ckpt").write_bytes(b"y")
+    (folder / "a" / "up1").symlink_to("..")
+    (folder / "a" / "up2").symlink_to("..")
+    (tmp_path / "outside.ckpt").write_bytes(b"z")
+    (folder / "linked.ckpt").symlink_to(tmp_path / "outside.ckpt")
+    found = sorted(path for path, _, _ in expand([folder], "input"))
+    assert found == [str(folder / "a" / "f.ckpt"), str(folder / "linked.ckpt")]
