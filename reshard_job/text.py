@@ -59,6 +59,22 @@ def one_line_of(text: str) -> str:
                             text)
 
 
+def undecodable_name(path: str) -> str | None:
+    """`path` shown with its bytes that are not UTF-8 as ``\\xNN``, when it holds such, else None.
+    A file name is bytes; Python keeps those it cannot decode as lone surrogates, which a manifest,
+    the lineage database and a terminal cannot take."""
+    try:
+        path.encode("utf-8")
+        return None
+    except UnicodeEncodeError:
+        return one_line_of(path.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace"))
+
+
+def not_utf8_message(shown: str) -> str:
+    return (f"{shown}: the name is not valid UTF-8, and files are recorded by name (manifest.json, the lineage "
+            "database); rename it")
+
+
 def shorten(text: object, limit: int = 96) -> str:
     """`text` cut in the middle with an ellipsis when longer than `limit` characters.
 

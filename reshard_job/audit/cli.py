@@ -149,6 +149,13 @@ def _in_deep_stack(function, *args):
 
 
 def _main(argv: list[str] | None) -> int:
+    from reshard_job.text import not_utf8_message, undecodable_name
+
+    for given in sys.argv[1:] if argv is None else argv:  # a name no record can hold, said before a lookup
+        shown = undecodable_name(str(given))
+        if shown is not None:
+            complain(f"error: {not_utf8_message(shown)}")
+            return EXIT_ERROR
     args = build_parser().parse_args(argv)
     if args.command in ("compare", "record", "db"):  # each opens (or does not open) the database its own way
         from reshard_job.audit.commands import compare, record, schema

@@ -35,6 +35,7 @@ from reshard_job.job.stages.proof import source_taps
 from reshard_job.job.run.memory import fix_mmap_threshold
 from reshard_job.job.output.directory import OutputDir
 from reshard_job.job.output.journal import TENSORS_DIR
+from reshard_job.lineage.uses import check_names_recordable
 from reshard_job.job.stages.prepare import HashWhileIndexing, Prepared, check_identical, prepare
 from reshard_job.job.stages.record import LineageRecorder, NoRecorder
 from reshard_job.job.stages.report import plan_report
@@ -126,6 +127,7 @@ def _open_output(spec: JobSpec, prepared: Prepared) -> OutputDir:
     storage = storage_for(spec.output.dir, spec.storage)
     out = OutputDir(spec.output.dir, storage, overwrite=spec.output.overwrite)
     source_dirs, source_files = source_places(prepared)
+    check_names_recordable([out.path, *source_files])
     out.check_not_source(source_dirs, source_files)
     from reshard_job.job.stages.convert import unit_paths
 

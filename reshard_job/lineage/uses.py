@@ -60,6 +60,7 @@ def record_run(url: str, use: UseRun) -> str:
     from sqlalchemy.exc import SQLAlchemyError
 
     where = use.where or _common_folder([f.path for f in use.outputs]) or f"(read by {use.consumer})"
+    check_names_recordable(f.path for f in [*use.inputs, *use.outputs])
     try:
         with LineageStore(url) as store:
             store.ensure_schema()
@@ -73,6 +74,17 @@ def record_run(url: str, use: UseRun) -> str:
         raise LineageError(f"cannot record in the lineage database {mask_url(url)}: "
                            f"{mask_url(driver_detail(exc))}") from None
     return run_id
+
+
+def check_names_recordable(paths: Iterable[str]) -> None:
+    """Refuse, before anything is recorded, a file whose name is not valid UTF-8 (the database
+    takes names as text): one line naming it, not an encoding traceback with the run left started."""
+    from reshard_job.text import not_utf8_message, undecodable_name
+
+    for path in paths:
+        shown = undecodable_name(path)
+        if shown is not None:
+            raise ConfigError(not_utf8_message(shown))
 
 
 def digest_records(files: Sequence[tuple[str, str, int | None]], storage_options=None) -> list[FileRecord]:
@@ -123,6 +135,7 @@ def expand(paths: Iterable, direction: str) -> list[tuple[str, str, int | None]]
         files = [path] if info.is_file else list(_files_under(storage, path))
         if not files:
             raise ConfigError(f"{path}: folder holds no files to record")
+        check_names_recordable(files)
         for file in files:
             found.setdefault(file, (file, kind_of(file, direction), rank_of(file)))
     return list(found.values())

@@ -164,6 +164,23 @@ def test_never_writes_or_cleans_through_a_link_in_the_state_folder(tmp_path, s1,
     assert users.read_bytes() == b"a user's file" and sorted(os.listdir(elsewhere)) == [users.name]
 
 
+def test_a_source_file_whose_name_is_not_utf8_is_refused_before_anything_is_written(tmp_path, s1):
+    """A rank file named with a byte that is not UTF-8 converted, then failed with an encoding
+    traceback writing the manifest (no manifest, exit 1): refused in one line naming it, and the
+    lineage database says so too."""
+    ckpts, src, dst = s1
+    odd = os.fsdecode(bytes(ckpts / "rank_1") + b"/checkpoint_1\xff.ckpt")
+    os.rename(ckpts / "rank_1" / "checkpoint_1.ckpt", odd)
+    try:
+        error = the_error(run_app(tmp_path, *s1_args(ckpts, src, dst, tmp_path / "out")))
+    finally:
+        os.rename(odd, ckpts / "rank_1" / "checkpoint_1.ckpt")
+    assert error == (f"{ckpts}/rank_1/checkpoint_1\\xff.ckpt: the name is not valid UTF-8, and files are recorded "
+                     "by name (manifest.json, the lineage database); rename it")
+    assert not (tmp_path / "out").exists()
+    assert_refusal_recorded(_db(tmp_path), error)
+
+
 def test_prefix_cannot_escape_the_output_dir(tmp_path, s1, app):
     ckpts, src, dst = s1
     error = the_error(app(tmp_path, *s1_args(ckpts, src, dst, tmp_path / "out"), "target.prefix=../../src/ckpts/rank_0/x_"))

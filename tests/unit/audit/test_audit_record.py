@@ -112,3 +112,21 @@ def test_links_to_folders_are_not_followed_when_a_folder_is_recorded(tmp_path):
     (folder / "linked.ckpt").symlink_to(tmp_path / "outside.ckpt")
     found = sorted(path for path, _, _ in expand([folder], "input"))
     assert found == [str(folder / "a" / "f.ckpt"), str(folder / "linked.ckpt")]
+
+
+def test_a_name_that_is_not_utf8_is_one_line_before_anything_is_recorded(tmp_path):
+    """audit record of a folder holding such a file, and verify or trace naming one, ended in an
+    encoding traceback (the record's run left 'started')."""
+    folder = tmp_path / "in"
+    folder.mkdir()
+    odd = os.fsdecode(bytes(folder) + b"/bad\xff\xfe")
+    with open(odd, "wb") as f:
+        f.write(b"y")
+    db = tmp_path / "lineage.db"
+    shown = f"{folder}/bad\\xff\\xfe: the name is not valid UTF-8"
+    res = _audit(tmp_path, "--db", str(db), "record", "--consumer", "x", "--inputs", str(folder))
+    assert res.returncode == 2 and res.stderr.startswith(f"error: {shown}") and res.stderr.count("\n") == 1
+    assert not db.exists()
+    for command in ("verify", "trace"):
+        res = _audit(tmp_path, "--db", str(db), command, odd)
+        assert res.returncode == 2 and res.stderr.startswith(f"error: {shown}") and "Traceback" not in res.stderr
