@@ -27,6 +27,9 @@ _INT = r"(?:0|[1-9][0-9]{0,17})"
 _COMPACT = re.compile(rf'"([^"\\\x00-\x1f]*)":\{{"dtype":"([A-Za-z0-9_]{{1,32}})","shape":\[((?:{_INT}(?:,{_INT}){{0,{MAX_DIMS - 1}}})?)\],"data_offsets":\[({_INT}),({_INT})\]\}}')
 
 
+BEYOND_ANY_FILE = 1 << 63  # a file position no file reaches (nor an int64 column holds)
+
+
 def brief(value) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:79] + "…"
@@ -63,6 +66,8 @@ class HeaderColumns:
             begin, code, shape, nbytes = self._matched_tensor(name, m, known)
         else:
             begin, code, shape, nbytes = self._known_tensor(name, info, known) or self._parse_tensor(name, info, known)
+        if begin >= BEYOND_ANY_FILE:  # (the column is of int64; the file's size refuses what is below this)
+            raise self._error(f"tensor {name[:80]!r}: data_offsets begin at {brief(begin)}, beyond any file")
         self._pos[name] = len(self._names)  # name -> header position (file position once ``_set_columns`` ran)
         self._names.append(name)
         self._begin.append(begin)
@@ -78,6 +83,8 @@ class HeaderColumns:
                 or len(set(names)) != len(names)):
             return False
         begins = list(map(int, (row[3] for row in rows)))
+        if max(begins) >= BEYOND_ANY_FILE:
+            return False  # (taken one at a time, which names the entry)
         if any(int(row[4]) - begin != kind[2] for row, begin, kind in zip(rows, begins, kinds)):
             return False
         base = len(self._names)

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from reshard_job.errors import SafetensorsFormatError
+from reshard_job.text import shorten
 import reshard_job.core.dtypes as dtypes
 from reshard_job.json_stream import JsonProblem, JsonStream
 from reshard_job.core.tensor_meta import TensorMeta
@@ -270,8 +271,8 @@ class SafetensorsReader(HeaderColumns, PositionedReader):
         if not self.has_crc:
             return None
         text = self._metadata[CRC_KEY]
-        if not (text.isascii() and text.isdigit()) or int(text) > 0xFFFFFFFF:
-            raise self._error(f"metadata {CRC_KEY} {text!r} is not a CRC32 value")
+        if not (text.isascii() and text.isdigit()) or len(text) > 10 or int(text) > 0xFFFFFFFF:
+            raise self._error(f"metadata {CRC_KEY} {shorten(repr(text), 80)} is not a CRC32 value")
         return int(text)
 
     def scalar_crc_parts(self) -> dict[str, tuple[int, int]]:

@@ -125,6 +125,29 @@ def test_safetensors_shapes_beyond_any_array_name_file_and_tensor(tmp_path, shap
     assert str(ei.value).startswith(f"{path}: ") and "'w'" in str(ei.value) and problem in str(ei.value)
 
 
+@pytest.mark.parametrize("rows", [1, 40])  # one entry, and a run of alike entries read as one
+def test_safetensors_data_offsets_past_any_file_name_file_and_tensor(tmp_path, rows):
+    """[2^63, 2^63 + 8] overflowed the int64 column: an OverflowError traceback."""
+    entries = [f'"w{i}":{{"dtype":"F32","shape":[2],"data_offsets":[{i * 8},{i * 8 + 8}]}}' for i in range(rows)]
+    entries[-1] = f'"bad":{{"dtype":"F32","shape":[2],"data_offsets":[{2**63},{2**63 + 8}]}}'
+    path = craft(tmp_path / "x.safetensors", ("{" + ",".join(entries) + "}").encode(), bytes(8 * rows))
+    with pytest.raises(SafetensorsFormatError) as ei:
+        SafetensorsReader(path)
+    assert str(ei.value) == f"{path}: tensor 'bad': data_offsets begin at {2**63}, beyond any file"
+
+
+@pytest.mark.parametrize("crc", ["9" * 5000, "4294967296", "12a"])
+def test_a_safetensors_crc_num_that_is_no_crc32_is_one_line(tmp_path, crc):
+    """A 5,000-digit crc_num was Python's int-conversion ValueError, unnamed."""
+    header = '{"__metadata__":{"crc_num":"' + crc + '"},"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}'
+    path = craft(tmp_path / "x.safetensors", header.encode(), bytes(8))
+    with pytest.raises(SafetensorsFormatError) as ei:
+        with SafetensorsReader(path) as r:
+            r.stored_crc()
+    assert str(ei.value).startswith(f"{path}: metadata crc_num '{crc[:20]}") and len(str(ei.value)) < 400
+    assert str(ei.value).endswith("is not a CRC32 value")
+
+
 def test_a_zero_size_safetensors_tensor_keeps_its_dims(tmp_path):
     path = craft(tmp_path / "x.safetensors", b'{"w":{"dtype":"F32","shape":[0,1152921504606846976],"data_offsets":[0,0]}}')
     with SafetensorsReader(path) as r:
