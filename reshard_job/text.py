@@ -75,6 +75,12 @@ def not_utf8_message(shown: str) -> str:
             "database); rename it")
 
 
+def listed(items: list[str], shown: int = 5) -> str:
+    """The first `shown` of `items`, comma-separated, with how many more there are."""
+    more = len(items) - shown
+    return ", ".join(items[:shown]) + (f" and {more} more" if more > 0 else "")
+
+
 def shorten(text: object, limit: int = 96) -> str:
     """`text` cut in the middle with an ellipsis when longer than `limit` characters.
 

@@ -93,11 +93,12 @@ class Selected:
     def note(self) -> str:
         """One line for the plan report."""
         s = self.selection.describe()
-        parts = [f"include={s['include']}"]
+        parts = [f"include={shorten(str(s['include']), 200)}"]  # (a pattern may be a megabyte long)
         if s["exclude"]:
-            parts.append(f"exclude={s['exclude']}")
+            parts.append(f"exclude={shorten(str(s['exclude']), 200)}")
         if s["rename"]:
-            parts.append("rename=" + ", ".join(f"{old!r}->{new!r}" for old, new in self.selection.rename))
+            parts.append("rename=" + shorten(", ".join(f"{old!r}->{new!r}" for old, new in self.selection.rename[:50]),
+                                             200))
         shown = ", ".join(repr(shorten(n, 60)) for n in self.left_out[:SHOWN_LEFT_OUT])
         more = ", ..." if len(self.left_out) > SHOWN_LEFT_OUT else ""
         left = f"; {len(self.left_out)} parameter(s) left out" + (f": {shown}{more}" if shown else "")

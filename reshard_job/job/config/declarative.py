@@ -29,6 +29,7 @@ from typing import Any, Mapping, Sequence
 
 from reshard_job.errors import ConfigError, LayoutError
 from reshard_job.core.strategy_model import ParamLayout, StrategyFile, StrategyItem
+from reshard_job.text import shorten
 
 NODE_NAME = "declarative_layout"
 
@@ -209,8 +210,11 @@ def _tensor_map(name: str, shape: tuple[int, ...], rule: _Rule, mesh: dict[str, 
 def _unmatched(rules: list[_Rule], rule_of: dict[str, int]) -> list[str]:
     """Rules no parameter used: a preset written for other names silently replicates everything."""
     used = set(rule_of.values())
-    return [f"target.layout.rules[{r.index}] (match {r.source!r}) matches no parameter of this checkpoint"
+    return [f"target.layout.rules[{r.index}] (match {shorten(repr(r.source), 100)}){UNMATCHED_RULE}"
             for r in rules if r.index not in used]
+
+
+UNMATCHED_RULE = " matches no parameter of this checkpoint"
 
 
 def _optimizer_shard(name, shape, dims, mesh, axes, opt_axis, notes) -> tuple[int, int]:

@@ -20,6 +20,7 @@ from reshard_job.plan.export_shards import INCLUDE_ALL, INCLUDE_WEIGHTS, is_trai
 from reshard_job.plan.selection import Selected, Selection, kept, select
 from reshard_job.sources.mindformers_absent import unavailable_error
 from reshard_job.sources.rank_folders import LoadedStrategy
+from reshard_job.text import listed, shorten
 
 log = logging.getLogger("reshard_job")
 
@@ -117,8 +118,13 @@ def _select_all(selection: Selection, index, absent: list[str] = ()) -> Selected
         names.update(dict.fromkeys(held))
     names.update(dict.fromkeys(absent))
     selected = select(selection, names)
-    for pattern in selected.unmatched:
-        log.warning("target.include/target.exclude pattern %r matches no parameter of the source", pattern)
+    unmatched = selected.unmatched
+    if len(unmatched) == 1:
+        log.warning("target.include/target.exclude pattern %s matches no parameter of the source",
+                    shorten(repr(unmatched[0]), 100))
+    elif unmatched:  # one line for them all (100,000 patterns were 100,000 lines)
+        log.warning("%d target.include/target.exclude patterns match no parameter of the source: %s",
+                    len(unmatched), listed([shorten(repr(p), 100) for p in unmatched]))
     log.info("%s", selected.note())
     return selected
 

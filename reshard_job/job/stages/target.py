@@ -22,7 +22,8 @@ from reshard_job.core.tensor_meta import TensorMeta
 from reshard_job.sources.rank_folders import LoadedStrategy, load_strategy, read_strategy_bytes
 from reshard_job.storage import StorageOptions, storage_for
 from reshard_job.core.topology import Topology
-from reshard_job.job.config.declarative import compile_layout
+from reshard_job.job.config.declarative import UNMATCHED_RULE, compile_layout
+from reshard_job.text import listed
 from reshard_job.job.config.settle import MAX_TARGET_RANKS
 from reshard_job.job.config.spec import TargetSpec
 
@@ -73,11 +74,13 @@ def settle_target(spec: TargetSpec, source: LoadedStrategy, index: Mapping[int, 
         compiled = compile_layout(spec.layout, spec.devices, global_shapes(source, index))
         compiled.strategy.path = LAYOUT_SOURCE
         _share_equal_layouts(compiled.strategy.layouts)
-        for note in compiled.notes:
-            # on one device every layout is the whole tensor: a rule there changes nothing (the
-            # default demo rules, with target.devices=1 given for a real checkpoint, said so 4 times)
-            if "matches no parameter" in note and spec.devices > 1:
-                log.warning("%s", note)
+        # on one device every layout is the whole tensor: a rule there changes nothing (the
+        # default demo rules, with target.devices=1 given for a real checkpoint, said so 4 times)
+        unmatched = [note for note in compiled.notes if note.endswith(UNMATCHED_RULE)]
+        if unmatched and spec.devices > 1:
+            log.warning("%s", unmatched[0] if len(unmatched) == 1 else
+                        f"{len(unmatched)} target.layout.rules match no parameter of this checkpoint: "
+                        f"{listed([n.removesuffix(UNMATCHED_RULE) for n in unmatched])}")
         return Target(Topology.from_strategy(compiled.strategy), spec.devices, "strategy.ckpt",
                       HeldBytes.of(to_protobuf_bytes(compiled.strategy)), LAYOUT_SOURCE, tuple(compiled.notes))
     return Target(None, 1)

@@ -105,6 +105,19 @@ def test_unmatched_pattern_is_a_warning(tmp_path, caplog):
     assert lines == ["target.include/target.exclude pattern 'no_such.*' matches no parameter of the source"]
 
 
+def test_many_unmatched_patterns_are_one_warning_line(tmp_path, caplog):
+    """100,000 patterns that match nothing were 100,000 WARNING lines, and a 1 MB pattern was
+    repeated whole in the log: one line, the first few shortened, and how many more."""
+    long = "z" + "*a" * 50_000
+    with caplog.at_level(logging.INFO, logger="reshard_job"):
+        convert(tmp_path / "out", exclude=["adam_*", long, *(f"no_such_{i}.*" for i in range(1000))])
+    lines = [r.getMessage() for r in caplog.records if "match no parameter" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith(
+        "1001 target.include/target.exclude patterns match no parameter of the source: 'z*a*a")
+    assert lines[0].endswith("'no_such_3.*' and 996 more")
+    assert max(len(r.getMessage()) for r in caplog.records) < 2000
+
+
 def test_optimizer_states_follow_their_parameter_unless_a_prefix_names_them():
     selection = Selection(rename=(("layers.", "blk."), ("adam_v.head.", "adam_v.out.")))
     assert [selection.new_name(n) for n in ("adam_m.layers.0.w", "adam_v.head.w", "adam_m.head.w", "layers.1")] == \
