@@ -538,6 +538,20 @@ def test_map_tensor_round_trip(tmp_path):
     assert (tmp_path / "copy.ckpt").read_bytes() == (tmp_path / "m.ckpt").read_bytes()
 
 
+@pytest.mark.parametrize("parts", [4, 100_000])
+def test_a_map_record_of_more_than_three_parts_is_refused_at_the_fourth(tmp_path, parts):
+    """A map parameter of a million parts was walked whole (14 s) before being refused."""
+    from reshard_job.formats.ckpt.records import map_record
+
+    part = ((2,), "int32", bytes(8))
+    path = tmp_path / "m.ckpt"
+    path.write_bytes(map_record("emb", [part] * parts))
+    with pytest.raises(ReshardError) as ei:
+        CheckpointReader(path).close()
+    assert str(ei.value) == (f"{path}: record at offset 0: map parameter: more than 3 parts (keys, values, status) "
+                             "in one record")
+
+
 # ================================================================================ writer behaviour
 
 
