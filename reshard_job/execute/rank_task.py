@@ -189,9 +189,21 @@ def _whole_small_copy(piece: tuple) -> tuple | None:
     return tuple(hi for _, hi in c.source_box)
 
 
+def _write_str(writer, reader, name: str) -> None:
+    """A str entry, a block at a time where the writer takes it so (a .ckpt's may be hundreds of MB)."""
+    entry = reader.entries.get(name) if hasattr(reader, "entries") else None
+    if entry is None or entry.kind != KIND_STR or not hasattr(writer, "add_str_blocks"):
+        writer.add_str(name, reader.read_str(name))
+        return
+    try:
+        writer.add_str_blocks(name, reader.iter_entry(entry, COPY_BLOCK), entry.stored_bytes)
+    except UnicodeDecodeError:
+        raise reader._error(f"parameter {name!r}: str content is not valid UTF-32") from None
+
+
 def _write_param(writer, p: ParamPlan, sources: SourceFiles, max_memory: int, progress: Progress | None) -> None:
     if p.kind == KIND_STR:
-        writer.add_str(p.name, sources.reader(p.copies[0].source_rank).read_str(p.name))
+        _write_str(writer, sources.reader(p.copies[0].source_rank), p.name)
         return
     if p.kind == KIND_MAP:
         writer.add_map(p.name, sources.reader(p.copies[0].source_rank).map_records(p.name))

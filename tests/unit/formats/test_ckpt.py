@@ -828,3 +828,31 @@ def test_record_ranges_are_the_one_record_of_each_tensor_or_none(tmp_path):
         assert r.record_ranges(["a", "chunked"]) is None
         assert r.record_ranges(["a", "note"]) is None
         assert r.record_ranges(["a", "absent"]) is None
+
+
+def test_a_str_entry_is_written_a_block_at_a_time_as_it_is_whole(tmp_path):
+    """A 300 MB str entry was read, decoded and encoded again whole (726 MB): its UTF-32 bytes are
+    copied in blocks, each checked, into the same record ``add_str`` writes."""
+    text = "héllo 🌍 " * 3000
+    raw = text.encode("utf-32-le")
+    with CheckpointWriter(tmp_path / "whole.ckpt") as w:
+        whole = w.add_str("s", text)
+    with CheckpointWriter(tmp_path / "blocks.ckpt") as w:  # blocks that split characters
+        blocks = w.add_str_blocks("s", [raw[i:i + 4099] for i in range(0, len(raw), 4099)], len(raw))
+    assert blocks == whole and (tmp_path / "blocks.ckpt").read_bytes() == (tmp_path / "whole.ckpt").read_bytes()
+
+
+def test_a_str_entry_that_is_not_utf32_is_refused_naming_file_and_parameter(tmp_path):
+    from reshard_job.execute.rank_task import _write_str
+
+    raw = ("abc" * 100).encode("utf-32-le")
+    with CheckpointWriter(tmp_path / "bad.ckpt", crc=False) as w:
+        w.add_str("s", "abc" * 100)
+    data = bytearray((tmp_path / "bad.ckpt").read_bytes())
+    at = data.find(raw[:16]) + 200
+    data[at:at + 4] = b"\xff\xff\xff\xff"  # no code point
+    (tmp_path / "bad.ckpt").write_bytes(bytes(data))
+    with CheckpointReader(tmp_path / "bad.ckpt") as reader, CheckpointWriter(tmp_path / "out.ckpt") as w:
+        with pytest.raises(ReshardError) as ei:
+            _write_str(w, reader, "s")
+    assert str(ei.value) == f"{tmp_path / 'bad.ckpt'}: parameter 's': str content is not valid UTF-32"
