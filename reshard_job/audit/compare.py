@@ -258,12 +258,12 @@ def _output_directory(path: str) -> _Located:
         return _Located(path, None, note=f"{exc}; read from the files")
     strategy = next((f.path for f in listing.files if f.kind == "strategy"), None)
     located = _Located(path, strategy, origin=listing.manifest_path)
-    try:
-        manifest = json_document(read_small_file(listing.manifest_path))
-    except (ValueError, UnicodeDecodeError):
-        manifest = {}
-    why = _stale(listing, _written_at(manifest))
+    why = _stale(listing, _written_at(listing.created_at))
     if why is None:
+        try:
+            manifest = json_document(read_small_file(listing.manifest_path))
+        except (ValueError, UnicodeDecodeError):
+            manifest = {}
         located.record, located.algorithm, why = _record_of(manifest)
     if why is not None:
         located.note = f"{listing.manifest_path}: {why}; read from the files"
@@ -284,12 +284,12 @@ def _record_of(manifest: dict) -> tuple[dict | None, str | None, str | None]:
     return dict(target), algorithm, None
 
 
-def _written_at(manifest: dict) -> int | None:
+def _written_at(created_at: str | None) -> int | None:
     """When the job wrote the manifest, in ns, as it recorded in it (``created_at``): a touch of
     manifest.json moves its file time, not this."""
     try:
-        written = dt.datetime.fromisoformat(manifest["created_at"])
-    except (TypeError, KeyError, ValueError):
+        written = dt.datetime.fromisoformat(created_at)
+    except (TypeError, ValueError):
         return None
     if written.tzinfo is None:
         return None

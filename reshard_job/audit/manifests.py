@@ -44,6 +44,7 @@ class OutputListing:
     run_id: str | None  # as the manifest says; the lineage database is the authority
     files: tuple[ListedFile, ...]
     node: str | None = None  # a node's manifest (manifest.<node>.json): the files of that node only
+    created_at: str | None = None  # when the job says it wrote the manifest (after every file it lists)
 
     @property
     def per_node(self) -> bool:
@@ -126,7 +127,8 @@ def _parse_listing(directory: str, manifest_path: str, data: bytes) -> OutputLis
     run_id = manifest.get("run_id") if isinstance(manifest.get("run_id"), str) else None
     return OutputListing(directory=directory, manifest_path=manifest_path, manifest_sha256=hashlib.sha256(data).hexdigest(),
                          manifest_size=len(data), run_id=run_id or None, files=files,
-                         node=node if isinstance(node, str) else None)
+                         node=node if isinstance(node, str) else None,
+                         created_at=manifest.get("created_at") if isinstance(manifest.get("created_at"), str) else None)
 
 
 def _recorded_directory(target: dict) -> str | None:

@@ -191,14 +191,10 @@ def _whole_small_copy(piece: tuple) -> tuple | None:
 
 def _write_str(writer, reader, name: str) -> None:
     """A str entry, a block at a time where the writer takes it so (a .ckpt's may be hundreds of MB)."""
-    entry = reader.entries.get(name) if hasattr(reader, "entries") else None
-    if entry is None or entry.kind != KIND_STR or not hasattr(writer, "add_str_blocks"):
+    if hasattr(reader, "iter_str_bytes") and hasattr(writer, "add_str_blocks"):
+        writer.add_str_blocks(name, reader.iter_str_bytes(name, COPY_BLOCK), reader.entries[name].stored_bytes)
+    else:
         writer.add_str(name, reader.read_str(name))
-        return
-    try:
-        writer.add_str_blocks(name, reader.iter_entry(entry, COPY_BLOCK), entry.stored_bytes)
-    except UnicodeDecodeError:
-        raise reader._error(f"parameter {name!r}: str content is not valid UTF-32") from None
 
 
 def _write_param(writer, p: ParamPlan, sources: SourceFiles, max_memory: int, progress: Progress | None) -> None:

@@ -10,6 +10,7 @@ copy in the common case where the box is one contiguous byte range.
 from __future__ import annotations
 
 import bisect
+import codecs
 import itertools
 import os
 from dataclasses import dataclass, field
@@ -280,6 +281,21 @@ class PositionedReader:
     # --- entries that are not arrays -----------------------------------------------------------
     def read_str(self, name: str) -> str:
         raise self._error(f"parameter {name!r} is not a str entry")
+
+    def iter_str_bytes(self, name: str, block: int):
+        """A str entry's UTF-32LE bytes a block at a time, checked as ``read_str`` checks them (a
+        string of hundreds of MB is not held); views valid until the next one."""
+        entry = self.entries[name]
+        if entry.kind != KIND_STR:
+            raise self._error(f"parameter {name!r} is not a str entry")
+        decoder = codecs.getincrementaldecoder("utf-32-le")()
+        try:
+            for view in self.iter_entry(entry, block):
+                decoder.decode(view)
+                yield view
+            decoder.decode(b"", final=True)
+        except UnicodeDecodeError:
+            raise self._error(f"parameter {name!r}: str content is not valid UTF-32") from None
 
     def map_records(self, name: str) -> list:
         raise self._error(f"parameter {name!r} is not a map tensor")

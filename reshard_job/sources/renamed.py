@@ -90,6 +90,9 @@ class RenamedReader:
     def read_str(self, name: str) -> str:
         return self.inner.read_str(self.source_name(name))
 
+    def iter_str_bytes(self, name: str, block: int):
+        return self.inner.iter_str_bytes(self.source_name(name), block)
+
     def map_records(self, name: str):
         return self.inner.map_records(self.source_name(name))
 
