@@ -17,7 +17,6 @@ bookkeeping.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from dataclasses import asdict, dataclass
@@ -25,7 +24,8 @@ from typing import Callable
 
 from reshard_job.errors import MissingRankError
 from reshard_job.storage import storage_for
-from reshard_job.storage.atomic import write_bytes_atomic
+from reshard_job.jsonchunks import iter_json
+from reshard_job.storage.atomic import AtomicFile
 from reshard_job.job.stages.convert import Outputs, convert
 from reshard_job.job.stages.executor_choice import cluster_layout
 from reshard_job.sources.demo import demo_folder
@@ -170,10 +170,12 @@ def _plan_only(spec: JobSpec, prepared: Prepared, emit: Callable[[str], None]) -
     run_dir = spec.context.run_dir
     plan_path = os.path.join(run_dir, "plan.json")
     peak = min(spec.run.max_memory, 2 * max((rp.largest_slice for rp in prepared.plan.ranks), default=0))
-    doc = _plan_json(prepared)
+    doc = _plan_json(prepared, lazy=True)  # its per-rank lists made as they are written, a piece at a time
     doc["predicted_peak_memory"] = peak
     doc["missing"] = {str(k): v for k, v in sorted(prepared.missing.items())}
-    write_bytes_atomic(plan_path, json.dumps(doc, indent=1).encode("utf-8"), mode=0o644)
+    with AtomicFile(plan_path, mode=0o644) as f:  # (300,000 parameters' plan as one string held 0.9 GB)
+        for piece in iter_json(doc, indent=1):
+            f.write(piece.encode("utf-8"))
     emit(plan_report(prepared.plan, predicted_peak=peak, missing=prepared.missing,
                      source_files=prepared.source_paths, checks=prepared.checks)
          + f"\n\nplan written to {plan_path} (nothing else was written)")

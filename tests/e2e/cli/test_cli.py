@@ -152,7 +152,9 @@ def test_plan_mode_writes_nothing_but_the_plan(tmp_path, app):
     res = app(tmp_path, "job.mode=plan", "output.dir=out", "hydra.run.dir=rundir")
     assert res.returncode == 0, res.stderr
     assert "target rank" in res.stdout and "Predicted peak memory" in res.stdout
-    plan = json.loads((tmp_path / "rundir" / "plan.json").read_text())
+    text = (tmp_path / "rundir" / "plan.json").read_text()
+    plan = json.loads(text)
+    assert text == json.dumps(plan, indent=1)  # written a piece at a time, as json.dumps writes it whole
     assert [r["target_rank"] for r in plan["ranks"]] == [0, 1, 2, 3]
     assert all(r["source_ranks"] for r in plan["ranks"])
     assert not (tmp_path / "out").exists()
