@@ -13,6 +13,7 @@ manifest the one the lineage database recorded?" is about what was read.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import posixpath
 from dataclasses import dataclass, replace
@@ -21,6 +22,7 @@ from reshard_job.formats.manifest_file import MANIFEST_FILE, is_node_manifest_na
 from reshard_job.lineage.hash_names import looks_like_sha256
 from reshard_job.lineage.errors import LineageError
 from reshard_job.audit.reading import absolute, dirname, join, json_document, read_small_file, relative_to
+from reshard_job.text import shorten
 
 
 @dataclass(frozen=True)
@@ -113,7 +115,8 @@ def _parse_listing(directory: str, manifest_path: str, data: bytes) -> OutputLis
             written.append((strategy["path"], "strategy", None, int(strategy["size"]), strategy["sha256"], None))
         node = manifest.get("node")
     except (ValueError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as exc:
-        detail = f"missing {exc}" if isinstance(exc, KeyError) else type(exc).__name__
+        detail = f"missing {exc}" if isinstance(exc, KeyError) else \
+            shorten(str(exc), 120) if type(exc) in (ValueError, json.JSONDecodeError) else type(exc).__name__
         raise LineageError(f"{manifest_path}: not a reshard_job manifest ({detail})") from None
     for path, _, _, _, digest, where in written:
         if not isinstance(path, str) or not isinstance(digest, str) or not looks_like_sha256(digest) \

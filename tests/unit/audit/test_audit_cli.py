@@ -311,6 +311,8 @@ def test_a_manifest_that_is_a_fifo_or_nested_too_deep_is_one_line(tmp_path, caps
         assert main(["--db", url, command, str(out)]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith(f"error: {out / 'manifest.json'}: "), err
+        if manifest != "a FIFO":
+            assert err.rstrip().endswith("not a reshard_job manifest (nested too deeply to be a manifest)"), err
 
 
 def test_a_moved_output_directory_still_verifies_and_an_edited_manifest_is_caught(tmp_path, capsys,
