@@ -106,7 +106,7 @@ class ParamLayout:
         return d
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class StrategyItem:
     """An operator's entry (node name, pipeline stage, per-input shard factors)."""
 

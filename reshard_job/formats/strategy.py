@@ -175,14 +175,19 @@ def _protobuf_items(strategy_items, path) -> list[StrategyItem]:
         raise StrategyFormatError(path, f"operator name {quoted(bad)} is not valid UTF-8")
     for it in strategy_items:
         check_stage(int(it.parallel_strategys.stage), path, f"operator {quoted(it.node_name)}")
+    alike: dict[tuple, tuple] = {}  # operators' strategies repeat: one tuple each (a million items)
     return [
         StrategyItem(
             it.node_name,
             int(it.parallel_strategys.stage),
-            tuple(tuple(s.dim) for s in it.parallel_strategys.parallel_strategy),
+            _one_of(alike, tuple(tuple(s.dim) for s in it.parallel_strategys.parallel_strategy)),
         )
         for it in strategy_items
     ]
+
+
+def _one_of(alike: dict, value: tuple) -> tuple:
+    return alike.setdefault(value, value)
 
 
 # =========================================================================================== write
