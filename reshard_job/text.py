@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from json.encoder import encode_basestring, encode_basestring_ascii
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 
 def rank_ranges(ranks: Iterable[int | None], sep: str = ",") -> str:
@@ -70,15 +70,11 @@ def undecodable_name(path: str) -> str | None:
         return one_line_of(path.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace"))
 
 
-def not_utf8_message(shown: str) -> str:
-    return (f"{shown}: the name is not valid UTF-8, and files are recorded by name (manifest.json, the lineage "
-            "database); rename it")
-
-
-def listed(items: list[str], shown: int = 5) -> str:
-    """The first `shown` of `items`, comma-separated, with how many more there are."""
+def listed(items: Sequence[Any], shown: int = 5, show: Callable[[Any], str] = str) -> str:
+    """The first `shown` of `items` as `show` writes each, comma-separated, with how many more
+    there are (only those shown are written: a list may hold 600,000 names)."""
     more = len(items) - shown
-    return ", ".join(items[:shown]) + (f" and {more} more" if more > 0 else "")
+    return ", ".join(map(show, items[:shown])) + (f" and {more} more" if more > 0 else "")
 
 
 def shorten(text: object, limit: int = 96) -> str:

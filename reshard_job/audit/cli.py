@@ -149,13 +149,14 @@ def _in_deep_stack(function, *args):
 
 
 def _main(argv: list[str] | None) -> int:
-    from reshard_job.text import not_utf8_message, undecodable_name
+    from reshard_job.errors import ConfigError
+    from reshard_job.lineage.uses import check_names_recordable
 
-    for given in sys.argv[1:] if argv is None else argv:  # a name no record can hold, said before a lookup
-        shown = undecodable_name(str(given))
-        if shown is not None:
-            complain(f"error: {not_utf8_message(shown)}")
-            return EXIT_ERROR
+    try:  # a name no record can hold, said before a lookup
+        check_names_recordable(map(str, sys.argv[1:] if argv is None else argv))
+    except ConfigError as exc:
+        complain(f"error: {exc}")
+        return EXIT_ERROR
     args = build_parser().parse_args(argv)
     if args.command in ("compare", "record", "db"):  # each opens (or does not open) the database its own way
         from reshard_job.audit.commands import compare, record, schema

@@ -27,6 +27,7 @@ from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
 from reshard_job.audit.entities import iso
+from reshard_job.text import listed
 from reshard_job.lineage.errors import AmbiguousRunError, LineageError, UnknownRunError
 from reshard_job.audit.lookup import (ContentSubject, RunSubject, artifact_at_path, artifacts_by_digest,
                                       by_id_or_digest, resolve_run_id)
@@ -81,9 +82,7 @@ class ParameterProblem:
     def path(self) -> str:
         if not self.names:  # a manifest at odds as a whole (its algorithm, its shape)
             return "the recorded"
-        shown = ", ".join(repr(name) for name in self.names[:NAMES_IN_A_LINE])
-        more = f" and {len(self.names) - NAMES_IN_A_LINE} more" if len(self.names) > NAMES_IN_A_LINE else ""
-        return f"parameter{'s' if len(self.names) != 1 else ''} {shown}{more}"
+        return f"parameter{'s' if len(self.names) != 1 else ''} {listed(self.names, NAMES_IN_A_LINE, repr)}"
 
 
 @dataclass(frozen=True)

@@ -79,12 +79,13 @@ def record_run(url: str, use: UseRun) -> str:
 def check_names_recordable(paths: Iterable[str]) -> None:
     """Refuse, before anything is recorded, a file whose name is not valid UTF-8 (the database
     takes names as text): one line naming it, not an encoding traceback with the run left started."""
-    from reshard_job.text import not_utf8_message, undecodable_name
+    from reshard_job.text import undecodable_name
 
     for path in paths:
         shown = undecodable_name(path)
         if shown is not None:
-            raise ConfigError(not_utf8_message(shown))
+            raise ConfigError(f"{shown}: the name is not valid UTF-8, and files are recorded by name (manifest.json, "
+                              "the lineage database); rename it")
 
 
 def digest_records(files: Sequence[tuple[str, str, int | None]], storage_options=None) -> list[FileRecord]:

@@ -13,6 +13,7 @@ from typing import Sequence
 import numpy as np
 
 from reshard_job.errors import LayoutError
+from reshard_job.text import listed
 import reshard_job.core.dtypes as dtypes
 from reshard_job.formats.base import TensorDecl, WrittenFile
 from reshard_job.formats.crc32 import chain_crc, hashed_as_count, scalar_crc_part
@@ -328,8 +329,7 @@ class SafetensorsWriter:
         self._advance_to(None)
         missing = [n for n in self._order if n not in self.tensors]
         if missing:
-            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-            raise RuntimeError(f"{self.path}: declared tensors not written: {', '.join(map(repr, missing[:5]))}{more}")
+            raise RuntimeError(f"{self.path}: declared tensors not written: {listed(missing, 5, repr)}")
         if self._crc_mode in ("given", "deferred"):
             crc = chain_crc(self._crcs)
             if self._crc_mode == "given" and crc != self.crc:

@@ -50,6 +50,7 @@ from operator import attrgetter
 
 from reshard_job.core.digest_table import DigestTable, differing
 from reshard_job.core.fingerprint import ALGORITHM
+from reshard_job.text import listed
 from reshard_job.execute.writer_tap import TargetSums, fingerprint_written
 from reshard_job.errors import ProofError
 from reshard_job.job.config.spec import PLACEMENT_SHARED, JobSpec, SourceSpec, TargetSpec
@@ -228,9 +229,7 @@ def prove(spec: JobSpec, prepared, out_path: str, strategy_path: str | None,
     result = ProofResult(source, _sharing(target, source))
     result.differ = differing(names, source, target)
     if result.differ:
-        shown = ", ".join(repr(n) for n in result.differ[:5])
-        more = f" and {len(result.differ) - 5} more" if len(result.differ) > 5 else ""
-        raise ProofError(f"{out_path}: parameter {shown}{more} does not hold in the outputs what it holds in the "
+        raise ProofError(f"{out_path}: parameter {listed(result.differ, 5, repr)} does not hold in the outputs what it holds in the "
                          f"sources ({ALGORITHM} fingerprints differ); nothing was committed: rerun, and report it "
                          f"if it persists")
     return result

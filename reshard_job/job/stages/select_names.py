@@ -124,7 +124,7 @@ def _select_all(selection: Selection, index, absent: list[str] = ()) -> Selected
                     shorten(repr(unmatched[0]), 100))
     elif unmatched:  # one line for them all (100,000 patterns were 100,000 lines)
         log.warning("%d target.include/target.exclude patterns match no parameter of the source: %s",
-                    len(unmatched), listed([shorten(repr(p), 100) for p in unmatched]))
+                    len(unmatched), listed(unmatched, show=lambda p: shorten(repr(p), 100)))
     log.info("%s", selected.note())
     return selected
 
