@@ -41,7 +41,11 @@ def _pieces(obj, depth: int, split_depth: int, opts: dict) -> Iterator[str]:
     if isinstance(obj, LazyList):
         yield from _list_pieces(obj, depth, opts)
         return
-    if depth >= split_depth or not isinstance(obj, dict) or not obj or not all(isinstance(k, str) for k in obj):
+    if type(obj) is list and obj and _holds_lazy(obj):
+        yield from _items_pieces(obj, depth, split_depth, opts)
+        return
+    if ((depth >= split_depth and not _holds_lazy(obj)) or not isinstance(obj, dict) or not obj
+            or not all(isinstance(k, str) for k in obj)):
         text = dumps_flat(obj, **opts) or json.dumps(obj, default=plain, **opts)
         indent = opts["indent"]
         if indent is not None and depth and "\n" in text:  # JSON strings never hold a raw newline
@@ -61,6 +65,33 @@ def _pieces(obj, depth: int, split_depth: int, opts: dict) -> Iterator[str]:
         yield (item_sep if i else "") + json.dumps(key, ensure_ascii=opts["ensure_ascii"]) + key_sep
         yield from _pieces(obj[key], depth + 1, split_depth, opts)
     yield ("\n" + " " * (indent * depth) + "}") if indent is not None else "}"
+
+
+def _holds_lazy(obj) -> bool:
+    """Whether a dict has a ``LazyList`` value, or a list a dict item that has one (a plan's ranks,
+    each with its parameter list): written whole, the lazy lists would be made whole."""
+    if type(obj) is dict:
+        return any(isinstance(v, LazyList) for v in obj.values())
+    if type(obj) is list:
+        return any(type(v) is dict and _holds_lazy(v) for v in obj)
+    return False
+
+
+def _items_pieces(obj: list, depth: int, split_depth: int, opts: dict) -> Iterator[str]:
+    """A list an item at a time, each item in pieces, as ``json.dumps`` writes the list."""
+    item_sep = opts["separators"][0]
+    indent = opts["indent"]
+    if indent is not None:
+        inner = "\n" + " " * (indent * (depth + 1))
+        item_sep += inner
+        yield "[" + inner
+    else:
+        yield "["
+    for i, item in enumerate(obj):
+        if i:
+            yield item_sep
+        yield from _pieces(item, depth + 1, split_depth, opts)
+    yield ("\n" + " " * (indent * depth) + "]") if indent is not None else "]"
 
 
 def _mapping_pieces(obj: Mapping, depth: int, opts: dict) -> Iterator[str]:
@@ -88,7 +119,7 @@ def _chunked(container, items: Iterator, brackets: str, depth: int, opts: dict) 
         chunk = container(islice(items, CHUNK_ITEMS))
         if not chunk:
             break
-        text = next(_pieces(chunk, depth, depth, opts))  # opening bracket + items + close, indented for `depth`
+        text = "".join(_pieces(chunk, depth, depth, opts))  # opening bracket + items + close, indented for `depth`
         body = text[1:len(text) - len(close)]
         if first:
             yield brackets[0] + body

@@ -126,3 +126,29 @@ def test_a_flat_container_indents_as_json_dumps_does(obj, indent, sort_keys, ens
         assert text == json.dumps(obj, indent=indent, sort_keys=sort_keys, ensure_ascii=ensure_ascii)
     else:
         assert text is None  # left to json.dumps
+
+
+def test_a_plan_shaped_document_keeps_its_lazy_lists_lazy_inside_a_list_of_ranks():
+    """A plan's ranks are a list of dicts, each with its parameter list made as it is written: none
+    of those lists is made whole (a plan of 1,300,000 parameters on 4 ranks wrote its ranks as one
+    string, over 1 GB), and the text is ``json.dumps``'s."""
+    from reshard_job.jsonchunks import LazyList
+
+    made = []
+
+    def params(rank):
+        def items():
+            for i in range(50_000):
+                made.append(rank)
+                yield i
+        return items
+
+    doc = {"version": 3, "ranks": [{"target_rank": r, "params": LazyList(params(r))} for r in range(3)],
+           "more": [{"a": [1, 2]}, 4]}
+    want = {"version": 3, "ranks": [{"target_rank": r, "params": list(range(50_000))} for r in range(3)],
+            "more": [{"a": [1, 2]}, 4]}
+    for opts in ({"indent": 1}, {"separators": (",", ":")}, {}):
+        pieces = list(iter_json(doc, **opts))
+        assert "".join(pieces) == json.dumps(want, **opts)
+        assert max(map(len, pieces)) < 100_000  # a rank's whole list is some 340,000 characters
+    assert len(made) == 3 * 3 * 50_000
