@@ -41,6 +41,13 @@ EXPORT_METADATA = {"format": "pt"}
 # dtype, shape, offsets). So: 16 MiB, plus 4 bytes per byte of each shard up to MAX_HEADER_BYTES.
 INDEX_BASE_BYTES = 16 << 20
 INDEX_BYTES_PER_HEADER_BYTE = 4
+# How long a shard's header may be, from the index: each tensor the index lists in the shard is one
+# header entry (its name, at most 12 characters for each of its own once escaped, then a dtype, at
+# most 64 dims and two offsets of at most 20 digits each: under 2 KiB), and the __metadata__ and the
+# padding are allowed 16 MiB together. A longer header describes tensors the index does not list:
+# refused before it is parsed (a 100 MB one of a million empty tensors took 20 s and 640 MB to parse).
+SHARD_ENTRY_BYTES = 2048
+SHARD_EXTRA_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -54,6 +61,11 @@ class ExportIndex:
 def index_size_limit(shard_sizes) -> tuple[int, str]:
     """(bytes, why) an index beside .safetensors files of `shard_sizes` bytes may have."""
     return header_scaled_limit(shard_sizes, INDEX_BASE_BYTES, INDEX_BYTES_PER_HEADER_BYTE, "the folder's")
+
+
+def shard_header_limit(names) -> int:
+    """The most header bytes a shard holding the tensors `names` (as its index lists them) can need."""
+    return SHARD_EXTRA_BYTES + sum(12 * len(name) + SHARD_ENTRY_BYTES for name in names)
 
 
 def parse_index(data: bytes, path: str) -> dict[str, str]:

@@ -7,7 +7,8 @@ import os
 
 from reshard_job.errors import ConfigError, FormatError
 from reshard_job.formats.hf_index import (INDEX_FILE, ExportIndex, check_against_index, index_size_limit,
-                                          read_index_document)
+                                          read_index_document, shard_header_limit)
+from reshard_job.formats.safetensors.header import MAX_HEADER_BYTES
 from reshard_job.formats.multifile import MultiFileSources
 from reshard_job.json_stream import file_reader
 from reshard_job.sources.open_files import SourceFiles
@@ -40,12 +41,14 @@ def read_export_index(out_dir: str | os.PathLike, storage: StorageOptions | None
         raise FormatError(path, f"cannot be read ({getattr(e, 'strerror', None) or e})") from None
 
 
-def export_files(out_dir: str | os.PathLike, storage: StorageOptions | None = None) -> tuple[str, ...]:
-    """The shard files an export folder's index names (absolute, sorted); FormatError if one is absent."""
+def export_files(out_dir: str | os.PathLike, storage: StorageOptions | None = None,
+                 weight_map: dict[str, str] | None = None) -> tuple[str, ...]:
+    """The shard files an export folder's index (or its `weight_map`) names (absolute, sorted);
+    FormatError if one is absent."""
     out_dir = absolute(out_dir)
     where = storage_for(out_dir, storage)
     present = {e.name for e in where.listdir(out_dir) if e.is_file}
-    names = sorted(set(read_index(out_dir, storage).values()))
+    names = sorted(set((read_index(out_dir, storage) if weight_map is None else weight_map).values()))
     for name in names:
         if name not in present:
             raise FormatError(where.join(out_dir, INDEX_FILE), f"names {name}, which is not in the folder")
@@ -56,7 +59,9 @@ def open_export(out_dir: str | os.PathLike, *, verify_crc: bool = True) -> Multi
     """An export folder as one unsharded source rank (rank 0), its files checked against the index."""
     out_dir = os.path.abspath(os.fspath(out_dir))
     index = read_export_index(out_dir)
-    sources = MultiFileSources({0: export_files(out_dir)}, verify_crc=verify_crc)
+    files = export_files(out_dir, weight_map=index.weight_map)
+    check_shard_headers(storage_for(out_dir), files, index.weight_map)
+    sources = MultiFileSources({0: files}, verify_crc=verify_crc)
     try:
         check_against_index(sources.reader(0), index, os.path.join(out_dir, INDEX_FILE))
     except BaseException:
@@ -82,10 +87,31 @@ def is_export_source(src_dir: str | None, storage_options: StorageOptions | None
 def discover_export(src_dir: str, storage_options: StorageOptions | None = None) -> RankFiles:
     """An export folder as one unsharded source rank: rank 0 is every shard its index names."""
     src_dir = absolute(src_dir)
-    files = export_files(src_dir, storage_options)
+    weight_map = read_index(src_dir, storage_options)
+    files = export_files(src_dir, storage_options, weight_map)
     storage = storage_for(src_dir, storage_options)
+    check_shard_headers(storage, files, weight_map)
     identities = tuple(tuple(i.identity) if (i := storage.info(f)) is not None else () for f in files)
     return RankFiles(storage.parent(files[0]), {0: files}, "safetensors", {}, {0: identities})
+
+
+def check_shard_headers(storage, files: tuple[str, ...], weight_map: dict[str, str]) -> None:
+    """Each shard's declared header length is within what the tensors the index lists in it can
+    need (``shard_header_limit``), read from its first 8 bytes before any header is parsed."""
+    listed: dict[str, list[str]] = {}
+    for name, file_name in weight_map.items():
+        listed.setdefault(file_name, []).append(name)
+    for path in files:
+        names = listed.get(storage.basename(path), ())
+        with storage.open_read(path) as f:
+            first = bytearray(8)
+            if f.size < 8 or f.pread_into(0, memoryview(first)) < 8:
+                continue  # too short: the safetensors reader says so
+        declared, limit = int.from_bytes(first, "little"), shard_header_limit(names)
+        if limit < declared <= MAX_HEADER_BYTES:  # (beyond that the reader's own limit names it)
+            raise FormatError(path, f"header length {declared} is more than the {len(names)} tensor(s) {INDEX_FILE} "
+                                    f"lists in it can need ({limit} bytes): the header describes tensors the index "
+                                    f"does not list")
 
 
 class ExportFolder:

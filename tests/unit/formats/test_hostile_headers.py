@@ -264,3 +264,28 @@ def test_total_size_is_checked_against_the_shards(tmp_path):
         with pytest.raises(FormatError, match=r"index.json: metadata.total_size says 9 bytes, but the tensors of its 1 "
                                               r"shard\(s\) hold 8 bytes"):
             check_against_index(reader, ExportIndex(weight_map, 9), "index.json")
+
+
+def test_a_shard_header_longer_than_the_tensors_its_index_lists_can_need_is_refused_unparsed(tmp_path):
+    """An export shard whose header would describe far more tensors than the index lists in it
+    (a 100 MB header of a million empty tensors took 20 s and 640 MB to parse before the refusal)
+    is refused from its declared length; one within the bound is read."""
+    from reshard_job.formats.hf_index import SHARD_ENTRY_BYTES, SHARD_EXTRA_BYTES
+    from reshard_job.sources.export_folder import discover_export, open_export
+
+    folder = tmp_path / "exp"
+    folder.mkdir()
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"w": "model-00001-of-00001.safetensors"}}))
+    shard = folder / "model-00001-of-00001.safetensors"
+    entry = b'"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}'
+    limit = SHARD_EXTRA_BYTES + 12 + SHARD_ENTRY_BYTES
+    craft(shard, b"{" + entry + b"}" + b" " * (limit - 1000), bytes(8))
+    discover_export(str(folder))
+    open_export(folder).close()
+    craft(shard, b"{" + entry + b"}" + b" " * (limit + 1000), bytes(8))
+    for attempt in (lambda: discover_export(str(folder)), lambda: open_export(folder)):
+        with pytest.raises(FormatError) as ei:
+            attempt()
+        assert str(ei.value).startswith(f"{shard}: header length ")
+        assert "the header describes tensors the index does not list" in str(ei.value)
