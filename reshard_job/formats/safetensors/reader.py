@@ -252,6 +252,23 @@ class SafetensorsReader(HeaderColumns, PositionedReader):
         return [(dtype, shape, start + begin, nbytes) for (_, dtype, shape, nbytes), begin in
                 zip(kinds, map(self._begin.__getitem__, at))]
 
+    def name_keys(self):
+        """The names this file holds, as a dict's keys view (set operations run in C: the planner
+        compares the names of every rank)."""
+        return self._pos.keys()
+
+    def same_entries(self, other) -> bool:
+        """Whether `other` is a safetensors reader holding the same names, in the same order, with
+        the same dtype, shape and size each (what ``describe`` tells), by whole columns."""
+        if not isinstance(other, SafetensorsReader) or len(other._names) != len(self._names):
+            return False
+        if not (other._names is self._names or other._names == self._names):
+            return False
+        mine, theirs = [k[1:] for k in self._kinds], [k[1:] for k in other._kinds]
+        if mine == theirs:
+            return other._kind == self._kind
+        return all(mine[a] == theirs[b] for a, b in zip(self._kind, other._kind))  # numbered otherwise
+
     def meta(self, name: str) -> TensorMeta:
         """``describe`` as the shared ``TensorMeta``, made once per kind of tensor: the planner asks
         for every tensor's several times (600,000 tensors of a few kinds)."""

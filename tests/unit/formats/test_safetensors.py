@@ -626,3 +626,28 @@ def test_box_of_a_large_tensor_reads_only_the_box(tmp_path, monkeypatch):
         assert np.array_equal(part[0], np.arange(cols + cols - 8192, 2 * cols, dtype=np.float32))
     assert opened <= 8 + len(header)
     assert sum(requested) - opened == 2 * cols * 4 + 8192 * 4
+
+
+def test_replica_files_compare_by_whole_columns(tmp_path):
+    """The planner compares the names and entries of every source rank: a safetensors reader
+    answers for its whole columns (its names as a dict view, set operations in C) and tells a file
+    of other names, order, dtype or shape apart from a replica (its data may differ)."""
+    from reshard_job.formats.index import IndexView
+
+    def saved(name, tensors):
+        save_file(str(tmp_path / name), tensors)
+        return SafetensorsReader(str(tmp_path / name))
+
+    a = {"w": np.zeros((2, 3), np.float32), "b": np.zeros(4, np.float16)}
+    base = saved("base.safetensors", a)
+    replica = saved("replica.safetensors", {"w": np.ones((2, 3), np.float32), "b": np.ones(4, np.float16)})
+    others = [saved("shape.safetensors", {"w": np.zeros((3, 2), np.float32), "b": a["b"]}),
+              saved("dtype.safetensors", {"w": a["w"], "b": np.zeros(2, np.float32)}),
+              saved("name.safetensors", {"w": a["w"], "c": a["b"]}),
+              saved("fewer.safetensors", {"w": a["w"]})]
+    assert type(base.name_keys()) is type({}.keys()) and base.name_keys() == {"w", "b"}
+    assert IndexView(base).keys() == IndexView(replica).keys()
+    assert base.same_entries(replica) and replica.same_entries(base)
+    assert IndexView(base).same_entries(IndexView(replica))
+    for other in others:
+        assert not base.same_entries(other) and not other.same_entries(base), other.path
