@@ -14,7 +14,7 @@ from reshard_job.formats.ckpt.records import CRC_TRAILER_LEN
 from reshard_job.formats.base import TensorReader
 from reshard_job.formats.multifile import MultiFileReader
 from reshard_job.formats.index import reader_index
-from reshard_job.formats.registry import CKPT as KIND_CKPT, kind_of, open_reader
+from reshard_job.formats.registry import CKPT as KIND_CKPT, SAFETENSORS as KIND_SAFETENSORS, kind_of, open_reader
 from reshard_job.sources.file_digests import DigestingReader, StreamedDigest, stream_block
 from reshard_job.storage import SourceChangedError, StorageOptions, storage_for
 
@@ -64,6 +64,7 @@ class SourceFiles:
         self._views: dict[int, TensorReader] = {}
         # safetensors files whose headers were parsed already (a MindFormers save's), by path
         self.parsed = parsed
+        self._twin_headers: dict = {}  # local one-file ranks' safetensors headers, by digest
 
     def select(self, names: Mapping[str, str] | None, *, only_named: bool = True) -> None:
         """See the files through a selection from now on (``reader`` answers under the new names)."""
@@ -109,8 +110,13 @@ class SourceFiles:
     def _open_file(self, path: str, raw) -> TensorReader:
         """A one-file rank's reader; a local `.ckpt` file's index from the index cache where it has it
         (and kept there after walking it where not)."""
-        cache = self.index_cache
-        if cache is None or (kind_of(path) or KIND_CKPT) != KIND_CKPT or storage_for(path, self.storage).scheme != "file":
+        cache, kind = self.index_cache, kind_of(path) or KIND_CKPT
+        local = storage_for(path, self.storage).scheme == "file"
+        if kind == KIND_SAFETENSORS and local:  # replicas' headers are parsed once (``SafetensorsReader``)
+            from reshard_job.formats.safetensors import SafetensorsReader
+
+            return SafetensorsReader(raw, verify_crc=self.verify_crc, twins=self._twin_headers)
+        if cache is None or kind != KIND_CKPT or not local:
             return open_reader(raw, verify_crc=self.verify_crc)
         from reshard_job.formats.ckpt import CheckpointReader
         from reshard_job.sources.index_cache import worth_keeping

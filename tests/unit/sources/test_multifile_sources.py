@@ -96,7 +96,8 @@ def test_the_jobs_readers_take_the_headers_the_save_parsed_and_parse_any_other_f
 
     parsed = []
     index = SafetensorsReader._index
-    monkeypatch.setattr(SafetensorsReader, "_index", lambda self: parsed.append(self.path) or index(self))
+    monkeypatch.setattr(SafetensorsReader, "_index",
+                        lambda self, *twins: parsed.append(self.path) or index(self, *twins))
     with prepare(SourceSpec(str(m1a)), TargetSpec(devices=1)) as prepared:
         files = [f for rank_files in prepared.readers.paths.values() for f in rank_files]
         assert sorted(parsed) == sorted(files) == sorted(prepared.mindformers.parsed)  # each once, by the save
@@ -113,3 +114,44 @@ def test_the_jobs_readers_take_the_headers_the_save_parsed_and_parse_any_other_f
     with SafetensorsReader(a, parsed=first) as same:
         assert list(same.entries) == ["x"] and same.read("x").tolist() == [0, 1, 2]
     assert parsed.count(a) == 1 and parsed.count(b) == 1  # a's header taken the second time, b's parsed
+
+
+def test_replica_ranks_with_byte_identical_safetensors_headers_are_parsed_once(tmp_path, monkeypatch):
+    """Data parallel replicas (or ranks holding equal slices) write byte-identical headers: the
+    second such file takes the columns of the first, and still serves its own bytes; a header that
+    differs (another tensor, or another crc_num), or the same header in a file of another size, is
+    parsed."""
+    import numpy as np
+
+    from reshard_job.errors import SafetensorsFormatError
+    from reshard_job.formats.safetensors import save_file
+
+    parsed = []
+    real = SafetensorsReader._read_header
+    monkeypatch.setattr(SafetensorsReader, "_read_header", lambda self, stream: (parsed.append(self.path),
+                                                                                 real(self, stream))[1])
+    paths = {}
+    for rank, (w, b) in enumerate([(1, 2), (3, 4), (5, 6)]):
+        names = ("w", "b") if rank < 2 else ("w", "c")
+        paths[rank] = str(tmp_path / f"checkpoint_{rank}.safetensors")
+        save_file(paths[rank], {names[0]: np.full((2, 3), w, np.float32), names[1]: np.full(4, b, np.float16)})
+    with SourceFiles(paths) as sources:
+        got = {r: sources.reader(r).read("w") for r in paths}
+        assert [int(got[r][0, 0]) for r in paths] == [1, 3, 5]
+        assert int(sources.reader(1).read("b")[0]) == 4 and "c" in sources.reader(2).entries
+    assert sorted(parsed) == sorted([paths[0], paths[2]])
+
+    # the same header in front of a shorter data section is this file's own (and refused)
+    with open(paths[1], "r+b") as f:
+        f.truncate(os.path.getsize(paths[1]) - 4)
+    with SourceFiles(paths) as sources:
+        sources.reader(0)
+        with pytest.raises(SafetensorsFormatError, match="checkpoint_1.safetensors: tensor 'b'"):
+            sources.reader(1)
+    # with MindSpore's crc_num the headers differ: each is parsed
+    for rank in (0, 1):
+        save_file(paths[rank], {"w": np.full((2, 3), rank, np.float32), "b": np.ones(4, np.float16)}, crc=True)
+    parsed.clear()
+    with SourceFiles(paths) as sources:
+        assert int(sources.reader(1).read("w")[0, 0]) == 1 and sources.reader(0).has_crc
+    assert sorted(parsed) == sorted([paths[0], paths[1]])
