@@ -104,6 +104,27 @@ def test_the_recorded_config_never_holds_a_password(tmp_path):
     assert spec.storage.options == {"secret": "SK", "key": "AK"} and "SK" not in repr(spec.storage)
 
 
+def test_a_composed_configuration_is_converted_once_and_settles_as_its_plain_copy(tmp_path, monkeypatch):
+    """Hydra's composition is already typed by the schema: merging it onto the schema again, and
+    rebuilding it from the dataclasses twice more, took most of a minute for 10,000 layout rules."""
+    from omegaconf import OmegaConf
+
+    rules = "[" + ",".join(f"{{match: 'nomatch{i}', dims: []}}" for i in range(300)) + ",{match: '.*', dims: []}]"
+    o = ("target.devices=4", f"target.layout.rules={rules}", "target.include=[layers.*,head.*]",
+         "target.rename={layers.: blk.}")
+    cfg = _compose(*o)
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    expected = settle(plain, _ctx(tmp_path, *o))  # a plain dict is merged onto the schema
+    for name in ("merge", "structured"):
+        monkeypatch.setattr(OmegaConf, name, staticmethod(lambda *a, _name=name, **k: pytest.fail(f"{_name} called")))
+    spec = settle(cfg, _ctx(tmp_path, *o))
+    assert spec == expected
+    assert len(spec.target.layout["rules"]) == 301 and spec.target.layout["rules"][-1] == {"match": ".*", "dims": []}
+    assert spec.target.include == ("layers.*", "head.*") and spec.target.rename == (("layers.", "blk."),)
+    assert spec.config["target"]["layout"] == spec.target.layout and spec.config["target"]["layout"] is not \
+        spec.target.layout
+
+
 def test_default_workers_follow_cpus_ranks_and_bytes(monkeypatch):
     """job.workers=null: one process per CPU, no more than target ranks, and one per 256 MiB to
     write at most (a conversion of many small parameters stays in one process)."""
