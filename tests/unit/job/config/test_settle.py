@@ -140,6 +140,25 @@ def test_default_workers_follow_cpus_ranks_and_bytes(monkeypatch):
     assert executors.default_workers(4, 0) == 1
 
 
+def test_job_workers_starts_at_most_four_processes_per_cpu_and_says_so_once(monkeypatch, caplog):
+    """job.workers=256 for 256 small ranks forked 256 processes on 2 CPUs (1.45 GB together)."""
+    import logging
+
+    import reshard_job.job.run.local as executors
+    from reshard_job.job.stages.executor_choice import ExecutorChoice
+
+    monkeypatch.setattr(executors.os, "cpu_count", lambda: 2)
+    assert [executors.useful_workers(asked, tasks) for asked, tasks in ((256, 256), (3, 256), (256, 5), (1, 9))] == \
+        [8, 3, 5, 1]
+    with caplog.at_level(logging.INFO, logger="reshard_job"):
+        executor, how = ExecutorChoice(files=None, workers=256).executor_for(256, 80 * 1024 ** 2)
+        assert ExecutorChoice(files=None, workers=6).executor_for(4)[0].workers == 4  # (fewer tasks: no line)
+    assert executor.workers == 8 and how == "with 8 worker(s)"
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["job.workers=256: using 8 worker processes, 4 per CPU of this machine's 2 (more would only "
+                     "wait for the CPUs, each holding its own memory)"]
+
+
 SIZE_KEYS = ["job.max_memory", "target.max_shard_size"]
 
 
