@@ -20,17 +20,20 @@ the output would hold under that name would be a guess.
 
 from __future__ import annotations
 
-import fnmatch
-import re
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from functools import cached_property
+from typing import Iterable
 
 from reshard_job.core.topology import OPTIMIZER_PREFIXES
 from reshard_job.errors import ConfigError, PlanError
 from reshard_job.plan.export_shards import INCLUDE_ALL, INCLUDE_CHOICES, INCLUDE_WEIGHTS, is_training_state
+from reshard_job.plan.name_patterns import NamePatterns
 from reshard_job.text import shorten
 
 SHOWN_LEFT_OUT = 5  # names of what is left out shown in the plan and the log
+# One pattern or rename prefix: a parameter name is a few hundred characters at most, and a
+# megabyte pattern of wildcards took seconds and half a gigabyte to compile.
+MAX_PATTERN = 4096
 
 
 @dataclass(frozen=True)
@@ -60,10 +63,11 @@ class Selection:
         return name
 
     def _rewritten(self, name: str) -> str | None:
-        for old, new in self.rename:
-            if name.startswith(old):
-                return new + name[len(old):]
-        return None
+        return self._rewrites.rewritten(name)
+
+    @cached_property
+    def _rewrites(self) -> _Rewrites:
+        return _Rewrites(self.rename)
 
     def describe(self) -> dict:
         """As recorded in the plan and the manifest."""
@@ -105,36 +109,57 @@ class Selected:
         return f"selection: {' '.join(parts)}{left}; {len(self.renamed)} renamed"
 
 
-def _matcher(patterns: Sequence[str]):
-    """One compiled regular expression for all of `patterns` (a million names, one match each)."""
-    return re.compile("|".join(f"(?:{fnmatch.translate(p)})" for p in patterns)).match
+class _Rewrites:
+    """Ordered (old, new) prefix rewrites, the first whose old prefix a name starts with winning:
+    one look-up per length of the old prefixes (a handful), not a test per rewrite (100,000 of
+    them, for every name and for every optimizer prefix of it, took a minute)."""
+
+    def __init__(self, pairs: tuple[tuple[str, str], ...]):
+        self.first: dict[str, tuple[int, str]] = {}
+        for i, (old, new) in enumerate(pairs):
+            self.first.setdefault(old, (i, new))
+        self.lengths = sorted({len(old) for old in self.first})
+
+    def rewritten(self, name: str) -> str | None:
+        best = None  # (rewrite's position, new prefix, old prefix's length)
+        for length in self.lengths:
+            if length > len(name):
+                break
+            hit = self.first.get(name[:length])
+            if hit is not None and (best is None or hit[0] < best[0]):
+                best = (*hit, length)
+        return None if best is None else best[1] + name[best[2]:]
 
 
 def kept(selection: Selection, names: Iterable[str]) -> list[str]:
     """The `names` that `selection` keeps, in their order (``select`` without its refusals)."""
-    keeps = _keeps(selection)
+    keeps = _keeps(selection, *_patterns(selection))
     return [name for name in names if keeps(name, selection.new_name(name))]
 
 
-def _keeps(selection: Selection):
-    """keeps(name, new name) -> whether `selection` keeps that parameter."""
+def _patterns(selection: Selection) -> tuple[NamePatterns | None, NamePatterns | None]:
+    """The include patterns (None for ``all`` or ``weights``) and the exclude ones (None for none)."""
     patterns = () if isinstance(selection.include, str) else selection.include
-    include = _matcher(patterns) if patterns else None
-    exclude = _matcher(selection.exclude) if selection.exclude else None
+    return (NamePatterns(patterns) if patterns else None,
+            NamePatterns(selection.exclude) if selection.exclude else None)
+
+
+def _keeps(selection: Selection, include: NamePatterns | None, exclude: NamePatterns | None):
+    """keeps(name, new name) -> whether `selection` keeps that parameter."""
     return lambda name, new: _included(selection, name, new, include) and not (
-        exclude is not None and (exclude(name) or exclude(new)))
+        exclude is not None and (exclude.matches(name) or exclude.matches(new)))
 
 
 def select(selection: Selection, names: Iterable[str]) -> Selected:
     """Apply `selection` to the source's parameter names (module docstring); PlanError when nothing
     is left or two parameters would share a name."""
     names = list(dict.fromkeys(names))  # the source's order: the outputs keep it
-    patterns = () if isinstance(selection.include, str) else selection.include
-    keeps = _keeps(selection)
+    include, exclude = _patterns(selection)
+    keeps = _keeps(selection, include, exclude)
     stored: dict[str, str] = {}
     left_out: list[str] = []
-    for name in names:
-        new = selection.new_name(name)
+    news = [selection.new_name(name) for name in names]
+    for name, new in zip(names, news):
         if not keeps(name, new):
             left_out.append(name)
             continue
@@ -145,22 +170,21 @@ def select(selection: Selection, names: Iterable[str]) -> Selected:
                             "change the rename so that every name stays unique")
         stored[new] = name
     if not stored:
+        described = selection.describe()  # (100,000 patterns: the first few)
         raise PlanError(f"target.include/target.exclude leave none of the {len(names)} source parameter(s) "
-                        f"(include={selection.describe()['include']}, exclude={list(selection.exclude)})")
-    unmatched = [p for p in (*patterns, *selection.exclude) if not any(_matches(p, n, selection) for n in names)]
+                        f"(include={shorten(str(described['include']), 200)}, "
+                        f"exclude={shorten(str(described['exclude']), 200)})")
+    seen = (*names, *news)  # a pattern matches a parameter's source name or its new one
+    unmatched = [p for patterns in (include, exclude) if patterns is not None for p in patterns.unmatched(seen)]
     return Selected(selection, stored, sorted(left_out), unmatched)
 
 
-def _included(selection: Selection, name: str, new: str, include) -> bool:
+def _included(selection: Selection, name: str, new: str, include: NamePatterns | None) -> bool:
     if include is not None:
-        return bool(include(name) or include(new))
+        return include.matches(name) or include.matches(new)
     if selection.include == INCLUDE_WEIGHTS:
         return not is_training_state(name, selection.optimizer_prefixes)
     return True
-
-
-def _matches(pattern: str, name: str, selection: Selection) -> bool:
-    return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(selection.new_name(name), pattern)
 
 
 # ------------------------------------------------------------------------------ settings
@@ -182,7 +206,15 @@ def patterns_value(value, key: str = "target.exclude") -> tuple[str, ...]:
             or not all(isinstance(p, str) and p for p in value):
         raise ConfigError(f"{key} must be a list of name patterns (e.g. [adam_m.*,adam_v.*]), "
                           f"got {shorten(repr(value), 60)}")
+    for i, pattern in enumerate(value):
+        _check_length(pattern, f"{key}[{i}]")
     return tuple(value)
+
+
+def _check_length(text: str, where: str) -> None:
+    if len(text) > MAX_PATTERN:
+        raise ConfigError(f"{where} has {len(text)} characters ({shorten(repr(text), 40)}); at most {MAX_PATTERN}, "
+                          "more than any parameter name has")
 
 
 def rename_value(value, key: str = "target.rename") -> tuple[tuple[str, str], ...]:
@@ -193,6 +225,9 @@ def rename_value(value, key: str = "target.rename") -> tuple[tuple[str, str], ..
     if isinstance(pairs, (list, tuple)) and all(isinstance(p, (list, tuple)) and len(p) == 2 for p in pairs):
         out = tuple((p[0], p[1]) for p in pairs)
         if all(isinstance(old, str) and old and isinstance(new, str) for old, new in out):
+            for i, (old, new) in enumerate(out):
+                _check_length(old, f"{key}[{i}]'s prefix")
+                _check_length(new, f"{key}[{i}]'s new prefix")
             return out
     raise ConfigError(f"{key} must map name prefixes to new ones, in order (e.g. {{backbone.: model.}}), "
                       f"got {shorten(repr(value), 60)}")

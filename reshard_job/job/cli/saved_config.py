@@ -13,7 +13,6 @@ masked text replaces the link when the first job starts (and at the sweep's end,
 
 from __future__ import annotations
 
-import copy
 import os
 from typing import Any
 
@@ -61,17 +60,29 @@ class MaskedSavedConfig(Callback):
 
 def save_masked_config(config) -> None:
     """``config.yaml`` (the task's), ``hydra.yaml`` and ``overrides.yaml`` as Hydra writes them, masked."""
-    from omegaconf import OmegaConf, open_dict, read_write
-
     from reshard_job.secrets import mask_text
     from reshard_job.storage.local_files import make_folder, replace_file
 
-    task_cfg = copy.deepcopy(config)
-    with read_write(task_cfg), open_dict(task_cfg):
-        del task_cfg["hydra"]
-    documents = {"config.yaml": task_cfg, "hydra.yaml": OmegaConf.masked_copy(config, "hydra"),
-                 "overrides.yaml": config.hydra.overrides.task}
+    documents = saved_documents(config)
     folder = os.path.join(config.hydra.runtime.output_dir, config.hydra.output_subdir or SAVED_DIR)
     make_folder(folder)
     for name in SAVED_FILES:
-        replace_file(os.path.join(folder, name), mask_text(OmegaConf.to_yaml(documents[name])).encode("utf-8"))
+        replace_file(os.path.join(folder, name), mask_text(documents[name]).encode("utf-8"))
+
+
+def saved_documents(config) -> dict[str, str]:
+    """The three files' text, unmasked, as ``OmegaConf.to_yaml`` writes them, from one plain copy of
+    `config` (a deep copy of the configuration to leave ``hydra`` out, then OmegaConf's own
+    conversion in ``to_yaml``, took seconds each for 100,000 patterns)."""
+    import yaml
+    from omegaconf import OmegaConf
+    from omegaconf._utils import get_omega_conf_dumper  # the dumper OmegaConf.to_yaml uses
+
+    def to_yaml(container) -> str:  # OmegaConf.to_yaml's own arguments
+        return yaml.dump(container, default_flow_style=False, allow_unicode=True, sort_keys=False,
+                         Dumper=get_omega_conf_dumper())
+
+    task = OmegaConf.to_container(config, resolve=False, enum_to_str=True)
+    hydra = task.pop("hydra")
+    return {"config.yaml": to_yaml(task), "hydra.yaml": to_yaml({"hydra": hydra}),
+            "overrides.yaml": to_yaml(hydra["overrides"]["task"])}

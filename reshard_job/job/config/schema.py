@@ -160,7 +160,8 @@ class RayConfig:
 @dataclass
 class JobConfig:
     mode: str = setting("convert", "convert | plan (print the plan, write nothing)")
-    workers: Optional[int] = setting(None, "parallel processes; null = CPU count, capped by target ranks")
+    workers: Optional[int] = setting(None, "parallel processes, at most 4 per CPU; null = CPU count, capped by "
+                                           "target ranks")
     ranks: Optional[List[int]] = setting(None, "a subset of target ranks to write, e.g. [0,3]; null = all")
     max_memory: Any = setting(
         "32MiB", "bound on in-flight tensor buffers per worker (bytes, or a size such as 512MiB)")

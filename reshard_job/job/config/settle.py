@@ -9,6 +9,7 @@ one line naming the key and what is accepted, before anything is read or written
 
 from __future__ import annotations
 
+import copy
 import difflib
 import math
 import os
@@ -45,10 +46,9 @@ MAX_RETRIES = 100
 
 def settle(cfg: Any, ctx: JobContext) -> JobSpec:
     """A ``JobSpec`` from a composed configuration (DictConfig or plain dict); ConfigError on any bad value."""
-    typed = _to_schema(cfg, ctx)
-    plain = _plain(typed)
+    typed, plain = _to_schema(cfg, ctx)
     source = _source(typed.source, ctx)
-    target = _target(typed.target, ctx)
+    target = _target(typed.target, plain["target"], ctx)
     run = _run(typed.job)
     out_dir = typed.output.dir
     output = OutputSpec(absolute(out_dir, ctx.launch_dir) if out_dir else os.path.join(ctx.run_dir, "output"),
@@ -59,16 +59,28 @@ def settle(cfg: Any, ctx: JobContext) -> JobSpec:
 
 
 # ---------------------------------------------------------------------------------- schema
-def _to_schema(cfg: Any, ctx: JobContext) -> schema.ReshardConfig:
+def _to_schema(cfg: Any, ctx: JobContext) -> tuple[schema.ReshardConfig, dict]:
+    """The configuration as the schema's dataclasses, and as plain dicts and lists (resolved).
+
+    Each conversion of a configuration holding 100,000 patterns or 10,000 layout rules takes
+    seconds, so there is one of each: Hydra's composition is already typed by the schema (it starts
+    from ``reshard_schema``) and is not merged onto it again, and the plain form is read from the
+    merged configuration, not rebuilt from the dataclasses."""
     from omegaconf import DictConfig, OmegaConf
     from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
     try:
         if not isinstance(cfg, DictConfig):
             cfg = OmegaConf.create(dict(cfg))
-        _check_known_keys(OmegaConf.to_container(cfg, resolve=False), schema.ReshardConfig, "")
-        merged = OmegaConf.merge(OmegaConf.structured(schema.ReshardConfig), cfg)
-        return OmegaConf.to_object(merged)
+        if OmegaConf.get_type(cfg) is schema.ReshardConfig:
+            merged = cfg
+            plain = OmegaConf.to_container(merged, resolve=True)
+            _check_known_keys(plain, schema.ReshardConfig, "")  # (Hydra's +key=value adds keys to it)
+        else:
+            _check_known_keys(OmegaConf.to_container(cfg, resolve=False), schema.ReshardConfig, "")
+            merged = OmegaConf.merge(OmegaConf.structured(schema.ReshardConfig), cfg)
+            plain = OmegaConf.to_container(merged, resolve=True)
+        return OmegaConf.to_object(merged), plain
     except MissingMandatoryValue as e:
         key = getattr(e, "full_key", None) or "?"
         group = key.split(".")[0]
@@ -126,12 +138,6 @@ def _dataclass_of(hint: Any) -> type | None:
     return t if isinstance(t, type) and is_dataclass(t) else None
 
 
-def _plain(typed) -> dict:
-    from omegaconf import OmegaConf
-
-    return OmegaConf.to_container(OmegaConf.structured(typed), resolve=True)
-
-
 # ---------------------------------------------------------------------------------- parts
 def _source(s: schema.SourceConfig, ctx: JobContext) -> SourceSpec:
     if s.checkpoints is None and s.strategy is not None:
@@ -145,9 +151,10 @@ def _source(s: schema.SourceConfig, ctx: JobContext) -> SourceSpec:
                       s.select, bool(s.unsharded), iteration, bool(s.verify_replicas))
 
 
-def _target(t: schema.TargetConfig, ctx: JobContext) -> TargetSpec:
+def _target(t: schema.TargetConfig, plain: dict, ctx: JobContext) -> TargetSpec:
+    """`t` as the schema's dataclasses, `plain` the same as plain dicts and lists."""
     devices = _bounded_int(t.devices, "target.devices", 1, MAX_TARGET_RANKS, optional=True)
-    layout = _layout(t.layout)
+    layout = _layout(plain.get("layout"))
     strategy = absolute(t.strategy, ctx.launch_dir) if t.strategy is not None else None
     if strategy is not None:
         # A strategy file given on the command line wins over the default preset's declarative
@@ -233,14 +240,11 @@ def _cluster(c: schema.ClusterConfig, devices: int | None) -> ClusterSpec:
     return cluster
 
 
-def _layout(layout: Any) -> dict | None:
-    if layout is None:
+def _layout(layout: dict | None) -> dict | None:
+    """target.layout as plain dicts and lists (a copy: the recorded configuration keeps its own)."""
+    if not layout or not layout.get("mesh"):
         return None
-    from omegaconf import OmegaConf
-
-    plain = OmegaConf.to_container(OmegaConf.structured(layout), resolve=True) if not isinstance(layout, dict) \
-        else dict(layout)
-    return plain if plain.get("mesh") else None
+    return copy.deepcopy(layout)
 
 
 def _prefix(prefix: Any) -> str:

@@ -17,16 +17,20 @@ started, which would otherwise be started again for every job.
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass
 
 from reshard_job.errors import ConfigError
-from reshard_job.job.run.local import Executor, LocalExecutor, default_workers
+from reshard_job.job.run.local import WORKERS_PER_CPU, Executor, LocalExecutor, default_workers, useful_workers
 from reshard_job.job.output.node_outputs import NodeOutputs, SharedOutputs
 from reshard_job.job.output.directory import OutputDir
 from reshard_job.core.placement import Placement, devices_per_node_for, per_node_placement
 from reshard_job.job.stages.prepare import Prepared
 from reshard_job.job.config.spec import EXECUTOR_RAY, JobSpec
 from reshard_job.core.placement import PLACEMENT_PER_NODE
+
+log = logging.getLogger("reshard_job")
 
 
 @dataclass
@@ -47,7 +51,14 @@ class ExecutorChoice:
         if self.ray is not None:
             where = ", each on its target node" if self.files.per_node else ""
             return self.ray, f"on the Ray cluster at {self.ray.address}{where}"
-        workers = min(self.workers or default_workers(n_tasks, bytes_to_write), max(1, n_tasks))
+        if self.workers is None:
+            workers = default_workers(n_tasks, bytes_to_write)
+        else:
+            workers = useful_workers(self.workers, n_tasks)
+            if workers < min(self.workers, n_tasks):
+                log.warning("job.workers=%d: using %d worker processes, %d per CPU of this machine's %d (more "
+                            "would only wait for the CPUs, each holding its own memory)",
+                            self.workers, workers, WORKERS_PER_CPU, os.cpu_count() or 1)
         return LocalExecutor(workers, self.prepared.readers if self.prepared else None), f"with {workers} worker(s)"
 
     def node_summary(self) -> list[dict] | None:

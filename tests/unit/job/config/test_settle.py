@@ -104,6 +104,27 @@ def test_the_recorded_config_never_holds_a_password(tmp_path):
     assert spec.storage.options == {"secret": "SK", "key": "AK"} and "SK" not in repr(spec.storage)
 
 
+def test_a_composed_configuration_is_converted_once_and_settles_as_its_plain_copy(tmp_path, monkeypatch):
+    """Hydra's composition is already typed by the schema: merging it onto the schema again, and
+    rebuilding it from the dataclasses twice more, took most of a minute for 10,000 layout rules."""
+    from omegaconf import OmegaConf
+
+    rules = "[" + ",".join(f"{{match: 'nomatch{i}', dims: []}}" for i in range(300)) + ",{match: '.*', dims: []}]"
+    o = ("target.devices=4", f"target.layout.rules={rules}", "target.include=[layers.*,head.*]",
+         "target.rename={layers.: blk.}")
+    cfg = _compose(*o)
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    expected = settle(plain, _ctx(tmp_path, *o))  # a plain dict is merged onto the schema
+    for name in ("merge", "structured"):
+        monkeypatch.setattr(OmegaConf, name, staticmethod(lambda *a, _name=name, **k: pytest.fail(f"{_name} called")))
+    spec = settle(cfg, _ctx(tmp_path, *o))
+    assert spec == expected
+    assert len(spec.target.layout["rules"]) == 301 and spec.target.layout["rules"][-1] == {"match": ".*", "dims": []}
+    assert spec.target.include == ("layers.*", "head.*") and spec.target.rename == (("layers.", "blk."),)
+    assert spec.config["target"]["layout"] == spec.target.layout and spec.config["target"]["layout"] is not \
+        spec.target.layout
+
+
 def test_default_workers_follow_cpus_ranks_and_bytes(monkeypatch):
     """job.workers=null: one process per CPU, no more than target ranks, and one per 256 MiB to
     write at most (a conversion of many small parameters stays in one process)."""
@@ -117,6 +138,25 @@ def test_default_workers_follow_cpus_ranks_and_bytes(monkeypatch):
     assert executors.default_workers(8, 300 * mib) == 2
     assert executors.default_workers(8, 2070 * mib) == 8
     assert executors.default_workers(4, 0) == 1
+
+
+def test_job_workers_starts_at_most_four_processes_per_cpu_and_says_so_once(monkeypatch, caplog):
+    """job.workers=256 for 256 small ranks forked 256 processes on 2 CPUs (1.45 GB together)."""
+    import logging
+
+    import reshard_job.job.run.local as executors
+    from reshard_job.job.stages.executor_choice import ExecutorChoice
+
+    monkeypatch.setattr(executors.os, "cpu_count", lambda: 2)
+    assert [executors.useful_workers(asked, tasks) for asked, tasks in ((256, 256), (3, 256), (256, 5), (1, 9))] == \
+        [8, 3, 5, 1]
+    with caplog.at_level(logging.INFO, logger="reshard_job"):
+        executor, how = ExecutorChoice(files=None, workers=256).executor_for(256, 80 * 1024 ** 2)
+        assert ExecutorChoice(files=None, workers=6).executor_for(4)[0].workers == 4  # (fewer tasks: no line)
+    assert executor.workers == 8 and how == "with 8 worker(s)"
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["job.workers=256: using 8 worker processes, 4 per CPU of this machine's 2 (more would only "
+                     "wait for the CPUs, each holding its own memory)"]
 
 
 SIZE_KEYS = ["job.max_memory", "target.max_shard_size"]

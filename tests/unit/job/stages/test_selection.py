@@ -7,6 +7,7 @@ the same bytes under its new name, given a target strategy whose names were rena
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 import re
 from dataclasses import replace
@@ -108,7 +109,7 @@ def test_unmatched_pattern_is_a_warning(tmp_path, caplog):
 def test_many_unmatched_patterns_are_one_warning_line(tmp_path, caplog):
     """100,000 patterns that match nothing were 100,000 WARNING lines, and a 1 MB pattern was
     repeated whole in the log: one line, the first few shortened, and how many more."""
-    long = "z" + "*a" * 50_000
+    long = "z" + "*a" * 2000  # (a longer pattern than MAX_PATTERN is refused)
     with caplog.at_level(logging.INFO, logger="reshard_job"):
         convert(tmp_path / "out", exclude=["adam_*", long, *(f"no_such_{i}.*" for i in range(1000))])
     lines = [r.getMessage() for r in caplog.records if "match no parameter" in r.getMessage()]
@@ -129,6 +130,52 @@ def test_first_matching_prefix_wins_and_patterns_see_both_names():
                     ["backbone.x", "backbone.y", "head.w"])
     assert chosen.stored == {"model.x": "backbone.x", "model.y": "backbone.y"}
     assert chosen.left_out == ["head.w"]
+
+
+def test_20000_literal_and_prefix_patterns_are_looked_up_not_compiled(monkeypatch):
+    """Each pattern was compiled as a regular expression (twice: all of them together, then each
+    on every name to find those that match nothing); literal names and prefixes need none."""
+    compiled = []
+    translate = fnmatch.translate
+    monkeypatch.setattr(fnmatch, "translate", lambda p: compiled.append(p) or translate(p))
+    patterns = (*(f"nomatch{i}*" for i in range(10_000)), *(f"nomatch.{i}" for i in range(10_000)), "layers.*",
+                "*.bias")
+    names = ["layers.0.w", "layers.0.bias", "head.w", "head.bias"]
+    chosen = select(Selection(include=patterns, exclude=("head.*", "layers.0.w")), names)
+    assert chosen.stored == {"layers.0.bias": "layers.0.bias"}
+    assert chosen.left_out == ["head.bias", "head.w", "layers.0.w"]
+    assert len(chosen.unmatched) == 20_000 and chosen.unmatched[0] == "nomatch0*"
+    assert chosen.unmatched[-1] == "nomatch.9999"
+    assert set(compiled) == {"*.bias"}  # the one pattern that is neither
+
+
+def test_a_rename_of_20000_prefixes_looks_up_a_name_s_prefixes_not_each_rename():
+    """Every name (and every optimizer prefix of it) was tested against each rename in turn."""
+    class Counted(str):
+        tests = 0
+
+        def startswith(self, prefix, *args):
+            Counted.tests += 1
+            return super().startswith(prefix, *args)
+
+    rename = (*((f"nomatch{i}.", f"x{i}.") for i in range(20_000)), ("layers.", "blk."), ("layers.0.", "first."),
+              ("head.", "out."), ("layers.", "twice."))
+    selection = Selection(rename=rename)
+    assert [selection.new_name(Counted(n)) for n in ("layers.0.w", "adam_m.head.b", "head", "nomatch7.q")] == \
+        ["blk.0.w", "adam_m.out.b", "head", "x7.q"]  # the first that matches wins, as before
+    assert Counted.tests < 100  # (the optimizer prefixes are still tested, a handful per name)
+
+
+@pytest.mark.parametrize("kwargs, key", [
+    ({"include": ["*a" * 2049]}, "include[0]"), ({"exclude": ["adam_*", "b" * 4097]}, "exclude[1]"),
+    ({"rename": {"c" * 4097: "d."}}, "rename[0]'s prefix"), ({"rename": [["e.", "f" * 4097]]}, "rename[0]'s new prefix")])
+def test_a_pattern_or_prefix_longer_than_any_name_is_refused_in_one_line(tmp_path, kwargs, key):
+    """A 1 MB pattern of wildcards took 12 to 25 s and half a gigabyte to compile and match."""
+    with pytest.raises(ConfigError) as refused:
+        convert(tmp_path / "out", **kwargs)
+    line = str(refused.value)
+    assert line.startswith(f"target.{key} has ") and "; at most 4096" in line and "\n" not in line and len(line) < 200
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("kwargs, key", [({"include": "weights_only"}, "include"), ({"exclude": "adam_*"}, "exclude"),
