@@ -41,7 +41,8 @@ from reshard_job.sources.rank_folders import LoadedStrategy, RankFiles
 from reshard_job.storage import StorageOptions, storage_for
 from reshard_job.execute.tasks import FORMAT_SAFETENSORS_INDEX
 from reshard_job.sources.open_files import files_of
-from reshard_job.job.stages.extra_ranks import cross_check, tensor_digest
+from reshard_job.job.stages.extra_ranks import cross_check
+from reshard_job.job.stages.replica_bytes import first_mismatch
 from reshard_job.job.stages.omissions import warn_absent, warn_omitted, warn_target_only
 from reshard_job.job.run.progress import Progress
 from reshard_job.job.config.spec import SourceSpec, TargetSpec
@@ -355,9 +356,7 @@ def check_identical(prepared: Prepared) -> None:
     identical = identical_to_check(prepared)
     if not identical:
         return
-    for name, groups in identical.items():
-        for group in groups:
-            digests = {r: tensor_digest(prepared.readers.reader(r), name) for r in group}
-            if len(set(digests.values())) > 1:
-                raise identical_mismatch(name, group, prepared.source.strategy)
+    mismatch = first_mismatch(identical, prepared.readers.reader)
+    if mismatch is not None:
+        raise identical_mismatch(*mismatch, prepared.source.strategy)
     prepared.checks.append(IDENTICAL_CHECKED)
