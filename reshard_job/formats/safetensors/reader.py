@@ -298,6 +298,20 @@ class SafetensorsReader(HeaderColumns, PositionedReader):
             return other._kind == self._kind
         return all(mine[a] == theirs[b] for a, b in zip(self._kind, other._kind))  # numbered otherwise
 
+    def record_ranges(self, names: list[str]) -> np.ndarray | None:
+        """(file offset, length) of each named tensor's data, straight from the columns, as an
+        (n, 2) int64 array (the hash pass takes a million of them as a table); None unless every
+        name is a tensor of plain data here (what ``whole_span`` serves)."""
+        at = list(map(self._pos.get, names))
+        if None in at:
+            return None
+        rows = np.array(at, np.int64)
+        kinds = np.frombuffer(self._kind, np.uint32)[rows]
+        if not all(_plain(self._kinds[k][1]) for k in np.unique(kinds).tolist()):
+            return None
+        sizes = np.array([k[3] for k in self._kinds], np.int64)[kinds]
+        return np.stack([np.frombuffer(self._begin, np.int64)[rows] + self.data_start, sizes], axis=1)
+
     def meta(self, name: str) -> TensorMeta:
         """``describe`` as the shared ``TensorMeta``, made once per kind of tensor: the planner asks
         for every tensor's several times (600,000 tensors of a few kinds)."""

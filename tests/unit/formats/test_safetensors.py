@@ -651,3 +651,21 @@ def test_replica_files_compare_by_whole_columns(tmp_path):
     assert IndexView(base).same_entries(IndexView(replica))
     for other in others:
         assert not base.same_entries(other) and not other.same_entries(base), other.path
+
+
+def test_record_ranges_are_the_whole_spans_as_a_table(tmp_path):
+    """The hash pass takes each tensor's data range from the columns at once: the same ranges
+    ``whole_span`` gives, and None where a name is absent or a tensor is not plain data."""
+    tensors = {f"t{i}": np.full((i % 3 + 1, 2), i, np.float32 if i % 2 else np.float16) for i in range(12)}
+    tensors["empty"] = np.zeros((0, 4), np.float32)
+    save_file(str(tmp_path / "a.safetensors"), tensors)
+    with SafetensorsReader(str(tmp_path / "a.safetensors")) as r:
+        names = ["t5", "empty", "t0", "t11", "t5"]
+        got = r.record_ranges(names)
+        assert got.dtype == np.int64 and got.shape == (5, 2)
+        assert got.tolist() == [[r.whole_span(n)[2], r.whole_span(n)[3]] for n in names]
+        assert r.record_ranges(["t1", "absent"]) is None and r.record_ranges([]).shape == (0, 2)
+    with SafetensorsWriter(tmp_path / "b.safetensors") as w:
+        w.add("w", np.zeros(4, np.int8), "Int4")
+    with SafetensorsReader(w.result.path) as r:
+        assert r.whole_span("w") is None and r.record_ranges(["w"]) is None
