@@ -8,7 +8,6 @@ from __future__ import annotations
 import io
 import json
 import marshal
-from itertools import repeat
 
 from reshard_job.core.strategy_model import FORMAT_JSON, ParamLayout, StrategyFile, StrategyItem
 from reshard_job.errors import StrategyFormatError
@@ -42,11 +41,11 @@ class ValidatedEntries:
         self.shared: dict[ParamLayout, ParamLayout] = {}  # equal layouts as one object, over the files
 
     @staticmethod
-    def keys(values) -> list[bytes | None]:
+    def key(value) -> bytes | None:
         try:
-            return list(map(marshal.dumps, values, repeat(2)))
+            return marshal.dumps(value, 2)
         except (ValueError, RecursionError):  # nested deeper than marshal goes: validated (refused) directly
-            return [None] * len(values)
+            return None
 
     def keep(self, table: dict, key: bytes | None, value) -> None:
         if key is not None and len(key) <= self.MAX_KEY and len(table) < self.MAX_ENTRIES:
@@ -92,20 +91,21 @@ def _whole_document(data: bytes) -> dict | None:
 
 
 def _layouts(raw_layouts: dict, path, known: ValidatedEntries) -> dict[str, ParamLayout]:
-    """The ``parallel_layout_item`` entries as layouts, each distinct one validated once, in the
-    order of the document (the first name with a bad entry is the one an error names)."""
-    names, entries = list(raw_layouts), list(raw_layouts.values())
-    ids = list(map(id, entries))
-    distinct = dict(zip(ids, entries))  # the stream makes equal texts one object
-    keys = known.keys(distinct.values())
-    found = dict(zip(distinct, map(known.layouts.get, keys)))
-    first_name = None
-    for (at, d), key in zip(distinct.items(), keys):
-        if found[at] is None:
-            first_name = first_name or dict(zip(reversed(ids), reversed(names)))
-            layout = found[at] = interned(known.shared, _json_layout(first_name[at], d, path))
-            known.keep(known.layouts, key, layout)
-    return dict(zip(names, map(found.__getitem__, ids)))
+    """The ``parallel_layout_item`` entries as layouts, each distinct one validated once (the first
+    name with a bad one is the one an error names)."""
+    layouts = {}
+    by_entry: dict[int, ParamLayout] = {}  # id of an entry (the stream makes equal texts one object, held)
+    for name, d in raw_layouts.items():
+        layout = by_entry.get(id(d))
+        if layout is None:
+            key = known.key(d)
+            layout = known.layouts.get(key)
+            if layout is None:
+                layout = interned(known.shared, _json_layout(name, d, path))
+                known.keep(known.layouts, key, layout)
+            by_entry[id(d)] = layout
+        layouts[name] = layout
+    return layouts
 
 
 def _items(raw_items: dict, path, known: ValidatedEntries) -> list[StrategyItem]:
@@ -114,7 +114,7 @@ def _items(raw_items: dict, path, known: ValidatedEntries) -> list[StrategyItem]
     for node, d in raw_items.items():
         stage = _item_stage(node, d, path)
         raw = d.get("parallel_strategy", [])
-        key = known.keys((raw,))[0]
+        key = known.key(raw)
         strategies = known.strategies.get(key)
         if strategies is None:
             strategies = _strategies(node, raw, path)
