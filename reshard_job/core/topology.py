@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from math import prod
 
 from reshard_job.errors import LayoutError
-from reshard_job.core.strategy_model import MAX_DEVICES, MAX_STAGES, MERGED_KEY, ParamLayout, StrategyFile, missing_stages
+from reshard_job.core.strategy_model import (MAX_DEVICES, MAX_STAGES, ParamLayout, StrategyFile, missing_stages,
+                                             stage_prefixes)
 from reshard_job.text import bounded_list, quoted
 
 # Prefixes of optimizer-state entries and gradient accumulators. Each such entry holds a tensor of
@@ -61,13 +62,14 @@ class Topology:
         where = sf.path or "strategy"
         layouts: dict[str, dict[int, ParamLayout]] = {}
         if sf.merged:
+            stages = {p: int(p) for p in stage_prefixes(sf.layouts)}  # (keys split on their first "-")
             for key, lay in sf.layouts.items():
-                m = MERGED_KEY.match(key)
-                stage = int(m.group(1))
+                prefix, _, name = key.partition("-")
+                stage = stages[prefix]
                 if stage >= MAX_STAGES:
                     raise LayoutError(f"{where}: layout {quoted(key)} names pipeline stage {stage}, "
                                       f"beyond the {MAX_STAGES} stages supported")
-                layouts.setdefault(m.group(2), {})[stage] = lay
+                layouts.setdefault(name, {})[stage] = lay
         else:
             _check_single_stage(sf)
             # one mapping per distinct layout (a parsed file shares equal layouts already; a compiled
@@ -125,13 +127,16 @@ def _check_single_stage(sf: StrategyFile) -> None:
 
 
 def _shared_mappings(layouts: dict[str, dict[int, ParamLayout]]) -> dict[str, dict[int, ParamLayout]]:
-    """Parameters laid out alike (at every stage) share one mapping."""
+    """Parameters laid out alike (at every stage) share one mapping. Alike means the same layout
+    objects: a parsed file shares its equal layouts already, and a key of ids is made in C (one of
+    layouts, hashed through Python, took half a second for 20,000 stages of 18 parameters)."""
     shared: dict[tuple, dict[int, ParamLayout]] = {}
     canonical: dict[int, dict[int, ParamLayout]] = {}  # id of a mapping -> its shared equal
     for name, per in layouts.items():
         same = canonical.get(id(per))
         if same is None:
-            same = canonical[id(per)] = shared.setdefault(tuple(per.items()), per)
+            key = (tuple(per), tuple(map(id, per.values())))  # (the layouts are held by `per`)
+            same = canonical[id(per)] = shared.setdefault(key, per)
         layouts[name] = same
     return layouts
 

@@ -76,25 +76,25 @@ def parse_protobuf_strategy(data: bytes, path: str | None = None) -> StrategyFil
         msg.ParseFromString(data if split is None else split[0])
     except Exception:
         raise StrategyFormatError(path, NOT_PROTOBUF) from None
-    plain = 0 if split is None else split[1]
+    plain = 0 if split is None else len(split[1])
     if not msg.parallel_layout_item and not plain and not msg.parallel_strategy_item:
         raise StrategyFormatError(path, "no parameter layouts or operator strategies: not a strategy file")
     if split is None:
         layouts = _protobuf_layouts(msg.parallel_layout_item, data, path)
     else:
-        layouts = _plain_layouts(data, path)
+        layouts = _plain_layouts(data, split[1], path)
     items = _protobuf_items(msg.parallel_strategy_item, path)
     return StrategyFile(layouts, items, int(msg.current_stage), FORMAT_PROTOBUF, path)
 
 
-def _plain_layouts(data: bytes, path) -> dict[str, ParamLayout]:
+def _plain_layouts(data: bytes, found, path) -> dict[str, ParamLayout]:
     """The layouts of a file whose every layout item is plain (``split_layout_items``), by name;
     each distinct encoding is parsed and validated once."""
     layouts: dict[str, ParamLayout] = {}
     shared: dict[ParamLayout, ParamLayout] = {}
     checked: dict[tuple, ParamLayout] = {}
     by_bytes: dict[bytes, ParamLayout] = {}
-    for raw_name, raw_layout in plain_layout_items(data):
+    for raw_name, raw_layout in plain_layout_items(data, found):
         try:
             name = sys.intern(raw_name.decode("utf-8"))
         except UnicodeDecodeError:
@@ -169,25 +169,28 @@ def _protobuf_layout(pl, path, name: str, checked: dict, shared: dict) -> ParamL
 
 
 def _protobuf_items(strategy_items, path) -> list[StrategyItem]:
-    """The operator strategy items of a protobuf file, their names and stages checked."""
-    bad = next((it.node_name for it in strategy_items if not isinstance(it.node_name, str)), None)
-    if bad is not None:
-        raise StrategyFormatError(path, f"operator name {quoted(bad)} is not valid UTF-8")
-    for it in strategy_items:
-        check_stage(int(it.parallel_strategys.stage), path, f"operator {quoted(it.node_name)}")
-    alike: dict[tuple, tuple] = {}  # operators' strategies repeat: one tuple each (a million items)
-    return [
-        StrategyItem(
-            it.node_name,
-            int(it.parallel_strategys.stage),
-            _one_of(alike, tuple(tuple(s.dim) for s in it.parallel_strategys.parallel_strategy)),
-        )
-        for it in strategy_items
-    ]
-
-
-def _one_of(alike: dict, value: tuple) -> tuple:
-    return alike.setdefault(value, value)
+    """The operator strategy items of a protobuf file, their names and stages checked. Operators'
+    strategies repeat: each distinct encoding is read once (reading a million items' nested fields
+    through protobuf took 8 s) and gives one tuple (a million items)."""
+    alike: dict[bytes, tuple[int, tuple]] = {}  # encoded ParallelStrategys -> (stage, strategies)
+    items = []
+    try:
+        for it in strategy_items:
+            name = it.node_name
+            if not isinstance(name, str):  # proto2 strings holding invalid UTF-8 come back as bytes
+                raise StrategyFormatError(path, f"operator name {quoted(name)} is not valid UTF-8")
+            ps = it.parallel_strategys
+            checked = alike.get(encoded := ps.SerializePartialToString())
+            if checked is None:
+                check_stage(int(ps.stage), path, f"operator {quoted(name)}")
+                checked = alike[encoded] = (int(ps.stage), tuple(tuple(s.dim) for s in ps.parallel_strategy))
+            items.append(StrategyItem(name, *checked))
+    except StrategyFormatError:
+        bad = next((it.node_name for it in strategy_items if not isinstance(it.node_name, str)), None)
+        if bad is not None:  # a name that is not UTF-8 is told first, wherever it lies
+            raise StrategyFormatError(path, f"operator name {quoted(bad)} is not valid UTF-8") from None
+        raise
+    return items
 
 
 # =========================================================================================== write

@@ -1,22 +1,65 @@
-"""JSON strategy files read (MindSpore's ``.json`` form of ``ParallelStrategyMap``), a window at a
-time: the members a strategy has are kept, anything else is read past."""
+"""JSON strategy files read (MindSpore's ``.json`` form of ``ParallelStrategyMap``): the members a
+strategy has are kept, anything else is read past. A small file is parsed whole by ``json``'s C
+scanner, a large one a window at a time (``JsonStream``); the stream also tells what is wrong with a
+small one that the scanner refuses."""
 
 from __future__ import annotations
 
 import io
+import json
+import marshal
 
 from reshard_job.core.strategy_model import FORMAT_JSON, ParamLayout, StrategyFile, StrategyItem
 from reshard_job.errors import StrategyFormatError
 from reshard_job.formats.strategy_checks import check_stage, dev_matrix, int_list, interned, tensor_map_entries
-from reshard_job.json_stream import REUSED, RUN, JsonProblem, JsonStream
+from reshard_job.json_stream import MAX_INT_DIGITS, REUSED, RUN, JsonProblem, JsonStream
 from reshard_job.text import quoted, shorten
 
+# A document this small is parsed whole: its objects cost some 30 times its size at worst, and the
+# stream's Python loop per member is 10 times the C scanner's cost (a pipeline folder of 20,000
+# stage files of a few KB each took 9 s to read through the stream).
+WHOLE_DOCUMENT = 1 << 20
+_DIGITS_TO_ZERO = bytes.maketrans(b"123456789", b"0" * 9)
+_ABSURD_INT = b"0" * (MAX_INT_DIGITS + 1)
+_MEMBERS = ("parallel_layout_item", "parallel_strategy_item", "current_stage")
 
-def parse_json_strategy(data: bytes, path: str | None = None) -> StrategyFile:
-    """A JSON strategy file's content, read a window at a time (``JsonStream``): a file padded with
-    hundreds of MB of spaces costs no copy of itself as text."""
+
+class ValidatedEntries:
+    """Layouts and operator strategies already validated, by their encoding, for the files of one
+    pipeline folder: its stage files repeat a few of them, each validated once. Only valid ones are
+    kept, so an error still names the first parameter or operator of the file that has a bad one.
+
+    The encoding is ``marshal``'s, version 2 (no back-references: equal values encode alike), made
+    in C and telling JSON's types apart (``1``, ``1.0``, ``true``): twice as fast as ``repr``."""
+
+    MAX_KEY = 4096  # bytes of an encoding kept (longer ones are validated each time)
+    MAX_ENTRIES = 1 << 16
+
+    def __init__(self) -> None:
+        self.layouts: dict[bytes | None, ParamLayout] = {}
+        self.strategies: dict[bytes | None, tuple] = {}
+        self.shared: dict[ParamLayout, ParamLayout] = {}  # equal layouts as one object, over the files
+
+    @staticmethod
+    def key(value) -> bytes | None:
+        try:
+            return marshal.dumps(value, 2)
+        except (ValueError, RecursionError):  # nested deeper than marshal goes: validated (refused) directly
+            return None
+
+    def keep(self, table: dict, key: bytes | None, value) -> None:
+        if key is not None and len(key) <= self.MAX_KEY and len(table) < self.MAX_ENTRIES:
+            table[key] = value
+
+
+def parse_json_strategy(data: bytes, path: str | None = None, known: ValidatedEntries | None = None) -> StrategyFile:
+    """A JSON strategy file's content; a large one is read a window at a time (``JsonStream``): a
+    file padded with hundreds of MB of spaces costs no copy of itself as text. `known`: entries
+    validated in other files of the same folder."""
     try:
-        obj = _json_members(JsonStream(io.BytesIO(data).read))
+        obj = _whole_document(data) if len(data) <= WHOLE_DOCUMENT else None
+        if obj is None:
+            obj = _json_members(JsonStream(io.BytesIO(data).read))
     except JsonProblem as e:
         raise StrategyFormatError(path, _json_problem(str(e))) from None
     if not isinstance(obj, dict):
@@ -27,17 +70,57 @@ def parse_json_strategy(data: bytes, path: str | None = None) -> StrategyFile:
         raise StrategyFormatError(path, "'parallel_layout_item' and 'parallel_strategy_item' must be objects")
     if not raw_layouts and not raw_items:
         raise StrategyFormatError(path, "no parameter layouts or operator strategies: not a strategy file")
-    shared: dict[ParamLayout, ParamLayout] = {}
-    by_entry: dict[int, ParamLayout] = {}  # id of an entry (equal texts are one object, held) -> its layout
-    layouts = {}
-    for name, d in raw_layouts.items():
-        layout = by_entry.get(id(d))
-        if layout is None:  # (checked once per entry: the first name with it is the one an error names)
-            layout = by_entry[id(d)] = interned(shared, _json_layout(name, d, path))
-        layouts[name] = layout
-    items = [_json_item(node, d, path) for node, d in raw_items.items()]
+    known = ValidatedEntries() if known is None else known
+    layouts = _layouts(raw_layouts, path, known)
+    items = _items(raw_items, path, known)
     stage = obj.get("current_stage", 1)
     return StrategyFile(layouts, items, stage if isinstance(stage, int) else 1, FORMAT_JSON, path)
+
+
+def _whole_document(data: bytes) -> dict | None:
+    """The members a strategy has of a small document parsed at once, or None where the stream is
+    to read it: an integer of more than ``MAX_INT_DIGITS`` digits (refused by the stream), text that
+    is not UTF-8 or not JSON, nesting too deep (the stream says what is wrong in its words)."""
+    if data.translate(_DIGITS_TO_ZERO).find(_ABSURD_INT) >= 0:
+        return None
+    try:
+        obj = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    return {k: v for k, v in obj.items() if k in _MEMBERS} if isinstance(obj, dict) else obj
+
+
+def _layouts(raw_layouts: dict, path, known: ValidatedEntries) -> dict[str, ParamLayout]:
+    """The ``parallel_layout_item`` entries as layouts, each distinct one validated once (the first
+    name with a bad one is the one an error names)."""
+    layouts = {}
+    by_entry: dict[int, ParamLayout] = {}  # id of an entry (the stream makes equal texts one object, held)
+    for name, d in raw_layouts.items():
+        layout = by_entry.get(id(d))
+        if layout is None:
+            key = known.key(d)
+            layout = known.layouts.get(key)
+            if layout is None:
+                layout = interned(known.shared, _json_layout(name, d, path))
+                known.keep(known.layouts, key, layout)
+            by_entry[id(d)] = layout
+        layouts[name] = layout
+    return layouts
+
+
+def _items(raw_items: dict, path, known: ValidatedEntries) -> list[StrategyItem]:
+    """The ``parallel_strategy_item`` entries, each distinct list of strategies validated once."""
+    items = []
+    for node, d in raw_items.items():
+        stage = _item_stage(node, d, path)
+        raw = d.get("parallel_strategy", [])
+        key = known.key(raw)
+        strategies = known.strategies.get(key)
+        if strategies is None:
+            strategies = _strategies(node, raw, path)
+            known.keep(known.strategies, key, strategies)
+        items.append(StrategyItem(node, stage, strategies))
+    return items
 
 
 def _json_problem(text: str) -> str:
@@ -107,16 +190,20 @@ def _json_tensor_map(tm, path, where: str) -> tuple:
     return tuple(entries)
 
 
-def _json_item(node: str, d, path) -> StrategyItem:
-    """One ``parallel_strategy_item`` entry (an operator's stage and strategies), validated."""
+def _item_stage(node: str, d, path) -> int:
+    """The stage of one ``parallel_strategy_item`` entry (an operator's), validated."""
     stage = d.get("stage", 0) if isinstance(d, dict) else None
     if not isinstance(stage, int) or isinstance(stage, bool):
         raise StrategyFormatError(path, f"operator {quoted(node)}: strategy item must be an object with an integer 'stage'")
     check_stage(stage, path, f"operator {quoted(node)}")
-    strategies = d.get("parallel_strategy", [])
+    return stage
+
+
+def _strategies(node: str, strategies, path) -> tuple[tuple[int, ...], ...]:
+    """An operator's ``parallel_strategy``, validated."""
     if not isinstance(strategies, list):
         raise StrategyFormatError(path, f"operator {quoted(node)}: parallel_strategy must be a list")
-    return StrategyItem(node, stage, tuple(int_list(s, path, f"operator {quoted(node)}: strategy") for s in strategies))
+    return tuple(int_list(s, path, f"operator {quoted(node)}: strategy") for s in strategies)
 
 
 KNOWN_TEXTS = 4096  # distinct entry texts remembered (a model's layouts repeat a few)

@@ -9,6 +9,8 @@ items the same way (the bytes protobuf's serializer gives: fields in number orde
 
 from __future__ import annotations
 
+from array import array
+
 import reshard_job.formats.proto_schema as schema
 from reshard_job.formats import wire
 
@@ -79,50 +81,54 @@ def _plain_item(data, pos: int, item_end: int) -> int | None:
     return at if body + n == item_end else None
 
 
-def split_layout_items(data: bytes) -> tuple[bytes, int] | None:
+def split_layout_items(data: bytes) -> tuple[bytes, array] | None:
     """The file's bytes without its layout items (the header, the operator items: for protobuf to
-    parse) and how many layout items were left out, when every layout item is in the plain form
-    (``_plain_item``); None otherwise (then protobuf reads the whole file)."""
-    head: list[bytes] = []
-    count = 0
+    parse) and where each layout item's length lies (for ``plain_layout_items``), when every layout
+    item is in the plain form (``_plain_item``); None otherwise (then protobuf reads the whole file).
+    Runs of consecutive head fields are copied as one slice (not a slice per operator item)."""
+    head: list = []
+    kept = (0, 0)  # the run of head fields found last
+    items = array("q")
     pos, end = 0, len(data)
     view = memoryview(data)
+    decode, skip = wire.decode_varint, wire.skip_field
     try:
         while pos < end:
             start = pos
-            key, pos = wire.decode_varint(data, pos, end)
+            key, pos = decode(data, pos, end)
             if key >> 3 == LAYOUT_ITEM and key & 7 == wire.LEN:
-                n, pos = wire.decode_varint(data, pos, end)
+                items.append(pos)
+                n, pos = decode(data, pos, end)
                 if pos + n > end or _plain_item(data, pos, pos + n) is None:
                     return None
                 pos += n
-                count += 1
                 continue
-            pos = wire.skip_field(data, pos, end, key & 7)
-            if key >> 3 in KNOWN_FIELDS:  # fields of a newer schema: neither read nor copied (they can be large)
-                head.append(view[start:pos])
+            pos = skip(data, pos, end, key & 7)
+            if key >> 3 not in KNOWN_FIELDS:  # fields of a newer schema: neither read nor copied (they can be large)
+                continue
+            if start != kept[1]:
+                head.append(view[kept[0]:kept[1]])
+                kept = (start, pos)
+            else:
+                kept = (kept[0], pos)
     except wire.WireError:
         return None
-    return b"".join(head), count
+    head.append(view[kept[0]:kept[1]])
+    return b"".join(head), items
 
 
-def plain_layout_items(data: bytes):
+def plain_layout_items(data: bytes, items: array):
     """(name as UTF-8 bytes, encoded ``ParallelLayouts``) of each layout item, in order: for a file
-    ``split_layout_items`` accepted."""
+    ``split_layout_items`` accepted, `items` being where it found them."""
     decode = wire.decode_varint
-    pos, end = 0, len(data)
-    while pos < end:
-        key, pos = decode(data, pos, end)
-        if key >> 3 != LAYOUT_ITEM or key & 7 != wire.LEN:
-            pos = wire.skip_field(data, pos, end, key & 7)
-            continue
-        n, pos = decode(data, pos, end)
+    end = len(data)
+    for at in items:
+        n, pos = decode(data, at, end)
         item_end = pos + n
         at = _plain_item(data, pos, item_end)
         name_len, name_at = decode(data, pos + 1, item_end)
         body_len, body_at = decode(data, at + 1, item_end)
         yield data[name_at:name_at + name_len], data[body_at:item_end]
-        pos = item_end
 
 
 def layout_item(name: bytes, layouts: bytes) -> bytes:

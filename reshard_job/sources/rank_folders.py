@@ -167,13 +167,15 @@ class LoadedStrategy:
     files: tuple[str, ...]  # the files it was read from
 
 
-def read_strategy_file(path: str, storage_options: StorageOptions | None = None) -> "StrategyFile":
+def read_strategy_file(path: str, storage_options: StorageOptions | None = None, known=None) -> "StrategyFile":
     """Parse one strategy file read through its storage (JSON iff the name ends in .json)."""
-    return read_strategy_bytes(path, storage_options)[0]
+    return read_strategy_bytes(path, storage_options, known)[0]
 
 
-def read_strategy_bytes(path: str, storage_options: StorageOptions | None = None) -> tuple["StrategyFile", bytes]:
-    """A strategy file's parsed content and the exact bytes it was parsed from."""
+def read_strategy_bytes(path: str, storage_options: StorageOptions | None = None,
+                        known=None) -> tuple["StrategyFile", bytes]:
+    """A strategy file's parsed content and the exact bytes it was parsed from; `known`: the JSON
+    entries other files of its folder had (``strategy_json.ValidatedEntries``)."""
     from reshard_job.formats.strategy import format_for, parse_protobuf_strategy
     from reshard_job.formats.strategy_json import parse_json_strategy
     from reshard_job.core.strategy_model import FORMAT_JSON
@@ -189,7 +191,10 @@ def read_strategy_bytes(path: str, storage_options: StorageOptions | None = None
         raise StrategyFormatError(path, text[len(path) + 2:] if text.startswith(path + ": ") else text) from None
     if not data:
         raise StrategyFormatError(path, "strategy file is empty (0 bytes)")
-    sf = parse_json_strategy(data, path) if format_for(path) == FORMAT_JSON else parse_protobuf_strategy(data, path)
+    if format_for(path) == FORMAT_JSON:
+        sf = parse_json_strategy(data, path, known)
+    else:
+        sf = parse_protobuf_strategy(data, path)
     sf.path = path
     return sf, data
 
@@ -214,6 +219,7 @@ def _stage_files(storage, folder: str) -> list[str]:
 def load_strategy(spec, storage_options: StorageOptions | None = None) -> LoadedStrategy:
     """A strategy file, a directory of per-stage files (merged), or None for an unsharded side."""
     from reshard_job.formats.strategy import merge_strategy_files
+    from reshard_job.formats.strategy_json import ValidatedEntries
     from reshard_job.core.strategy_model import FORMAT_JSON, FORMAT_PROTOBUF
     from reshard_job.core.topology import Topology
 
@@ -226,7 +232,8 @@ def load_strategy(spec, storage_options: StorageOptions | None = None) -> Loaded
         raise ConfigError(f"strategy file not found: {spec}")
     if info.is_dir:
         files = _stage_files(storage, spec)
-        parsed = [read_strategy_file(f, storage_options) for f in files]
+        known = ValidatedEntries()  # stage files repeat their layouts: each validated once
+        parsed = [read_strategy_file(f, storage_options, known) for f in files]
         if len(parsed) == 1 and parsed[0].merged:
             sf = parsed[0]
         else:

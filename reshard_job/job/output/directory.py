@@ -33,7 +33,8 @@ from reshard_job.storage.s3errors import StoreUnresponsiveError
 from reshard_job.text import one_line_of
 from reshard_job.job.output.journal import STATE_DIR, TENSORS_DIR, Journal, JournalEntry
 from reshard_job.job.output.manifest_reading import read_manifest_summary
-from reshard_job.job.output.places import inside, place, places, self_and_ancestors, source_folder_around, under, url_key
+from reshard_job.job.output.places import (inside, place, places, real_paths, self_and_ancestors, source_folder_around,
+                                           under, url_key)
 
 FRESH = "fresh"
 PARTIAL = "partial"
@@ -71,9 +72,13 @@ class OutputDir:
     # ------------------------------------------------------------------------------ guards
     def check_not_source(self, source_dirs: list[str], source_files: list[str]) -> None:
         """Refuse an output directory that is, or lies inside, a source directory, or is a source file."""
-        for f in source_files:
-            if under(self.path, f) and (not self.local or os.path.realpath(f) == os.path.realpath(self.path)):
-                raise OutputError(f"output.dir {self.path} is a source file; choose a new directory")
+        if self.local:  # the same real path (a URL is never a local output)
+            real, local = os.path.realpath(self.path), [f for f in source_files if "://" not in f]
+            is_source = real in real_paths(local)
+        else:
+            is_source = any(under(self.path, f) for f in source_files)
+        if is_source:
+            raise OutputError(f"output.dir {self.path} is a source file; choose a new directory")
         for d in source_dirs:
             if d and under(self.path, d):
                 raise OutputError(
@@ -108,7 +113,8 @@ class OutputDir:
         A source strategy file kept next to its checkpoints as ``strategy.ckpt`` is the usual way to
         meet the first: writing the target strategy into that directory would replace it.
         """
-        sources = {os.path.realpath(f) if self.local else url_key(f): f for f in source_files}
+        keys = real_paths(source_files) if self.local else [url_key(f) for f in source_files]
+        sources = dict(zip(keys, source_files))
         root = os.path.realpath(self.path) if self.local else self.path
         for p in planned:
             rel = self.relative(p)
