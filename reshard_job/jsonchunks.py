@@ -52,19 +52,10 @@ def _pieces(obj, depth: int, split_depth: int, opts: dict) -> Iterator[str]:
             text = text.replace("\n", "\n" + " " * (indent * depth))
         yield text
         return
-    item_sep, key_sep = opts["separators"]
-    indent = opts["indent"]
-    if indent is not None:
-        inner = "\n" + " " * (indent * (depth + 1))
-        item_sep += inner
-        yield "{" + inner
-    else:
-        yield "{"
+    key_sep, ensure_ascii = opts["separators"][1], opts["ensure_ascii"]
     keys = sorted(obj) if opts["sort_keys"] else list(obj)
-    for i, key in enumerate(keys):
-        yield (item_sep if i else "") + json.dumps(key, ensure_ascii=opts["ensure_ascii"]) + key_sep
-        yield from _pieces(obj[key], depth + 1, split_depth, opts)
-    yield ("\n" + " " * (indent * depth) + "}") if indent is not None else "}"
+    entries = ((json.dumps(key, ensure_ascii=ensure_ascii) + key_sep, obj[key]) for key in keys)
+    yield from _container_pieces(entries, "{}", depth, split_depth, opts)
 
 
 def _holds_lazy(obj) -> bool:
@@ -79,19 +70,23 @@ def _holds_lazy(obj) -> bool:
 
 def _items_pieces(obj: list, depth: int, split_depth: int, opts: dict) -> Iterator[str]:
     """A list an item at a time, each item in pieces, as ``json.dumps`` writes the list."""
-    item_sep = opts["separators"][0]
-    indent = opts["indent"]
+    yield from _container_pieces((("", item) for item in obj), "[]", depth, split_depth, opts)
+
+
+def _container_pieces(entries: Iterator, brackets: str, depth: int, split_depth: int, opts: dict) -> Iterator[str]:
+    """A dict's (its key's text and separator, value) or a list's ("", item) `entries`, each value
+    in pieces, between `brackets` and separated and indented as ``json.dumps`` writes them."""
+    item_sep, indent = opts["separators"][0], opts["indent"]
     if indent is not None:
         inner = "\n" + " " * (indent * (depth + 1))
         item_sep += inner
-        yield "[" + inner
+        yield brackets[0] + inner
     else:
-        yield "["
-    for i, item in enumerate(obj):
-        if i:
-            yield item_sep
-        yield from _pieces(item, depth + 1, split_depth, opts)
-    yield ("\n" + " " * (indent * depth) + "]") if indent is not None else "]"
+        yield brackets[0]
+    for i, (head, value) in enumerate(entries):
+        yield (item_sep if i else "") + head
+        yield from _pieces(value, depth + 1, split_depth, opts)
+    yield ("\n" + " " * (indent * depth) + brackets[1]) if indent is not None else brackets[1]
 
 
 def _mapping_pieces(obj: Mapping, depth: int, opts: dict) -> Iterator[str]:
