@@ -25,6 +25,7 @@ import sys
 from reshard_job.errors import StrategyFormatError
 from reshard_job.text import bounded_list, quoted
 import reshard_job.formats.proto_schema as schema
+from google.protobuf.message import EncodeError
 from reshard_job.formats.strategy_wire import layout_bytes, plain_layout_items, split_layout_items, write_layout_items
 from reshard_job.storage.atomic import write_bytes_atomic
 
@@ -180,10 +181,13 @@ def _protobuf_items(strategy_items, path) -> list[StrategyItem]:
             if not isinstance(name, str):  # proto2 strings holding invalid UTF-8 come back as bytes
                 raise StrategyFormatError(path, f"operator name {quoted(name)} is not valid UTF-8")
             ps = it.parallel_strategys
-            checked = alike.get(encoded := ps.SerializePartialToString())
+            encoded = _encoding(ps)
+            checked = alike.get(encoded) if encoded is not None else None
             if checked is None:
                 check_stage(int(ps.stage), path, f"operator {quoted(name)}")
-                checked = alike[encoded] = (int(ps.stage), tuple(tuple(s.dim) for s in ps.parallel_strategy))
+                checked = (int(ps.stage), tuple(tuple(s.dim) for s in ps.parallel_strategy))
+                if encoded is not None:
+                    alike[encoded] = checked
             items.append(StrategyItem(name, *checked))
     except StrategyFormatError:
         bad = next((it.node_name for it in strategy_items if not isinstance(it.node_name, str)), None)
@@ -191,6 +195,15 @@ def _protobuf_items(strategy_items, path) -> list[StrategyItem]:
             raise StrategyFormatError(path, f"operator name {quoted(bad)} is not valid UTF-8") from None
         raise
     return items
+
+
+def _encoding(message) -> bytes | None:
+    """A message's encoding, None where protobuf will not encode what it parsed (upb refuses some
+    messages that lack a required field nested in them): such an item is read on its own."""
+    try:
+        return message.SerializePartialToString()
+    except EncodeError:
+        return None
 
 
 # =========================================================================================== write

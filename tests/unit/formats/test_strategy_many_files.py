@@ -152,3 +152,14 @@ def test_a_name_that_is_not_utf8_is_told_before_a_stage_out_of_range(tmp_path):
     path.write_bytes(wire.key(1, 0) + b"\x01" + item(b"op", (1 << 20) + 1) + item(b"\xff\xfe", 0))
     with pytest.raises(StrategyFormatError, match="operator name .* is not valid UTF-8"):
         read_strategy(path)
+
+
+def test_an_operator_item_protobuf_will_not_encode_again_is_read_on_its_own():
+    """An item whose node name came with another wire type and whose required strategies are
+    absent parses, but upb refuses to encode its strategies again (the key operator items are
+    remembered by): it is read on its own, as every item was before they were remembered."""
+    from reshard_job.formats.strategy import parse_protobuf_strategy
+
+    one = b"\x12\x02\x08\x01"  # parallel_strategy_item { <field 1 as a varint> }
+    sf = parse_protobuf_strategy(b"\x08\x00" + one + one, "s.ckpt")
+    assert [(it.node_name, it.stage, it.strategies) for it in sf.items] == [("", 0, ())] * 2
