@@ -22,10 +22,11 @@ import json
 import os
 import sys
 
+from google.protobuf.message import EncodeError
+
 from reshard_job.errors import StrategyFormatError
 from reshard_job.text import bounded_list, quoted
 import reshard_job.formats.proto_schema as schema
-from google.protobuf.message import EncodeError
 from reshard_job.formats.strategy_wire import layout_bytes, plain_layout_items, split_layout_items, write_layout_items
 from reshard_job.storage.atomic import write_bytes_atomic
 

@@ -122,12 +122,12 @@ def plain_layout_items(data: bytes, items: array):
     ``split_layout_items`` accepted, `items` being where it found them."""
     decode = wire.decode_varint
     end = len(data)
-    for at in items:
-        n, pos = decode(data, at, end)
+    for length_at in items:
+        n, pos = decode(data, length_at, end)
         item_end = pos + n
-        at = _plain_item(data, pos, item_end)
+        layouts_at = _plain_item(data, pos, item_end)
         name_len, name_at = decode(data, pos + 1, item_end)
-        body_len, body_at = decode(data, at + 1, item_end)
+        body_len, body_at = decode(data, layouts_at + 1, item_end)
         yield data[name_at:name_at + name_len], data[body_at:item_end]
 
 
