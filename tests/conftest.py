@@ -362,7 +362,8 @@ class S3Server:
         self.ports = dict(zip(names, _free_ports(len(names))))
         p = self.ports
         command = [
-            self.binary, "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={data}",
+            self.binary, f"-logdir={self.root}",  # its own log files, not one set per start in /tmp
+            "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={data}",
             f"-master.port={p['master']}", f"-master.port.grpc={p['master_grpc']}", "-master.telemetry=false",
             "-master.volumeSizeLimitMB=64", "-volume.max=0",
             f"-volume.port={p['volume']}", f"-volume.port.grpc={p['volume_grpc']}", "-volume.preStopSeconds=0",
@@ -423,6 +424,8 @@ class S3Server:
         except subprocess.TimeoutExpired:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait(timeout=15)
+        for role in ("master", "volume", "s3"):  # its gRPC sockets, which it places in /tmp by port
+            Path(f"/tmp/seaweedfs-{role}-grpc-{self.ports[f'{role}_grpc']}.sock").unlink(missing_ok=True)
 
     def create_bucket(self, name: str | None = None) -> str:
         from reshard_job.storage.remote import S3Storage

@@ -13,8 +13,11 @@ The number of inputs each target saw is printed at the end of the run.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import os
+import shutil
+import tempfile
 import tracemalloc
 from contextlib import contextmanager
 from datetime import timedelta
@@ -33,6 +36,14 @@ GOLDEN = TESTS / "golden"
 
 # inputs tried per target, reported by conftest.pytest_terminal_summary
 TRIED: collections.Counter = collections.Counter()
+
+
+def scratch_dir(prefix: str) -> Path:
+    """A module's scratch folder (hypothesis runs many examples in one test, so not tmp_path),
+    removed when the test process exits."""
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, path, True)
+    return path
 
 
 def examples(default: int) -> int:

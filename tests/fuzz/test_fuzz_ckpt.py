@@ -9,20 +9,19 @@ reading boxes of every tensor, and copying the file record for record.
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from fuzz_helpers import (ckpt_hot_ranges, ckpt_seed_files, fuzz, mutations, read_expecting_clean_errors,
+from fuzz_helpers import (ckpt_hot_ranges, ckpt_seed_files, fuzz, mutations, read_expecting_clean_errors, scratch_dir,
                           replace_varint)
 
 import reshard_job.core.dtypes as dtypes
 from reshard_job.formats.ckpt import KIND_TENSOR, CheckpointReader
 from reshard_job.formats.rewrite import copy_checkpoint
 
-SCRATCH = Path(tempfile.mkdtemp(prefix="fuzz_ckpt_"))
+SCRATCH = scratch_dir("fuzz_ckpt_")
 SEED_FILES = ckpt_seed_files(SCRATCH / "seeds")
 SEEDS = [p.read_bytes() for p in SEED_FILES]
 HOT = [ckpt_hot_ranges(p) for p in SEED_FILES]

@@ -4,18 +4,17 @@ lives in tests/formats/test_safetensors.py): only ``ReshardError``, bounded memo
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
 from hypothesis import given
 
-from fuzz_helpers import fuzz, mutations, read_expecting_clean_errors
+from fuzz_helpers import scratch_dir, fuzz, mutations, read_expecting_clean_errors
 
 import reshard_job.core.dtypes as dtypes
 from reshard_job.formats.safetensors import SafetensorsReader, save_file
 
-SCRATCH = Path(tempfile.mkdtemp(prefix="fuzz_safetensors_"))
+SCRATCH = scratch_dir("fuzz_safetensors_")
 
 
 def _seeds() -> list[bytes]:

@@ -7,18 +7,17 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from fuzz_helpers import TRIED, fuzz, mutations, read_expecting_clean_errors, strategy_seed_files
+from fuzz_helpers import scratch_dir, TRIED, fuzz, mutations, read_expecting_clean_errors, strategy_seed_files
 
 from reshard_job.formats.strategy import read_strategy, to_json_bytes
 from reshard_job.core.topology import Topology
 
-SCRATCH = Path(tempfile.mkdtemp(prefix="fuzz_strategy_"))
+SCRATCH = scratch_dir("fuzz_strategy_")
 PROTO_SEEDS = [p.read_bytes() for p in strategy_seed_files()]
 JSON_SEEDS = [to_json_bytes(read_strategy(p)) for p in strategy_seed_files()]
 
