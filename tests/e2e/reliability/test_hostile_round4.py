@@ -45,26 +45,24 @@ def test_a_strategy_padded_with_hundreds_of_megabytes_is_read_once(tmp_path):
     from reshard_job.formats.wire import encode_varint
 
     ckpts, src, dst = copy_s1(tmp_path / "s1")
-    padded = tmp_path / "padded.ckpt"
-    with open(padded, "wb") as f:
-        f.write(src.read_bytes() + bytes([(15 << 3) | 2]) + encode_varint(300 << 20))
     text = to_json_bytes(read_strategy(src))
     cut = text.rindex(b"}")
-    padded_json = tmp_path / "padded.json"
-    with open(padded_json, "wb") as f:
-        f.write(text[:cut])
-    for path in (padded, padded_json):
-        with open(path, "ab") as f:
+    padded_files = {  # (head, padding byte, tail): made one at a time, so the test holds 300 MiB of disk, not 600
+        tmp_path / "padded.ckpt": (src.read_bytes() + bytes([(15 << 3) | 2]) + encode_varint(300 << 20), b"\0", b""),
+        tmp_path / "padded.json": (text[:cut], b" ", text[cut:]),
+    }
+    for path, (head, pad, tail) in padded_files.items():
+        with open(path, "wb") as f:
+            f.write(head)
             for _ in range(300):
-                f.write((b"\0" if path is padded else b" ") * (1 << 20))
-            if path is padded_json:
-                f.write(text[cut:])
-    for path in (padded, padded_json):
+                f.write(pad * (1 << 20))
+            f.write(tail)
         measured = tmp_path / f"{path.name}.rss"
         res = subprocess.run([sys.executable, "-S", str(Path(__file__).parents[3] / "benchmarks" / "measure_child.py"),
                               str(measured), "--", sys.executable, "-m", "reshard_job",
                               *s1_args(ckpts, path, dst, tmp_path / f"out_{path.suffix[1:]}"), "lineage.enabled=false"],
                              cwd=tmp_path, env=app_env(), capture_output=True, text=True, timeout=300)
+        path.unlink()
         assert res.returncode == 0, res.stderr
         assert json.loads(measured.read_text())["maxrss_kib"] < 512 * 1024
 
