@@ -416,14 +416,15 @@ class S3Server:
             return ""
 
     def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
+        if self.process is None:
             return
-        os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(timeout=3)  # the data is thrown away: no need for a graceful drain
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(timeout=15)
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=3)  # the data is thrown away: no need for a graceful drain
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(timeout=15)
         for role in ("master", "volume", "s3"):  # its gRPC sockets, which it places in /tmp by port
             Path(f"/tmp/seaweedfs-{role}-grpc-{self.ports[f'{role}_grpc']}.sock").unlink(missing_ok=True)
 
